@@ -1,0 +1,658 @@
+//! The control-plane JSON config shared by the scheduler and the gateway.
+//!
+//! Loading: built-in defaults, then the JSON file (absent keys keep their
+//! defaults; unknown keys are reported as warnings), then environment
+//! overrides for the running service, then validation. Every error names the
+//! offending key and says what is expected.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::duration::{parse_go_duration_nanos, parse_positive_duration};
+
+/// Placement strategies the scheduler ships with.
+pub const BUILTIN_STRATEGIES: [&str; 4] = ["round_robin", "random", "least_loaded", "power_of_two"];
+
+/// Which binary is loading the config; only its section is validated and
+/// only its environment variables apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Scheduler,
+    Gateway,
+}
+
+impl fmt::Display for Service {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Service::Scheduler => "scheduler",
+            Service::Gateway => "gateway",
+        })
+    }
+}
+
+/// A config that could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid JSON: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("config file {path}: {key}: {message}")]
+    Field {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+    #[error("invalid {var} {value:?}: {message}")]
+    Env {
+        var: &'static str,
+        value: String,
+        message: String,
+    },
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// One runtime node in the static node list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct NodeConfig {
+    #[serde(default)]
+    pub id: String,
+    #[serde(default)]
+    pub endpoint: String,
+}
+
+/// Kubernetes discovery settings (validated here; discovery itself is not in
+/// this build).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct KubernetesConfig {
+    pub namespace: String,
+    pub service_name: String,
+    pub port: i32,
+    pub scheme: String,
+    pub ignore_pod_selector: String,
+    pub no_schedule_pod_selector: String,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            namespace: String::new(),
+            service_name: String::new(),
+            port: 0,
+            scheme: "http".into(),
+            ignore_pod_selector: String::new(),
+            no_schedule_pod_selector: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct DiscoveryConfig {
+    pub mode: String,
+    pub kubernetes: KubernetesConfig,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            mode: "static".into(),
+            kubernetes: KubernetesConfig::default(),
+        }
+    }
+}
+
+/// Per-node capacity limits applied before placement. A node whose last
+/// heartbeat exceeds any configured limit (strictly) is not a candidate.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct NodeResourceLimit {
+    pub max_sandbox_count: Option<u32>,
+    pub max_sandbox_starting_count: Option<u32>,
+    pub max_cpu_used_percent: Option<u32>,
+    pub max_cpu_allocated_percent: Option<u32>,
+    pub max_memory_used_percent: Option<u32>,
+    pub max_memory_allocated_percent: Option<u32>,
+    pub max_sandbox_count_including_paused: Option<u32>,
+    pub max_allocated_cpu_including_paused: Option<u32>,
+    pub max_allocated_memory_bytes_including_paused: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    pub grpc_listen_addr: String,
+    pub metrics_listen_addr: String,
+    pub strategy: String,
+    #[serde(deserialize_with = "de_duration")]
+    pub report_ttl: Duration,
+    #[serde(deserialize_with = "de_duration")]
+    pub binding_ttl: Duration,
+    pub redis_addr: String,
+    pub artifact_store_capacity: i64,
+    pub artifact_lookup_node_limit: i64,
+    pub nodes: Vec<NodeConfig>,
+    pub discovery: DiscoveryConfig,
+    pub node_resource_limit: Option<NodeResourceLimit>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            grpc_listen_addr: ":9090".into(),
+            metrics_listen_addr: ":9101".into(),
+            strategy: "round_robin".into(),
+            report_ttl: Duration::from_secs(30),
+            binding_ttl: Duration::from_secs(30),
+            redis_addr: String::new(),
+            artifact_store_capacity: 1_000_000,
+            artifact_lookup_node_limit: 0,
+            nodes: vec![NodeConfig {
+                id: "local-node".into(),
+                endpoint: "http://127.0.0.1:8000".into(),
+            }],
+            discovery: DiscoveryConfig::default(),
+            node_resource_limit: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct GatewayConfig {
+    pub http_listen_addr: String,
+    pub metrics_listen_addr: String,
+    pub scheduler_addr: String,
+    pub query_only_scheduler_addr: String,
+    #[serde(deserialize_with = "de_duration")]
+    pub request_timeout: Duration,
+    pub forward_response_size: i64,
+    pub sandbox_proxy_domains: Vec<String>,
+    pub debug_mode: bool,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            http_listen_addr: ":8080".into(),
+            metrics_listen_addr: ":9102".into(),
+            scheduler_addr: "127.0.0.1:9090".into(),
+            query_only_scheduler_addr: String::new(),
+            request_timeout: Duration::from_secs(30),
+            forward_response_size: 4 * 1024 * 1024,
+            sandbox_proxy_domains: Vec::new(),
+            debug_mode: false,
+        }
+    }
+}
+
+/// The whole control-plane config.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    #[serde(skip)]
+    pub service: Option<Service>,
+    pub log_level: String,
+    pub log_format: String,
+    pub scheduler: SchedulerConfig,
+    pub gateway: GatewayConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            service: None,
+            log_level: "info".into(),
+            log_format: "auto".into(),
+            scheduler: SchedulerConfig::default(),
+            gateway: GatewayConfig::default(),
+        }
+    }
+}
+
+/// A loaded config plus what the loader wants the operator to know (unknown
+/// keys, ignored settings). Log these once logging is up.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub config: Config,
+    pub warnings: Vec<String>,
+}
+
+/// Options for [`Config::load`].
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub service: Service,
+    /// The scheduler's `-query-only` mode: only `LookupNode`, backed by Redis.
+    pub query_only: bool,
+}
+
+impl Config {
+    /// Loads the config for `opts.service` from `path` (or defaults alone when
+    /// `None`) and the process environment.
+    pub fn load(path: Option<&Path>, opts: LoadOptions) -> Result<Loaded, ConfigError> {
+        Self::load_with_env(path, opts, |k| std::env::var(k).ok())
+    }
+
+    /// Like [`Config::load`], reading environment variables through `env`.
+    pub fn load_with_env(
+        path: Option<&Path>,
+        opts: LoadOptions,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Loaded, ConfigError> {
+        let (mut config, warnings) = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.to_path_buf(),
+                    source,
+                })?;
+                Self::parse_json(&text, p)?
+            }
+            None => (Config::default(), Vec::new()),
+        };
+        config.apply_env(opts.service, &env)?;
+        config.service = Some(opts.service);
+        config.validate(opts)?;
+        Ok(Loaded { config, warnings })
+    }
+
+    /// Decodes a JSON document over the defaults. Returns the unknown keys as
+    /// warnings.
+    pub fn parse_json(text: &str, path: &Path) -> Result<(Config, Vec<String>), ConfigError> {
+        let mut unknown = Vec::new();
+        let mut record_unknown = |p: serde_ignored::Path<'_>| unknown.push(p.to_string());
+        let mut de = serde_json::Deserializer::from_str(text);
+        let result: Result<Config, _> = serde_path_to_error::deserialize(
+            serde_ignored::Deserializer::new(&mut de, &mut record_unknown),
+        );
+        let config = match result {
+            Ok(c) => c,
+            Err(e) => {
+                let key = e.path().to_string();
+                let inner = e.into_inner();
+                let message = strip_position(&inner);
+                return Err(if inner.is_syntax() || inner.is_eof() || key == "." {
+                    ConfigError::Syntax {
+                        path: path.to_path_buf(),
+                        message: format!("{message} (line {}, column {})", inner.line(), inner.column()),
+                    }
+                } else {
+                    ConfigError::Field {
+                        path: path.to_path_buf(),
+                        key,
+                        message,
+                    }
+                });
+            }
+        };
+        de.end().map_err(|e| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            message: strip_position(&e),
+        })?;
+        let warnings = unknown
+            .into_iter()
+            .map(|k| format!("config file {}: unknown key {k} is ignored", path.display()))
+            .collect();
+        Ok((config, warnings))
+    }
+
+    fn apply_env(
+        &mut self,
+        service: Service,
+        env: &impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        let get = |k: &str| env(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        if let Some(v) = get("LOG_LEVEL") {
+            self.log_level = v;
+        }
+        if let Some(v) = get("LOG_FORMAT") {
+            self.log_format = v;
+        }
+        match service {
+            Service::Scheduler => {
+                let s = &mut self.scheduler;
+                for (var, field) in [
+                    ("SCHEDULER_GRPC_LISTEN_ADDR", &mut s.grpc_listen_addr),
+                    ("SCHEDULER_METRICS_LISTEN_ADDR", &mut s.metrics_listen_addr),
+                    ("SCHEDULER_STRATEGY", &mut s.strategy),
+                    ("SCHEDULER_REDIS_ADDR", &mut s.redis_addr),
+                ] {
+                    if let Some(v) = get(var) {
+                        *field = v;
+                    }
+                }
+                if let Some(v) = get("SCHEDULER_BINDING_TTL") {
+                    s.binding_ttl = env_duration("SCHEDULER_BINDING_TTL", &v)?;
+                }
+                if let Some(v) = get("SCHEDULER_ARTIFACT_STORE_CAPACITY") {
+                    s.artifact_store_capacity = env_int("SCHEDULER_ARTIFACT_STORE_CAPACITY", &v)?;
+                }
+                if let Some(v) = get("SCHEDULER_ARTIFACT_LOOKUP_NODE_LIMIT") {
+                    s.artifact_lookup_node_limit =
+                        env_int("SCHEDULER_ARTIFACT_LOOKUP_NODE_LIMIT", &v)?;
+                }
+            }
+            Service::Gateway => {
+                let g = &mut self.gateway;
+                for (var, field) in [
+                    ("GATEWAY_HTTP_LISTEN_ADDR", &mut g.http_listen_addr),
+                    ("GATEWAY_METRICS_LISTEN_ADDR", &mut g.metrics_listen_addr),
+                    ("GATEWAY_SCHEDULER_ADDR", &mut g.scheduler_addr),
+                    ("GATEWAY_QUERY_ONLY_SCHEDULER_ADDR", &mut g.query_only_scheduler_addr),
+                ] {
+                    if let Some(v) = get(var) {
+                        *field = v;
+                    }
+                }
+                if let Some(v) = get("GATEWAY_SANDBOX_PROXY_DOMAINS") {
+                    g.sandbox_proxy_domains = v
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|p| !p.is_empty())
+                        .map(String::from)
+                        .collect();
+                }
+                if let Some(v) = get("GATEWAY_REQUEST_TIMEOUT") {
+                    g.request_timeout = env_duration("GATEWAY_REQUEST_TIMEOUT", &v)?;
+                }
+                if let Some(v) = get("GATEWAY_DEBUG_MODE") {
+                    g.debug_mode = parse_go_bool(&v).ok_or_else(|| ConfigError::Env {
+                        var: "GATEWAY_DEBUG_MODE",
+                        value: v.clone(),
+                        message: "expected true or false (also 1/0, t/f)".into(),
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&mut self, opts: LoadOptions) -> Result<(), ConfigError> {
+        if self.log_level.trim().is_empty() {
+            return Err(ConfigError::invalid("log_level", "is required (one of debug, info, warn, error)"));
+        }
+        crate::logging::parse_level(&self.log_level)
+            .map_err(|m| ConfigError::invalid("log_level", m))?;
+        if self.log_format.trim().is_empty() {
+            return Err(ConfigError::invalid("log_format", "is required (one of auto, console, json)"));
+        }
+        crate::logging::LogFormat::parse(&self.log_format)
+            .map_err(|m| ConfigError::invalid("log_format", m))?;
+        match opts.service {
+            Service::Scheduler => self.validate_scheduler(opts.query_only),
+            Service::Gateway => self.validate_gateway(),
+        }
+    }
+
+    fn validate_scheduler(&mut self, query_only: bool) -> Result<(), ConfigError> {
+        let s = &mut self.scheduler;
+        if s.metrics_listen_addr.trim().is_empty() {
+            s.metrics_listen_addr = ":9101".into();
+        }
+        require_listen_addr("scheduler.grpc_listen_addr", &s.grpc_listen_addr)?;
+        require_listen_addr("scheduler.metrics_listen_addr", &s.metrics_listen_addr)?;
+        if query_only {
+            if s.redis_addr.trim().is_empty() {
+                return Err(ConfigError::invalid(
+                    "scheduler.redis_addr",
+                    "query-only mode needs a Redis to read bindings from: set scheduler.redis_addr (or SCHEDULER_REDIS_ADDR)",
+                ));
+            }
+            return Ok(());
+        }
+        let strategy = s.strategy.trim().to_ascii_lowercase();
+        if !BUILTIN_STRATEGIES.contains(&strategy.as_str()) {
+            return Err(ConfigError::invalid(
+                "scheduler.strategy",
+                format!(
+                    "unknown strategy {:?}: use one of {}",
+                    s.strategy,
+                    BUILTIN_STRATEGIES.join(", ")
+                ),
+            ));
+        }
+        s.strategy = strategy;
+        if s.artifact_store_capacity <= 0 {
+            return Err(ConfigError::invalid(
+                "scheduler.artifact_store_capacity",
+                format!("must be greater than zero, got {}", s.artifact_store_capacity),
+            ));
+        }
+        let mode = s.discovery.mode.trim().to_ascii_lowercase();
+        let mode = if mode.is_empty() { "static".to_string() } else { mode };
+        s.discovery.mode = mode.clone();
+        if s.discovery.kubernetes.scheme.trim().is_empty() {
+            s.discovery.kubernetes.scheme = "http".into();
+        }
+        match mode.as_str() {
+            "static" => validate_nodes(&s.nodes),
+            "kubernetes" => {
+                let k = &s.discovery.kubernetes;
+                let key = |f: &str| format!("scheduler.discovery.kubernetes.{f}");
+                if k.namespace.trim().is_empty() {
+                    return Err(ConfigError::invalid(key("namespace"), "is required in kubernetes mode"));
+                }
+                if k.service_name.trim().is_empty() {
+                    return Err(ConfigError::invalid(key("service_name"), "is required in kubernetes mode"));
+                }
+                if k.port <= 0 {
+                    return Err(ConfigError::invalid(key("port"), "must be greater than zero in kubernetes mode"));
+                }
+                Ok(())
+            }
+            other => Err(ConfigError::invalid(
+                "scheduler.discovery.mode",
+                format!("unknown mode {other:?}: use static or kubernetes"),
+            )),
+        }
+    }
+
+    fn validate_gateway(&mut self) -> Result<(), ConfigError> {
+        let g = &mut self.gateway;
+        if g.metrics_listen_addr.trim().is_empty() {
+            g.metrics_listen_addr = ":9102".into();
+        }
+        require_listen_addr("gateway.http_listen_addr", &g.http_listen_addr)?;
+        require_listen_addr("gateway.metrics_listen_addr", &g.metrics_listen_addr)?;
+        validate_grpc_target("gateway.scheduler_addr", &g.scheduler_addr, true)?;
+        validate_grpc_target(
+            "gateway.query_only_scheduler_addr",
+            &g.query_only_scheduler_addr,
+            false,
+        )?;
+        Ok(())
+    }
+}
+
+fn validate_nodes(nodes: &[NodeConfig]) -> Result<(), ConfigError> {
+    if nodes.is_empty() {
+        return Err(ConfigError::invalid(
+            "scheduler.nodes",
+            "must not be empty: list every runtime node as {\"id\": \"node-a\", \"endpoint\": \"http://10.0.0.21:8000\"}",
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let key = format!("scheduler.nodes[{i}]");
+        if n.id.trim().is_empty() {
+            return Err(ConfigError::invalid(format!("{key}.id"), "is required (the node's AENV_NODE_ID)"));
+        }
+        if n.id.trim() != n.id {
+            return Err(ConfigError::invalid(
+                format!("{key}.id"),
+                format!("{:?} has surrounding white space; write {:?}", n.id, n.id.trim()),
+            ));
+        }
+        if n.endpoint.trim().is_empty() {
+            return Err(ConfigError::invalid(
+                format!("{key}.endpoint"),
+                format!("is required for node {:?}, e.g. \"http://10.0.0.21:8000\"", n.id),
+            ));
+        }
+        validate_http_url(&format!("{key}.endpoint"), &n.endpoint)?;
+        if !seen.insert(n.id.as_str()) {
+            return Err(ConfigError::invalid(
+                format!("{key}.id"),
+                format!("duplicate node id {:?}: every node needs its own id", n.id),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `value` is an absolute `http://` or `https://` URL with a host.
+pub fn validate_http_url(key: &str, value: &str) -> Result<(), ConfigError> {
+    let rest = value
+        .strip_prefix("http://")
+        .or_else(|| value.strip_prefix("https://"));
+    let Some(rest) = rest else {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{value:?} must start with http:// or https://, e.g. \"http://{value}\""),
+        ));
+    };
+    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err(ConfigError::invalid(key, format!("{value:?} has no valid host")));
+    }
+    Ok(())
+}
+
+fn validate_grpc_target(key: &str, value: &str, required: bool) -> Result<(), ConfigError> {
+    let v = value.trim();
+    if v.is_empty() {
+        if required {
+            return Err(ConfigError::invalid(key, "is required, e.g. \"127.0.0.1:9090\""));
+        }
+        return Ok(());
+    }
+    if let Some((scheme, rest)) = v.split_once("://") {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{v:?} must be host:port without a scheme: write {rest:?} instead of {scheme}://{rest}"),
+        ));
+    }
+    match v.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(ConfigError::invalid(key, format!("{v:?} must be host:port, e.g. \"127.0.0.1:9090\""))),
+    }
+}
+
+fn require_listen_addr(key: &str, value: &str) -> Result<(), ConfigError> {
+    if value.trim().is_empty() {
+        return Err(ConfigError::invalid(key, "is required, e.g. \":9090\""));
+    }
+    resolve_listen_addr(value).map(|_| ()).map_err(|m| ConfigError::invalid(key, m))
+}
+
+/// Resolves a Go-style listen address (`":9090"`, `"127.0.0.1:9090"`,
+/// `"localhost:9090"`, `"[::1]:9090"`) into a socket address. A missing host
+/// means every interface.
+pub fn resolve_listen_addr(value: &str) -> Result<SocketAddr, String> {
+    let v = value.trim();
+    let Some((host, port)) = v.rsplit_once(':') else {
+        return Err(format!("{v:?} must be host:port or :port, e.g. \":9090\""));
+    };
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{v:?} has an invalid port; expected host:port or :port, e.g. \":9090\""))?;
+    if host.is_empty() {
+        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {v:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{v:?} resolves to no address"))
+}
+
+fn env_duration(var: &'static str, value: &str) -> Result<Duration, ConfigError> {
+    parse_positive_duration(value).map_err(|message| ConfigError::Env {
+        var,
+        value: value.to_string(),
+        message,
+    })
+}
+
+fn env_int(var: &'static str, value: &str) -> Result<i64, ConfigError> {
+    value.parse().map_err(|_| ConfigError::Env {
+        var,
+        value: value.to_string(),
+        message: "expected an integer".into(),
+    })
+}
+
+/// Go's `strconv.ParseBool`.
+pub fn parse_go_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+fn strip_position(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" at line ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    struct V;
+    impl serde::de::Visitor<'_> for V {
+        type Value = Duration;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a duration string like \"30s\"")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
+            parse_go_duration_nanos(v).map_err(|e| {
+                E::custom(format!("must be a duration string like \"30s\": {e}"))
+            })?;
+            parse_positive_duration(v).map_err(E::custom)
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
+            Err(E::custom(format!(
+                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
+            )))
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
+            Err(E::custom(format!(
+                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
+            )))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Duration, E> {
+            Err(E::custom(format!(
+                "must be a duration string like \"30s\", got numeric value {v}"
+            )))
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Duration, E> {
+            Err(E::custom("must be a duration string like \"30s\", got null"))
+        }
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Duration, E> {
+            Err(E::custom("must be a duration string like \"30s\", got a boolean"))
+        }
+    }
+    d.deserialize_any(V)
+}

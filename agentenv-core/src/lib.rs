@@ -1,0 +1,12 @@
+//! Shared vocabulary of AgentENV: the control-plane config and its duration
+//! syntax, logging and metrics setup, the JSON error body, and the generated
+//! protobuf types.
+
+pub mod config;
+pub mod duration;
+pub mod error;
+pub mod logging;
+pub mod metrics;
+pub mod proto;
+
+pub use config::{Config, ConfigError, LoadOptions, Loaded, Service};

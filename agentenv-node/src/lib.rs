@@ -1,0 +1,1 @@
+//! The AgentENV runtime node as a library.

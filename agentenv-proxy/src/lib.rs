@@ -1,0 +1,1 @@
+//! The AgentENV gateway as a library.

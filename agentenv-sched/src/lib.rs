@@ -1,0 +1,1 @@
+//! The AgentENV scheduler as a library.
