@@ -293,7 +293,11 @@ impl Config {
                 return Err(if inner.is_syntax() || inner.is_eof() || key == "." {
                     ConfigError::Syntax {
                         path: path.to_path_buf(),
-                        message: format!("{message} (line {}, column {})", inner.line(), inner.column()),
+                        message: format!(
+                            "{message} (line {}, column {})",
+                            inner.line(),
+                            inner.column()
+                        ),
                     }
                 } else {
                     ConfigError::Field {
@@ -320,7 +324,11 @@ impl Config {
         service: Service,
         env: &impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        let get = |k: &str| env(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let get = |k: &str| {
+            env(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         if let Some(v) = get("LOG_LEVEL") {
             self.log_level = v;
         }
@@ -357,7 +365,10 @@ impl Config {
                     ("GATEWAY_HTTP_LISTEN_ADDR", &mut g.http_listen_addr),
                     ("GATEWAY_METRICS_LISTEN_ADDR", &mut g.metrics_listen_addr),
                     ("GATEWAY_SCHEDULER_ADDR", &mut g.scheduler_addr),
-                    ("GATEWAY_QUERY_ONLY_SCHEDULER_ADDR", &mut g.query_only_scheduler_addr),
+                    (
+                        "GATEWAY_QUERY_ONLY_SCHEDULER_ADDR",
+                        &mut g.query_only_scheduler_addr,
+                    ),
                 ] {
                     if let Some(v) = get(var) {
                         *field = v;
@@ -388,12 +399,18 @@ impl Config {
 
     fn validate(&mut self, opts: LoadOptions) -> Result<(), ConfigError> {
         if self.log_level.trim().is_empty() {
-            return Err(ConfigError::invalid("log_level", "is required (one of debug, info, warn, error)"));
+            return Err(ConfigError::invalid(
+                "log_level",
+                "is required (one of debug, info, warn, error)",
+            ));
         }
         crate::logging::parse_level(&self.log_level)
             .map_err(|m| ConfigError::invalid("log_level", m))?;
         if self.log_format.trim().is_empty() {
-            return Err(ConfigError::invalid("log_format", "is required (one of auto, console, json)"));
+            return Err(ConfigError::invalid(
+                "log_format",
+                "is required (one of auto, console, json)",
+            ));
         }
         crate::logging::LogFormat::parse(&self.log_format)
             .map_err(|m| ConfigError::invalid("log_format", m))?;
@@ -434,11 +451,18 @@ impl Config {
         if s.artifact_store_capacity <= 0 {
             return Err(ConfigError::invalid(
                 "scheduler.artifact_store_capacity",
-                format!("must be greater than zero, got {}", s.artifact_store_capacity),
+                format!(
+                    "must be greater than zero, got {}",
+                    s.artifact_store_capacity
+                ),
             ));
         }
         let mode = s.discovery.mode.trim().to_ascii_lowercase();
-        let mode = if mode.is_empty() { "static".to_string() } else { mode };
+        let mode = if mode.is_empty() {
+            "static".to_string()
+        } else {
+            mode
+        };
         s.discovery.mode = mode.clone();
         if s.discovery.kubernetes.scheme.trim().is_empty() {
             s.discovery.kubernetes.scheme = "http".into();
@@ -449,13 +473,22 @@ impl Config {
                 let k = &s.discovery.kubernetes;
                 let key = |f: &str| format!("scheduler.discovery.kubernetes.{f}");
                 if k.namespace.trim().is_empty() {
-                    return Err(ConfigError::invalid(key("namespace"), "is required in kubernetes mode"));
+                    return Err(ConfigError::invalid(
+                        key("namespace"),
+                        "is required in kubernetes mode",
+                    ));
                 }
                 if k.service_name.trim().is_empty() {
-                    return Err(ConfigError::invalid(key("service_name"), "is required in kubernetes mode"));
+                    return Err(ConfigError::invalid(
+                        key("service_name"),
+                        "is required in kubernetes mode",
+                    ));
                 }
                 if k.port <= 0 {
-                    return Err(ConfigError::invalid(key("port"), "must be greater than zero in kubernetes mode"));
+                    return Err(ConfigError::invalid(
+                        key("port"),
+                        "must be greater than zero in kubernetes mode",
+                    ));
                 }
                 Ok(())
             }
@@ -494,18 +527,28 @@ fn validate_nodes(nodes: &[NodeConfig]) -> Result<(), ConfigError> {
     for (i, n) in nodes.iter().enumerate() {
         let key = format!("scheduler.nodes[{i}]");
         if n.id.trim().is_empty() {
-            return Err(ConfigError::invalid(format!("{key}.id"), "is required (the node's AENV_NODE_ID)"));
+            return Err(ConfigError::invalid(
+                format!("{key}.id"),
+                "is required (the node's AENV_NODE_ID)",
+            ));
         }
         if n.id.trim() != n.id {
             return Err(ConfigError::invalid(
                 format!("{key}.id"),
-                format!("{:?} has surrounding white space; write {:?}", n.id, n.id.trim()),
+                format!(
+                    "{:?} has surrounding white space; write {:?}",
+                    n.id,
+                    n.id.trim()
+                ),
             ));
         }
         if n.endpoint.trim().is_empty() {
             return Err(ConfigError::invalid(
                 format!("{key}.endpoint"),
-                format!("is required for node {:?}, e.g. \"http://10.0.0.21:8000\"", n.id),
+                format!(
+                    "is required for node {:?}, e.g. \"http://10.0.0.21:8000\"",
+                    n.id
+                ),
             ));
         }
         validate_http_url(&format!("{key}.endpoint"), &n.endpoint)?;
@@ -532,7 +575,10 @@ pub fn validate_http_url(key: &str, value: &str) -> Result<(), ConfigError> {
     };
     let host = rest.split(['/', '?', '#']).next().unwrap_or("");
     if host.is_empty() || host.contains(char::is_whitespace) {
-        return Err(ConfigError::invalid(key, format!("{value:?} has no valid host")));
+        return Err(ConfigError::invalid(
+            key,
+            format!("{value:?} has no valid host"),
+        ));
     }
     Ok(())
 }
@@ -541,19 +587,27 @@ fn validate_grpc_target(key: &str, value: &str, required: bool) -> Result<(), Co
     let v = value.trim();
     if v.is_empty() {
         if required {
-            return Err(ConfigError::invalid(key, "is required, e.g. \"127.0.0.1:9090\""));
+            return Err(ConfigError::invalid(
+                key,
+                "is required, e.g. \"127.0.0.1:9090\"",
+            ));
         }
         return Ok(());
     }
     if let Some((scheme, rest)) = v.split_once("://") {
         return Err(ConfigError::invalid(
             key,
-            format!("{v:?} must be host:port without a scheme: write {rest:?} instead of {scheme}://{rest}"),
+            format!(
+                "{v:?} must be host:port without a scheme: write {rest:?} instead of {scheme}://{rest}"
+            ),
         ));
     }
     match v.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => Err(ConfigError::invalid(key, format!("{v:?} must be host:port, e.g. \"127.0.0.1:9090\""))),
+        _ => Err(ConfigError::invalid(
+            key,
+            format!("{v:?} must be host:port, e.g. \"127.0.0.1:9090\""),
+        )),
     }
 }
 
@@ -561,7 +615,9 @@ fn require_listen_addr(key: &str, value: &str) -> Result<(), ConfigError> {
     if value.trim().is_empty() {
         return Err(ConfigError::invalid(key, "is required, e.g. \":9090\""));
     }
-    resolve_listen_addr(value).map(|_| ()).map_err(|m| ConfigError::invalid(key, m))
+    resolve_listen_addr(value)
+        .map(|_| ())
+        .map_err(|m| ConfigError::invalid(key, m))
 }
 
 /// Resolves a Go-style listen address (`":9090"`, `"127.0.0.1:9090"`,
@@ -572,9 +628,9 @@ pub fn resolve_listen_addr(value: &str) -> Result<SocketAddr, String> {
     let Some((host, port)) = v.rsplit_once(':') else {
         return Err(format!("{v:?} must be host:port or :port, e.g. \":9090\""));
     };
-    let port: u16 = port
-        .parse()
-        .map_err(|_| format!("{v:?} has an invalid port; expected host:port or :port, e.g. \":9090\""))?;
+    let port: u16 = port.parse().map_err(|_| {
+        format!("{v:?} has an invalid port; expected host:port or :port, e.g. \":9090\"")
+    })?;
     if host.is_empty() {
         return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
     }
@@ -627,9 +683,8 @@ fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
             f.write_str("a duration string like \"30s\"")
         }
         fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
-            parse_go_duration_nanos(v).map_err(|e| {
-                E::custom(format!("must be a duration string like \"30s\": {e}"))
-            })?;
+            parse_go_duration_nanos(v)
+                .map_err(|e| E::custom(format!("must be a duration string like \"30s\": {e}")))?;
             parse_positive_duration(v).map_err(E::custom)
         }
         fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
@@ -648,10 +703,14 @@ fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
             )))
         }
         fn visit_unit<E: serde::de::Error>(self) -> Result<Duration, E> {
-            Err(E::custom("must be a duration string like \"30s\", got null"))
+            Err(E::custom(
+                "must be a duration string like \"30s\", got null",
+            ))
         }
         fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Duration, E> {
-            Err(E::custom("must be a duration string like \"30s\", got a boolean"))
+            Err(E::custom(
+                "must be a duration string like \"30s\", got a boolean",
+            ))
         }
     }
     d.deserialize_any(V)

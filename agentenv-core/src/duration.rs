@@ -6,7 +6,9 @@ use std::time::Duration;
 /// Why a duration string was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DurationError {
-    #[error("invalid duration {0:?}: expected a number followed by a unit (ns, us, ms, s, m, h), e.g. \"30s\"")]
+    #[error(
+        "invalid duration {0:?}: expected a number followed by a unit (ns, us, ms, s, m, h), e.g. \"30s\""
+    )]
     Invalid(String),
     #[error("missing unit in duration {0:?}: write e.g. \"{0}s\"")]
     MissingUnit(String),
@@ -160,7 +162,10 @@ mod tests {
         assert_eq!(parse_go_duration_nanos("+2s").unwrap(), 2 * s);
         assert_eq!(parse_go_duration_nanos("0").unwrap(), 0);
         assert_eq!(parse_go_duration_nanos(".5s").unwrap(), s / 2);
-        assert_eq!(parse_go_duration_nanos("1h2m3s4ms").unwrap(), 3723 * s + 4_000_000);
+        assert_eq!(
+            parse_go_duration_nanos("1h2m3s4ms").unwrap(),
+            3723 * s + 4_000_000
+        );
     }
 
     #[test]
@@ -188,9 +193,20 @@ mod tests {
 
     #[test]
     fn positive_duration_rejects_zero_and_negative() {
-        assert_eq!(parse_positive_duration("45s").unwrap(), Duration::from_secs(45));
-        assert!(parse_positive_duration("0s").unwrap_err().contains("greater than zero"));
-        assert!(parse_positive_duration("-5s").unwrap_err().contains("greater than zero"));
+        assert_eq!(
+            parse_positive_duration("45s").unwrap(),
+            Duration::from_secs(45)
+        );
+        assert!(
+            parse_positive_duration("0s")
+                .unwrap_err()
+                .contains("greater than zero")
+        );
+        assert!(
+            parse_positive_duration("-5s")
+                .unwrap_err()
+                .contains("greater than zero")
+        );
     }
 
     #[test]

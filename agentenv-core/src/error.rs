@@ -30,6 +30,9 @@ mod tests {
     #[test]
     fn serializes_code_and_message() {
         let b = ErrorBody::new(503, "no nodes available");
-        assert_eq!(b.to_json(), r#"{"code":503,"message":"no nodes available"}"#);
+        assert_eq!(
+            b.to_json(),
+            r#"{"code":503,"message":"no nodes available"}"#
+        );
     }
 }

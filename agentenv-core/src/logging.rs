@@ -21,7 +21,9 @@ impl LogFormat {
             "auto" => Ok(Self::Auto),
             "console" => Ok(Self::Console),
             "json" => Ok(Self::Json),
-            _ => Err(format!("unsupported log format {s:?}: use auto, console or json")),
+            _ => Err(format!(
+                "unsupported log format {s:?}: use auto, console or json"
+            )),
         }
     }
 
@@ -44,7 +46,9 @@ pub fn parse_level(s: &str) -> Result<LevelFilter, String> {
         "info" => Ok(LevelFilter::INFO),
         "warn" | "warning" => Ok(LevelFilter::WARN),
         "error" | "dpanic" | "panic" | "fatal" => Ok(LevelFilter::ERROR),
-        _ => Err(format!("unknown log level {s:?}: use debug, info, warn or error")),
+        _ => Err(format!(
+            "unknown log level {s:?}: use debug, info, warn or error"
+        )),
     }
 }
 
@@ -90,7 +94,10 @@ mod tests {
         assert_eq!(LogFormat::parse("JSON"), Ok(LogFormat::Json));
         assert_eq!(LogFormat::parse("Auto"), Ok(LogFormat::Auto));
         let err = LogFormat::parse("pretty").unwrap_err();
-        assert!(err.contains("pretty") && err.contains("auto, console or json"), "{err}");
+        assert!(
+            err.contains("pretty") && err.contains("auto, console or json"),
+            "{err}"
+        );
     }
 
     #[test]
