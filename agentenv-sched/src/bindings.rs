@@ -1,0 +1,360 @@
+//! Sandbox → node bindings with a TTL.
+//!
+//! A binding is created or refreshed by RecordAssignment and by every
+//! heartbeat whose roster lists the sandbox; it is removed when its owner's
+//! roster omits it, when the owner unregisters, and when it expires. Recording
+//! or reconciling an id under another node moves it there.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use agentenv_core::proto::scheduler_v1::Node;
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::time::{Duration, Instant};
+
+/// The binding store could not answer (e.g. Redis is down).
+#[derive(Debug, thiserror::Error)]
+#[error("binding store unavailable: {0}")]
+pub struct StoreError(pub String);
+
+/// Where bindings live.
+#[async_trait]
+pub trait BindingStore: Send + Sync + 'static {
+    /// The node bound to `sandbox_id`, if the binding exists and has not expired.
+    async fn get(&self, sandbox_id: &str, now: Instant) -> Result<Option<Node>, StoreError>;
+
+    /// Binds `sandbox_id` to `node` (moving it from any other node).
+    async fn record(&self, sandbox_id: &str, node: &Node, now: Instant) -> Result<(), StoreError>;
+
+    /// Makes `sandbox_ids` the complete set of sandboxes bound to `node`.
+    async fn reconcile_node(
+        &self,
+        node: &Node,
+        sandbox_ids: &[String],
+        now: Instant,
+    ) -> Result<(), StoreError>;
+
+    /// Drops expired bindings. Stores that expire on their own do nothing.
+    async fn sweep_expired(&self, _now: Instant) -> Result<usize, StoreError> {
+        Ok(0)
+    }
+}
+
+#[derive(Debug)]
+struct Binding {
+    node: Arc<Node>,
+    expires: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_id: HashMap<Arc<str>, Binding>,
+    by_node: HashMap<String, HashSet<Arc<str>>>,
+    /// One shared `Node` per (id, endpoint), so a million bindings do not hold
+    /// a million copies of the same strings.
+    interned: HashMap<Node, Arc<Node>>,
+}
+
+impl Inner {
+    fn intern(&mut self, node: &Node) -> Arc<Node> {
+        if let Some(n) = self.interned.get(node) {
+            return n.clone();
+        }
+        let n = Arc::new(node.clone());
+        self.interned.insert(node.clone(), n.clone());
+        n
+    }
+
+    fn unlink(&mut self, node_id: &str, id: &str) {
+        if let Some(set) = self.by_node.get_mut(node_id) {
+            set.remove(id);
+            if set.is_empty() {
+                self.by_node.remove(node_id);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: &str) {
+        if let Some(b) = self.by_id.remove(id) {
+            let node_id = b.node.node_id.clone();
+            self.unlink(&node_id, id);
+        }
+    }
+
+    fn bind(&mut self, id: &str, node: Arc<Node>, expires: Instant) {
+        let key: Arc<str> = match self.by_id.get_key_value(id) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(id),
+        };
+        if let Some(old) = self.by_id.get(id)
+            && old.node.node_id != node.node_id
+        {
+            let old_node = old.node.node_id.clone();
+            self.unlink(&old_node, id);
+        }
+        self.by_node
+            .entry(node.node_id.clone())
+            .or_default()
+            .insert(key.clone());
+        self.by_id.insert(key, Binding { node, expires });
+    }
+}
+
+/// Bindings in process memory.
+pub struct MemoryBindingStore {
+    ttl: Duration,
+    inner: Mutex<Inner>,
+}
+
+impl MemoryBindingStore {
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Number of bindings held (expired ones not yet swept included).
+    pub fn len(&self) -> usize {
+        self.inner.lock().by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[async_trait]
+impl BindingStore for MemoryBindingStore {
+    async fn get(&self, sandbox_id: &str, now: Instant) -> Result<Option<Node>, StoreError> {
+        let mut inner = self.inner.lock();
+        let Some(b) = inner.by_id.get(sandbox_id) else {
+            return Ok(None);
+        };
+        if b.expires <= now {
+            inner.remove(sandbox_id);
+            return Ok(None);
+        }
+        Ok(Some((*b.node).clone()))
+    }
+
+    async fn record(&self, sandbox_id: &str, node: &Node, now: Instant) -> Result<(), StoreError> {
+        let id = sandbox_id.trim();
+        if id.is_empty() {
+            return Ok(());
+        }
+        let mut inner = self.inner.lock();
+        let node = inner.intern(node);
+        inner.bind(id, node, now + self.ttl);
+        Ok(())
+    }
+
+    async fn reconcile_node(
+        &self,
+        node: &Node,
+        sandbox_ids: &[String],
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let roster: HashSet<&str> = sandbox_ids
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .collect();
+        let mut inner = self.inner.lock();
+        let stale: Vec<Arc<str>> = inner
+            .by_node
+            .get(&node.node_id)
+            .map(|set| {
+                set.iter()
+                    .filter(|id| !roster.contains(&***id))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        for id in stale {
+            let owned_here = inner
+                .by_id
+                .get(&id)
+                .is_some_and(|b| b.node.node_id == node.node_id);
+            if owned_here {
+                inner.by_id.remove(&id);
+            }
+            inner.unlink(&node.node_id, &id);
+        }
+        if roster.is_empty() {
+            return Ok(());
+        }
+        let shared = inner.intern(node);
+        let expires = now + self.ttl;
+        for id in roster {
+            inner.bind(id, shared.clone(), expires);
+        }
+        Ok(())
+    }
+
+    async fn sweep_expired(&self, now: Instant) -> Result<usize, StoreError> {
+        let mut inner = self.inner.lock();
+        let expired: Vec<Arc<str>> = inner
+            .by_id
+            .iter()
+            .filter(|(_, b)| b.expires <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in &expired {
+            inner.remove(id);
+        }
+        let live: HashSet<&Node> = inner.by_id.values().map(|b| &*b.node).collect();
+        let unused: Vec<Node> = inner
+            .interned
+            .keys()
+            .filter(|n| !live.contains(n))
+            .cloned()
+            .collect();
+        for n in unused {
+            inner.interned.remove(&n);
+        }
+        Ok(expired.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str) -> Node {
+        Node {
+            node_id: id.into(),
+            endpoint: format!("http://{id}:8000"),
+        }
+    }
+
+    fn ids(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[tokio::test]
+    async fn binding_is_dead_exactly_at_ttl_and_removed() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("sbx", &node("a"), t0).await.unwrap();
+        let just_before = t0 + Duration::from_secs(30) - Duration::from_nanos(1);
+        assert_eq!(
+            store.get("sbx", just_before).await.unwrap(),
+            Some(node("a"))
+        );
+        assert_eq!(
+            store
+                .get("sbx", t0 + Duration::from_secs(30))
+                .await
+                .unwrap(),
+            None
+        );
+        assert_eq!(store.len(), 0, "the expired binding was removed");
+    }
+
+    #[tokio::test]
+    async fn record_trims_and_ignores_blank_ids() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("  sbx  ", &node("a"), t0).await.unwrap();
+        store.record("   ", &node("a"), t0).await.unwrap();
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.get("sbx", t0).await.unwrap(), Some(node("a")));
+        assert_eq!(
+            store.get("  sbx  ", t0).await.unwrap(),
+            None,
+            "get does not trim"
+        );
+    }
+
+    #[tokio::test]
+    async fn reconcile_refreshes_ttl_to_heartbeat_time() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("sbx", &node("a"), t0).await.unwrap();
+        let t1 = t0 + Duration::from_secs(20);
+        store
+            .reconcile_node(&node("a"), &ids(&["sbx"]), t1)
+            .await
+            .unwrap();
+        let t2 = t0 + Duration::from_secs(45);
+        assert_eq!(store.get("sbx", t2).await.unwrap(), Some(node("a")));
+        assert_eq!(
+            store
+                .get("sbx", t1 + Duration::from_secs(30))
+                .await
+                .unwrap(),
+            None
+        );
+    }
+
+    #[tokio::test]
+    async fn reconcile_removes_missing_ids_dedups_and_ignores_blanks() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        for id in ["s1", "s2", "s3"] {
+            store.record(id, &node("a"), t0).await.unwrap();
+        }
+        store
+            .reconcile_node(&node("a"), &ids(&["s1", " s1 ", "", "  ", "s4"]), t0)
+            .await
+            .unwrap();
+        assert_eq!(store.len(), 2);
+        assert!(store.get("s1", t0).await.unwrap().is_some());
+        assert!(store.get("s4", t0).await.unwrap().is_some());
+        assert!(store.get("s2", t0).await.unwrap().is_none());
+        assert!(store.get("s3", t0).await.unwrap().is_none());
+        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
+        assert!(
+            store.is_empty(),
+            "an empty roster drops every binding of the node"
+        );
+    }
+
+    #[tokio::test]
+    async fn bindings_move_between_nodes_and_old_owner_cannot_delete_them() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("s1", &node("a"), t0).await.unwrap();
+        store.record("s2", &node("a"), t0).await.unwrap();
+        store.record("s1", &node("b"), t0).await.unwrap();
+        store
+            .reconcile_node(&node("b"), &ids(&["s1", "s2"]), t0)
+            .await
+            .unwrap();
+        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
+        assert_eq!(store.get("s1", t0).await.unwrap(), Some(node("b")));
+        assert_eq!(store.get("s2", t0).await.unwrap(), Some(node("b")));
+        // Node a re-reporting s1 moves it back; b's later roster without it
+        // must not delete a's binding.
+        store
+            .reconcile_node(&node("a"), &ids(&["s1"]), t0)
+            .await
+            .unwrap();
+        store
+            .reconcile_node(&node("b"), &ids(&["s2"]), t0)
+            .await
+            .unwrap();
+        assert_eq!(store.get("s1", t0).await.unwrap(), Some(node("a")));
+    }
+
+    #[tokio::test]
+    async fn sweep_drops_expired_bindings_only() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("old", &node("a"), t0).await.unwrap();
+        store
+            .record("new", &node("b"), t0 + Duration::from_secs(20))
+            .await
+            .unwrap();
+        let swept = store
+            .sweep_expired(t0 + Duration::from_secs(31))
+            .await
+            .unwrap();
+        assert_eq!(swept, 1);
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.inner.lock().interned.len(), 1);
+        assert!(!store.inner.lock().by_node.contains_key("a"));
+    }
+}

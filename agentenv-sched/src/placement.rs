@@ -1,0 +1,455 @@
+//! Placement: which healthy node gets a new sandbox.
+//!
+//! The registry hands a [`Placement`] the eligible candidates (discovered, not
+//! lingering, fresh heartbeat, within the resource limits), sorted by node id;
+//! the placement returns the index of its choice. Built-ins: `round_robin`,
+//! `random`, `least_loaded` and `power_of_two`. Embedding code may pass its own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use agentenv_core::config::NodeResourceLimit;
+use agentenv_core::proto::scheduler_v1::{Node, NodeSnapshot, ScheduleRequestHint};
+use rand::Rng;
+
+/// One eligible node, with the snapshot of its last heartbeat.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    pub node: &'a Node,
+    pub snapshot: Option<&'a NodeSnapshot>,
+}
+
+impl Candidate<'_> {
+    /// Running plus starting sandboxes, as last reported.
+    pub fn sandbox_load(&self) -> u64 {
+        self.snapshot.map_or(0, |s| {
+            u64::from(s.sandbox_count) + u64::from(s.sandbox_starting_count)
+        })
+    }
+
+    /// Fraction of the node's memory allocated to running sandboxes (0 when unknown).
+    pub fn memory_allocated_ratio(&self) -> f64 {
+        self.snapshot.map_or(0.0, |s| {
+            if s.memory_total_bytes == 0 {
+                0.0
+            } else {
+                s.allocated_memory_bytes as f64 / s.memory_total_bytes as f64
+            }
+        })
+    }
+}
+
+/// Chooses one node among candidates.
+pub trait Placement: Send + Sync + 'static {
+    /// The strategy's name, used as a metrics label.
+    fn name(&self) -> &str;
+
+    /// Returns the index of the chosen candidate. `candidates` is never empty.
+    /// `None` means "none of these": the Schedule RPC then answers UNAVAILABLE.
+    fn pick(
+        &self,
+        candidates: &[Candidate<'_>],
+        hint: Option<&ScheduleRequestHint>,
+    ) -> Option<usize>;
+}
+
+/// Builds a built-in strategy by its config name.
+pub fn builtin(name: &str) -> Option<Box<dyn Placement>> {
+    match name {
+        "round_robin" => Some(Box::new(RoundRobin::default())),
+        "random" => Some(Box::new(Random)),
+        "least_loaded" => Some(Box::new(LeastLoaded)),
+        "power_of_two" => Some(Box::new(PowerOfTwo)),
+        _ => None,
+    }
+}
+
+/// Takes candidates in turn: a, b, c, a, …
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    counter: AtomicU64,
+}
+
+impl Placement for RoundRobin {
+    fn name(&self) -> &str {
+        "round_robin"
+    }
+
+    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+        let n = self.counter.fetch_add(1, Ordering::Relaxed);
+        Some((n % candidates.len() as u64) as usize)
+    }
+}
+
+/// A uniformly random candidate.
+#[derive(Debug, Default)]
+pub struct Random;
+
+impl Placement for Random {
+    fn name(&self) -> &str {
+        "random"
+    }
+
+    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+        (!candidates.is_empty()).then(|| rand::rng().random_range(0..candidates.len()))
+    }
+}
+
+/// The candidate with the fewest running + starting sandboxes; ties go to the
+/// one with less memory allocated, then to the lowest id.
+#[derive(Debug, Default)]
+pub struct LeastLoaded;
+
+fn less_loaded(a: &Candidate<'_>, b: &Candidate<'_>) -> bool {
+    (a.sandbox_load(), a.memory_allocated_ratio()) < (b.sandbox_load(), b.memory_allocated_ratio())
+}
+
+impl Placement for LeastLoaded {
+    fn name(&self) -> &str {
+        "least_loaded"
+    }
+
+    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+        let mut best = 0;
+        for (i, c) in candidates.iter().enumerate().skip(1) {
+            if less_loaded(c, &candidates[best]) {
+                best = i;
+            }
+        }
+        (!candidates.is_empty()).then_some(best)
+    }
+}
+
+/// Samples two distinct candidates at random and takes the less loaded one:
+/// nearly the balance of least-loaded without every scheduler herding onto
+/// the same node between heartbeats.
+#[derive(Debug, Default)]
+pub struct PowerOfTwo;
+
+impl Placement for PowerOfTwo {
+    fn name(&self) -> &str {
+        "power_of_two"
+    }
+
+    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+        let n = candidates.len();
+        match n {
+            0 => None,
+            1 => Some(0),
+            _ => {
+                let mut rng = rand::rng();
+                let a = rng.random_range(0..n);
+                let mut b = rng.random_range(0..n - 1);
+                if b >= a {
+                    b += 1;
+                }
+                Some(if less_loaded(&candidates[b], &candidates[a]) {
+                    b
+                } else {
+                    a
+                })
+            }
+        }
+    }
+}
+
+/// True when a snapshot is within every configured limit. Limits are
+/// exceeded only strictly: a value equal to its limit passes.
+pub fn passes_limits(limit: &NodeResourceLimit, s: &NodeSnapshot) -> bool {
+    let over = |value: u64, max: Option<u32>| max.is_some_and(|m| value > u64::from(m));
+    let pct = |part: u64, total: u64| (total > 0).then(|| part.saturating_mul(100) / total);
+    let over_pct =
+        |part: u64, total: u64, max: Option<u32>| pct(part, total).is_some_and(|p| over(p, max));
+    !(over(s.sandbox_count.into(), limit.max_sandbox_count)
+        || over(
+            s.sandbox_starting_count.into(),
+            limit.max_sandbox_starting_count,
+        )
+        || over(s.cpu_percent.into(), limit.max_cpu_used_percent)
+        || over_pct(
+            s.allocated_cpu.into(),
+            s.cpu_count.into(),
+            limit.max_cpu_allocated_percent,
+        )
+        || over_pct(
+            s.memory_used_bytes,
+            s.memory_total_bytes,
+            limit.max_memory_used_percent,
+        )
+        || over_pct(
+            s.allocated_memory_bytes,
+            s.memory_total_bytes,
+            limit.max_memory_allocated_percent,
+        )
+        || over(
+            u64::from(s.sandbox_count) + u64::from(s.paused_sandbox_count),
+            limit.max_sandbox_count_including_paused,
+        )
+        || over(
+            u64::from(s.allocated_cpu) + u64::from(s.paused_allocated_cpu),
+            limit.max_allocated_cpu_including_paused,
+        )
+        || limit
+            .max_allocated_memory_bytes_including_paused
+            .is_some_and(|m| {
+                s.allocated_memory_bytes
+                    .saturating_add(s.paused_allocated_memory_bytes)
+                    > m
+            }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str) -> Node {
+        Node {
+            node_id: id.into(),
+            endpoint: format!("http://{id}:8000"),
+        }
+    }
+
+    fn snap(count: u32) -> NodeSnapshot {
+        NodeSnapshot {
+            sandbox_count: count,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn round_robin_cycles_a_b_c_a() {
+        let nodes = [node("a"), node("b"), node("c")];
+        let c: Vec<_> = nodes
+            .iter()
+            .map(|n| Candidate {
+                node: n,
+                snapshot: None,
+            })
+            .collect();
+        let rr = RoundRobin::default();
+        let picks: Vec<_> = (0..4)
+            .map(|_| c[rr.pick(&c, None).unwrap()].node.node_id.clone())
+            .collect();
+        assert_eq!(picks, ["a", "b", "c", "a"]);
+    }
+
+    #[test]
+    fn random_with_no_candidates_picks_nothing() {
+        assert_eq!(Random.pick(&[], None), None);
+        assert_eq!(PowerOfTwo.pick(&[], None), None);
+        assert_eq!(LeastLoaded.pick(&[], None), None);
+    }
+
+    #[test]
+    fn random_covers_every_candidate() {
+        let nodes = [node("a"), node("b"), node("c")];
+        let c: Vec<_> = nodes
+            .iter()
+            .map(|n| Candidate {
+                node: n,
+                snapshot: None,
+            })
+            .collect();
+        let mut seen = [false; 3];
+        for _ in 0..300 {
+            seen[Random.pick(&c, None).unwrap()] = true;
+        }
+        assert_eq!(seen, [true; 3]);
+    }
+
+    #[test]
+    fn least_loaded_takes_fewest_sandboxes_then_lowest_id() {
+        let nodes = [node("a"), node("b"), node("c")];
+        let snaps = [snap(5), snap(2), snap(2)];
+        let c: Vec<_> = nodes
+            .iter()
+            .zip(&snaps)
+            .map(|(n, s)| Candidate {
+                node: n,
+                snapshot: Some(s),
+            })
+            .collect();
+        assert_eq!(LeastLoaded.pick(&c, None), Some(1));
+    }
+
+    #[test]
+    fn power_of_two_never_picks_the_most_loaded_of_two() {
+        let nodes = [node("a"), node("b")];
+        let snaps = [snap(9), snap(1)];
+        let c: Vec<_> = nodes
+            .iter()
+            .zip(&snaps)
+            .map(|(n, s)| Candidate {
+                node: n,
+                snapshot: Some(s),
+            })
+            .collect();
+        for _ in 0..50 {
+            assert_eq!(PowerOfTwo.pick(&c, None), Some(1));
+        }
+    }
+
+    #[test]
+    fn power_of_two_balances_better_than_random_picks_of_one() {
+        // Ten nodes, one heavily loaded: power-of-two picks it only when both
+        // samples hit it, which cannot happen with distinct samples.
+        let nodes: Vec<_> = (0..10).map(|i| node(&format!("n{i}"))).collect();
+        let snaps: Vec<_> = (0..10)
+            .map(|i| snap(if i == 0 { 100 } else { 1 }))
+            .collect();
+        let c: Vec<_> = nodes
+            .iter()
+            .zip(&snaps)
+            .map(|(n, s)| Candidate {
+                node: n,
+                snapshot: Some(s),
+            })
+            .collect();
+        for _ in 0..500 {
+            assert_ne!(PowerOfTwo.pick(&c, None), Some(0));
+        }
+    }
+
+    #[test]
+    fn builtins_are_found_by_name() {
+        for name in agentenv_core::config::BUILTIN_STRATEGIES {
+            assert_eq!(builtin(name).unwrap().name(), name);
+        }
+        assert!(builtin("nope").is_none());
+    }
+
+    fn limit() -> NodeResourceLimit {
+        NodeResourceLimit::default()
+    }
+
+    #[test]
+    fn filter_without_limits_keeps_everything() {
+        assert!(passes_limits(&limit(), &snap(1_000_000)));
+    }
+
+    #[test]
+    fn each_limit_drops_strictly_over_and_keeps_equal() {
+        type Case = (fn(&mut NodeResourceLimit), fn(&mut NodeSnapshot, u32));
+        let cases: Vec<Case> = vec![
+            (
+                |l| l.max_sandbox_count = Some(10),
+                |s, v| s.sandbox_count = v,
+            ),
+            (
+                |l| l.max_sandbox_starting_count = Some(10),
+                |s, v| s.sandbox_starting_count = v,
+            ),
+            (
+                |l| l.max_cpu_used_percent = Some(10),
+                |s, v| s.cpu_percent = v,
+            ),
+            (
+                |l| l.max_cpu_allocated_percent = Some(10),
+                |s, v| {
+                    s.cpu_count = 100;
+                    s.allocated_cpu = v;
+                },
+            ),
+            (
+                |l| l.max_memory_used_percent = Some(10),
+                |s, v| {
+                    s.memory_total_bytes = 100;
+                    s.memory_used_bytes = v.into();
+                },
+            ),
+            (
+                |l| l.max_memory_allocated_percent = Some(10),
+                |s, v| {
+                    s.memory_total_bytes = 100;
+                    s.allocated_memory_bytes = v.into();
+                },
+            ),
+        ];
+        for (i, (set_limit, set_value)) in cases.into_iter().enumerate() {
+            let mut l = limit();
+            set_limit(&mut l);
+            let mut at = NodeSnapshot::default();
+            set_value(&mut at, 10);
+            assert!(passes_limits(&l, &at), "case {i}: equal value must pass");
+            let mut over = NodeSnapshot::default();
+            set_value(&mut over, 11);
+            assert!(
+                !passes_limits(&l, &over),
+                "case {i}: value over the limit must be dropped"
+            );
+        }
+    }
+
+    #[test]
+    fn cpu_allocated_percent_is_skipped_without_cpu_count_and_may_exceed_100() {
+        let l = NodeResourceLimit {
+            max_cpu_allocated_percent: Some(150),
+            ..limit()
+        };
+        let s = NodeSnapshot {
+            allocated_cpu: 1000,
+            cpu_count: 0,
+            ..Default::default()
+        };
+        assert!(passes_limits(&l, &s));
+        let s = NodeSnapshot {
+            allocated_cpu: 6,
+            cpu_count: 4,
+            ..Default::default()
+        };
+        assert!(passes_limits(&l, &s), "6/4 = 150% is at the limit");
+        let s = NodeSnapshot {
+            allocated_cpu: 7,
+            cpu_count: 4,
+            ..Default::default()
+        };
+        assert!(!passes_limits(&l, &s));
+    }
+
+    #[test]
+    fn including_paused_limits_apply_even_when_active_limits_pass() {
+        let l = NodeResourceLimit {
+            max_sandbox_count: Some(10),
+            max_sandbox_count_including_paused: Some(10),
+            max_allocated_cpu_including_paused: Some(8),
+            max_allocated_memory_bytes_including_paused: Some(1 << 30),
+            ..limit()
+        };
+        let base = NodeSnapshot {
+            sandbox_count: 5,
+            ..Default::default()
+        };
+        assert!(passes_limits(&l, &base));
+        let paused = NodeSnapshot {
+            paused_sandbox_count: 6,
+            ..base.clone()
+        };
+        assert!(!passes_limits(&l, &paused));
+        let cpu = NodeSnapshot {
+            allocated_cpu: 4,
+            paused_allocated_cpu: 5,
+            ..base.clone()
+        };
+        assert!(!passes_limits(&l, &cpu));
+        let mem = NodeSnapshot {
+            allocated_memory_bytes: 1 << 29,
+            paused_allocated_memory_bytes: (1 << 29) + 1,
+            ..base
+        };
+        assert!(!passes_limits(&l, &mem));
+    }
+
+    #[test]
+    fn limits_combine() {
+        let l = NodeResourceLimit {
+            max_sandbox_count: Some(10),
+            max_cpu_used_percent: Some(50),
+            ..limit()
+        };
+        let s = NodeSnapshot {
+            sandbox_count: 5,
+            cpu_percent: 51,
+            ..Default::default()
+        };
+        assert!(!passes_limits(&l, &s));
+    }
+}

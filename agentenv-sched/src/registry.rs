@@ -1,0 +1,524 @@
+//! The node registry: which runtime nodes exist (discovery) and what their
+//! heartbeats last said (observation). Status is derived when read, never
+//! stored by a timer.
+
+use std::collections::{HashMap, HashSet};
+
+use agentenv_core::config::NodeResourceLimit;
+use agentenv_core::proto::scheduler_v1::{
+    HeartbeatRequest, Node, NodeSnapshot, NodeStatus, ObservedNode, P2pEndpoint, P2pPeer,
+    ScheduleRequestHint,
+};
+use parking_lot::RwLock;
+use tokio::time::{Duration, Instant};
+
+use crate::cpu_template::intersect_cpu_configs;
+use crate::placement::{Candidate, Placement, passes_limits};
+
+/// Why the registry refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("node is not in scheduler node list")]
+    UnknownNode,
+    #[error("service instance mismatch")]
+    InstanceMismatch,
+}
+
+/// What a heartbeat changed, for the caller to act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatOutcome {
+    /// The node as discovery knows it (the endpoint bindings are recorded with).
+    pub node: Node,
+    /// The cluster CPU template, when it is due to this node.
+    pub cpu_config_json: String,
+    /// The scheduler holds no CPU config for this node and wants it sent.
+    pub cpu_config_wanted: bool,
+}
+
+/// Counts of observed nodes per derived status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatusCounts {
+    pub ready: u64,
+    pub connecting: u64,
+    pub unhealthy: u64,
+    pub lingering: u64,
+    pub unspecified: u64,
+}
+
+/// The discovered node set plus what heartbeats reported.
+///
+/// Discovery (a static list, or later Kubernetes) calls [`NodeRegistry::set`];
+/// the gRPC service calls the rest. Implementations must be cheap to read
+/// concurrently: [`NodeRegistry::pick`] runs on every Schedule.
+pub trait NodeRegistry: Send + Sync + 'static {
+    /// Replaces the discovered set. Lingering entries win over active ones
+    /// with the same id. Observations of nodes no longer discovered are dropped.
+    fn set(&self, active: Vec<Node>, lingering: Vec<Node>);
+
+    /// Every discovered node, lingering ones included, sorted by id.
+    fn list_nodes(&self) -> Vec<Node>;
+
+    /// The discovered node with this id.
+    fn resolve(&self, node_id: &str) -> Option<Node>;
+
+    /// True when the id is discovered and its endpoint matches exactly.
+    fn contains(&self, node: &Node) -> bool {
+        self.resolve(&node.node_id)
+            .is_some_and(|n| n.endpoint == node.endpoint)
+    }
+
+    /// Records a heartbeat (the caller validated the required fields).
+    fn heartbeat(
+        &self,
+        req: &HeartbeatRequest,
+        now: Instant,
+        now_unix_ms: i64,
+    ) -> Result<HeartbeatOutcome, RegistryError>;
+
+    /// Forgets a node's observation. `Ok(false)` when there was none.
+    fn unregister(&self, node_id: &str, service_instance_id: &str) -> Result<bool, RegistryError>;
+
+    /// Chooses a node for a new sandbox among the healthy candidates: discovered,
+    /// not lingering, with a heartbeat younger than the report TTL, and within
+    /// `limit`. `None` when no candidate is left.
+    fn pick(
+        &self,
+        now: Instant,
+        limit: Option<&NodeResourceLimit>,
+        placement: &dyn Placement,
+        hint: Option<&ScheduleRequestHint>,
+    ) -> Option<Node>;
+
+    /// Observed nodes with derived status; a blank cluster means all.
+    fn observed(&self, cluster_id: &str, now: Instant) -> Vec<ObservedNode>;
+
+    /// One observed node, if it exists and matches the cluster filter.
+    fn observed_node(&self, node_id: &str, cluster_id: &str, now: Instant) -> Option<ObservedNode>;
+
+    /// READY nodes with a P2P endpoint for `backend` (blank = any), optionally
+    /// restricted to `only`, without `exclude`.
+    fn p2p_peers(
+        &self,
+        cluster_id: &str,
+        backend: &str,
+        exclude: &str,
+        only: Option<&HashSet<String>>,
+        now: Instant,
+    ) -> Vec<P2pPeer>;
+
+    /// Observed nodes per derived status.
+    fn status_counts(&self, now: Instant) -> StatusCounts;
+}
+
+#[derive(Debug, Clone)]
+struct Observation {
+    view: ObservedNode,
+    last_seen: Instant,
+    p2p: Option<P2pEndpoint>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    node: Node,
+    lingering: bool,
+    observed: Option<Observation>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Discovered nodes sorted by id, each with its last observation.
+    entries: Vec<Entry>,
+    index: HashMap<String, usize>,
+    /// Observations of nodes that are not (or no longer) discovered never
+    /// exist: heartbeats from them are refused and `set` drops them.
+    cpu_intersection: HashMap<String, String>,
+    intersection_sent: HashSet<String>,
+}
+
+impl State {
+    fn entry(&self, id: &str) -> Option<&Entry> {
+        self.index.get(id).map(|&i| &self.entries[i])
+    }
+
+    fn invalidate_cluster(&mut self, cluster_id: &str) {
+        self.cpu_intersection.remove(cluster_id);
+        for e in &self.entries {
+            if let Some(o) = &e.observed
+                && o.view.cluster_id == cluster_id
+            {
+                self.intersection_sent.remove(&e.node.node_id);
+            }
+        }
+    }
+
+    fn cluster_configs(&self, cluster_id: &str) -> Option<Vec<&str>> {
+        let mut configs = Vec::new();
+        for e in &self.entries {
+            let Some(o) = &e.observed else { continue };
+            if o.view.cluster_id != cluster_id {
+                continue;
+            }
+            let cfg = cpu_config(&o.view);
+            if cfg.is_empty() {
+                return None;
+            }
+            configs.push(cfg);
+        }
+        (!configs.is_empty()).then_some(configs)
+    }
+}
+
+fn cpu_config(view: &ObservedNode) -> &str {
+    view.machine_info
+        .as_ref()
+        .map(|m| m.cpu_config_json.as_str())
+        .unwrap_or("")
+}
+
+/// Derives a node's status from discovery and heartbeat age.
+pub fn derive_status(
+    last_seen: Instant,
+    reported: i32,
+    discovered: bool,
+    lingering: bool,
+    report_ttl: Duration,
+    now: Instant,
+) -> NodeStatus {
+    if now.saturating_duration_since(last_seen) > report_ttl {
+        NodeStatus::Unhealthy
+    } else if !discovered {
+        NodeStatus::Connecting
+    } else if lingering {
+        NodeStatus::Lingering
+    } else {
+        match NodeStatus::try_from(reported).unwrap_or(NodeStatus::Unspecified) {
+            NodeStatus::Unspecified => NodeStatus::Connecting,
+            s => s,
+        }
+    }
+}
+
+/// The in-memory registry behind static discovery (and, later, Kubernetes).
+pub struct StaticRegistry {
+    state: RwLock<State>,
+    report_ttl: Duration,
+}
+
+impl StaticRegistry {
+    /// A registry whose discovered set is `nodes`, all active.
+    pub fn new(nodes: Vec<Node>, report_ttl: Duration) -> Self {
+        let r = Self {
+            state: RwLock::new(State::default()),
+            report_ttl,
+        };
+        r.set(nodes, Vec::new());
+        r
+    }
+
+    fn view(&self, e: &Entry, o: &Observation, now: Instant) -> ObservedNode {
+        let mut v = o.view.clone();
+        if !e.node.endpoint.is_empty() {
+            v.endpoint = e.node.endpoint.clone();
+        }
+        let status = derive_status(
+            o.last_seen,
+            v.snapshot.as_ref().map_or(0, |s| s.status),
+            true,
+            e.lingering,
+            self.report_ttl,
+            now,
+        );
+        v.snapshot.get_or_insert_with(NodeSnapshot::default).status = status as i32;
+        v
+    }
+
+    fn is_fresh(&self, o: &Observation, now: Instant) -> bool {
+        now.saturating_duration_since(o.last_seen) <= self.report_ttl
+    }
+}
+
+impl NodeRegistry for StaticRegistry {
+    fn set(&self, active: Vec<Node>, lingering: Vec<Node>) {
+        let mut st = self.state.write();
+        let mut next: HashMap<String, (Node, bool)> = HashMap::new();
+        for n in active {
+            next.insert(n.node_id.clone(), (n, false));
+        }
+        for n in lingering {
+            next.insert(n.node_id.clone(), (n, true));
+        }
+        let mut old: HashMap<String, Entry> = std::mem::take(&mut st.entries)
+            .into_iter()
+            .map(|e| (e.node.node_id.clone(), e))
+            .collect();
+        let mut entries: Vec<Entry> = next
+            .into_iter()
+            .map(|(id, (node, lingering))| Entry {
+                observed: old.remove(&id).and_then(|e| e.observed),
+                node,
+                lingering,
+            })
+            .collect();
+        entries.sort_by(|a, b| a.node.node_id.cmp(&b.node.node_id));
+        st.index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.node.node_id.clone(), i))
+            .collect();
+        st.entries = entries;
+        for (id, gone) in old {
+            st.intersection_sent.remove(&id);
+            if let Some(o) = gone.observed {
+                st.invalidate_cluster(&o.view.cluster_id);
+            }
+        }
+    }
+
+    fn list_nodes(&self) -> Vec<Node> {
+        self.state
+            .read()
+            .entries
+            .iter()
+            .map(|e| e.node.clone())
+            .collect()
+    }
+
+    fn resolve(&self, node_id: &str) -> Option<Node> {
+        self.state.read().entry(node_id).map(|e| e.node.clone())
+    }
+
+    fn contains(&self, node: &Node) -> bool {
+        self.state
+            .read()
+            .entry(&node.node_id)
+            .is_some_and(|e| e.node.endpoint == node.endpoint)
+    }
+
+    fn heartbeat(
+        &self,
+        req: &HeartbeatRequest,
+        now: Instant,
+        now_unix_ms: i64,
+    ) -> Result<HeartbeatOutcome, RegistryError> {
+        let mut guard = self.state.write();
+        let st = &mut *guard;
+        let idx = *st
+            .index
+            .get(&req.node_id)
+            .ok_or(RegistryError::UnknownNode)?;
+        let entry = &st.entries[idx];
+        let node = entry.node.clone();
+        let previous = entry.observed.as_ref();
+        let is_new = previous.is_none();
+        let previous_cluster = previous.map(|o| o.view.cluster_id.clone());
+        let previous_cpu = previous
+            .map(|o| cpu_config(&o.view).to_string())
+            .unwrap_or_default();
+
+        let machine_info = req.machine_info.clone().map(|mut m| {
+            if m.cpu_config_json.is_empty() {
+                m.cpu_config_json = previous_cpu.clone();
+            }
+            m
+        });
+        let cpu_changed = req
+            .machine_info
+            .as_ref()
+            .is_some_and(|m| !m.cpu_config_json.is_empty() && m.cpu_config_json != previous_cpu);
+        let mut snapshot = req.snapshot.clone().unwrap_or_default();
+        if snapshot.reported_at_unix_ms == 0 {
+            snapshot.reported_at_unix_ms = now_unix_ms;
+        }
+        if snapshot.status == NodeStatus::Unspecified as i32 {
+            snapshot.status = NodeStatus::Connecting as i32;
+        }
+        let view = ObservedNode {
+            node_id: req.node_id.clone(),
+            endpoint: node.endpoint.clone(),
+            cluster_id: req.cluster_id.clone(),
+            service_instance_id: req.service_instance_id.clone(),
+            version: req.version.clone(),
+            commit: req.commit.clone(),
+            machine_info,
+            snapshot: Some(snapshot),
+            last_seen_unix_ms: now_unix_ms,
+        };
+        let cpu_config_wanted = cpu_config(&view).is_empty();
+        let cluster = view.cluster_id.clone();
+        st.entries[idx].observed = Some(Observation {
+            view,
+            last_seen: now,
+            p2p: req.p2p_endpoint.clone(),
+        });
+
+        if let Some(prev) = previous_cluster.filter(|c| *c != cluster) {
+            st.invalidate_cluster(&prev);
+        }
+        if is_new || cpu_changed {
+            st.invalidate_cluster(&cluster);
+        }
+        if !st.cpu_intersection.contains_key(&cluster)
+            && let Some(configs) = st.cluster_configs(&cluster)
+        {
+            match intersect_cpu_configs(&configs) {
+                Ok(v) => {
+                    st.cpu_intersection.insert(cluster.clone(), v);
+                }
+                Err(e) => {
+                    tracing::warn!(cluster_id = %cluster, error = %e, "cannot intersect CPU configs; will retry on the next heartbeat");
+                }
+            }
+        }
+        let mut cpu_config_json = String::new();
+        if let Some(v) = st.cpu_intersection.get(&cluster)
+            && st.intersection_sent.insert(req.node_id.clone())
+        {
+            cpu_config_json = v.clone();
+        }
+        Ok(HeartbeatOutcome {
+            node,
+            cpu_config_json,
+            cpu_config_wanted,
+        })
+    }
+
+    fn unregister(&self, node_id: &str, service_instance_id: &str) -> Result<bool, RegistryError> {
+        let mut guard = self.state.write();
+        let st = &mut *guard;
+        let Some(&idx) = st.index.get(node_id) else {
+            return Ok(false);
+        };
+        let Some(o) = &st.entries[idx].observed else {
+            return Ok(false);
+        };
+        if o.view.service_instance_id != service_instance_id {
+            return Err(RegistryError::InstanceMismatch);
+        }
+        let cluster = o.view.cluster_id.clone();
+        st.entries[idx].observed = None;
+        st.intersection_sent.remove(node_id);
+        st.invalidate_cluster(&cluster);
+        Ok(true)
+    }
+
+    fn pick(
+        &self,
+        now: Instant,
+        limit: Option<&NodeResourceLimit>,
+        placement: &dyn Placement,
+        hint: Option<&ScheduleRequestHint>,
+    ) -> Option<Node> {
+        let st = self.state.read();
+        let candidates: Vec<Candidate<'_>> = st
+            .entries
+            .iter()
+            .filter(|e| !e.lingering)
+            .filter_map(|e| {
+                let o = e.observed.as_ref()?;
+                if !self.is_fresh(o, now) {
+                    return None;
+                }
+                let snapshot = o.view.snapshot.as_ref();
+                if let (Some(limit), Some(s)) = (limit, snapshot)
+                    && !passes_limits(limit, s)
+                {
+                    return None;
+                }
+                Some(Candidate {
+                    node: &e.node,
+                    snapshot,
+                })
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let i = placement.pick(&candidates, hint)?;
+        candidates.get(i).map(|c| c.node.clone())
+    }
+
+    fn observed(&self, cluster_id: &str, now: Instant) -> Vec<ObservedNode> {
+        let cluster = cluster_id.trim();
+        let st = self.state.read();
+        st.entries
+            .iter()
+            .filter_map(|e| {
+                let o = e.observed.as_ref()?;
+                (cluster.is_empty() || o.view.cluster_id == cluster).then(|| self.view(e, o, now))
+            })
+            .collect()
+    }
+
+    fn observed_node(&self, node_id: &str, cluster_id: &str, now: Instant) -> Option<ObservedNode> {
+        let cluster = cluster_id.trim();
+        let st = self.state.read();
+        let e = st.entry(node_id)?;
+        let o = e.observed.as_ref()?;
+        (cluster.is_empty() || o.view.cluster_id == cluster).then(|| self.view(e, o, now))
+    }
+
+    fn p2p_peers(
+        &self,
+        cluster_id: &str,
+        backend: &str,
+        exclude: &str,
+        only: Option<&HashSet<String>>,
+        now: Instant,
+    ) -> Vec<P2pPeer> {
+        let cluster = cluster_id.trim();
+        let backend = backend.trim();
+        let exclude = exclude.trim();
+        let st = self.state.read();
+        st.entries
+            .iter()
+            .filter_map(|e| {
+                let o = e.observed.as_ref()?;
+                if (!cluster.is_empty() && o.view.cluster_id != cluster)
+                    || (!exclude.is_empty() && e.node.node_id == exclude)
+                    || only.is_some_and(|s| !s.contains(&e.node.node_id))
+                {
+                    return None;
+                }
+                let status = self.view(e, o, now).snapshot.map(|s| s.status);
+                if status != Some(NodeStatus::Ready as i32) {
+                    return None;
+                }
+                let p2p = o.p2p.as_ref()?;
+                if p2p.backend.is_empty()
+                    || p2p.address.is_empty()
+                    || (!backend.is_empty() && p2p.backend != backend)
+                {
+                    return None;
+                }
+                Some(P2pPeer {
+                    node_id: e.node.node_id.clone(),
+                    endpoint: Some(p2p.clone()),
+                })
+            })
+            .collect()
+    }
+
+    fn status_counts(&self, now: Instant) -> StatusCounts {
+        let st = self.state.read();
+        let mut c = StatusCounts::default();
+        for e in &st.entries {
+            let Some(o) = &e.observed else { continue };
+            let status = derive_status(
+                o.last_seen,
+                o.view.snapshot.as_ref().map_or(0, |s| s.status),
+                true,
+                e.lingering,
+                self.report_ttl,
+                now,
+            );
+            match status {
+                NodeStatus::Ready => c.ready += 1,
+                NodeStatus::Connecting => c.connecting += 1,
+                NodeStatus::Unhealthy => c.unhealthy += 1,
+                NodeStatus::Lingering => c.lingering += 1,
+                NodeStatus::Unspecified => c.unspecified += 1,
+            }
+        }
+        c
+    }
+}
