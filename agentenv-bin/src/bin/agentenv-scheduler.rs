@@ -1,1 +1,120 @@
-fn main() {}
+//! `agentenv-scheduler`: the scheduler daemon.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use agentenv_core::config::{Config, LoadOptions, Service, resolve_listen_addr};
+use agentenv_sched::Scheduler;
+use anyhow::Context;
+use clap::Parser;
+
+/// Places AgentENV sandboxes on runtime nodes: holds the node list, takes
+/// heartbeats, tracks which node owns which sandbox. Serves scheduler.v1 gRPC
+/// and Prometheus metrics.
+#[derive(Parser)]
+#[command(
+    name = "agentenv-scheduler",
+    version,
+    after_help = "Examples:\n  agentenv-scheduler -config /etc/agentenv/control-plane.json\n  SCHEDULER_STRATEGY=least_loaded agentenv-scheduler -config cp.json\n\nFlags may be written with one dash (-config) or two (--config)."
+)]
+struct Args {
+    /// The control-plane JSON config (defaults apply when omitted).
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Serve only LookupNode, reading bindings from the shared store.
+    #[arg(long)]
+    query_only: bool,
+}
+
+/// How long in-flight calls may take to finish after a shutdown signal.
+const DRAIN: Duration = Duration::from_secs(10);
+
+fn main() -> ExitCode {
+    let args = Args::parse_from(agentenv_bin::go_style_args(std::env::args()));
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agentenv-scheduler: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentenv-scheduler: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let loaded = Config::load(
+        args.config.as_deref(),
+        LoadOptions {
+            service: Service::Scheduler,
+            query_only: args.query_only,
+        },
+    )
+    .context("load config failed")?;
+    let config = loaded.config;
+    agentenv_core::logging::init(&config.log_level, &config.log_format)
+        .map_err(anyhow::Error::msg)?;
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    let s = config.scheduler;
+    let grpc_addr = resolve_listen_addr(&s.grpc_listen_addr).map_err(anyhow::Error::msg)?;
+    let metrics_addr = resolve_listen_addr(&s.metrics_listen_addr).map_err(anyhow::Error::msg)?;
+    let scheduler = Scheduler::builder(s.clone())
+        .query_only(args.query_only)
+        .build()?;
+
+    let grpc = tokio::net::TcpListener::bind(grpc_addr)
+        .await
+        .with_context(|| format!("cannot listen on scheduler.grpc_listen_addr {grpc_addr}"))?;
+    let metrics = tokio::net::TcpListener::bind(metrics_addr)
+        .await
+        .with_context(|| {
+            format!("cannot listen on scheduler.metrics_listen_addr {metrics_addr}")
+        })?;
+    let grpc_local = grpc.local_addr()?;
+    let metrics_local = metrics.local_addr()?;
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let wait_stop = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let metrics_task = tokio::spawn(agentenv_core::metrics::serve(
+        metrics,
+        scheduler.metrics_registry(),
+        wait_stop(stop_rx.clone()),
+    ));
+    tracing::info!(
+        grpc_addr = %grpc_local,
+        metrics_addr = %metrics_local,
+        strategy = %s.strategy,
+        nodes = s.nodes.len(),
+        query_only = args.query_only,
+        "scheduler listening"
+    );
+    let server = scheduler.serve(grpc, wait_stop(stop_rx));
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => {
+            result.context("gRPC server failed")?;
+            return Ok(());
+        }
+        _ = agentenv_bin::shutdown_signal() => {}
+    }
+    let _ = stop_tx.send(true);
+    match tokio::time::timeout(DRAIN, &mut server).await {
+        Ok(result) => result.context("gRPC server failed")?,
+        Err(_) => {
+            tracing::warn!("in-flight calls did not finish within {DRAIN:?}; stopping anyway")
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), metrics_task).await;
+    tracing::info!("scheduler stopped");
+    Ok(())
+}

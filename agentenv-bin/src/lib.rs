@@ -1,0 +1,57 @@
+//! Pieces shared by the AgentENV binaries: Go-style flags and signal handling.
+
+/// Rewrites Go-style single-dash long flags (`-config x`, `-query-only`) to
+/// the double-dash form clap parses. Single-letter flags and values are left
+/// alone, and everything after `--` is passed through.
+pub fn go_style_args<I: IntoIterator<Item = String>>(args: I) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = false;
+    for a in args {
+        if rest || out.is_empty() {
+            out.push(a);
+            continue;
+        }
+        if a == "--" {
+            rest = true;
+            out.push(a);
+            continue;
+        }
+        let is_go_long = a.starts_with('-')
+            && !a.starts_with("--")
+            && a.len() > 2
+            && a.as_bytes()[1].is_ascii_alphabetic();
+        out.push(if is_go_long { format!("-{a}") } else { a });
+    }
+    out
+}
+
+/// Resolves when the process receives SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Vec<String> {
+        go_style_args(v.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn single_dash_long_flags_become_double_dash() {
+        assert_eq!(
+            args(&["bin", "-config", "/etc/x.json", "-query-only"]),
+            ["bin", "--config", "/etc/x.json", "--query-only"]
+        );
+        assert_eq!(args(&["bin", "-config=/x"]), ["bin", "--config=/x"]);
+        assert_eq!(args(&["bin", "--config", "-h"]), ["bin", "--config", "-h"]);
+        assert_eq!(args(&["bin", "--", "-config"]), ["bin", "--", "-config"]);
+    }
+}

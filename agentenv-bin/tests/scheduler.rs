@@ -1,0 +1,286 @@
+//! The real `agentenv-scheduler` binary, started with a config file and
+//! driven over gRPC on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
+use agentenv_core::proto::scheduler_v1::*;
+use tonic::Code;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const BIN: &str = env!("CARGO_BIN_EXE_agentenv-scheduler");
+
+struct Daemon {
+    child: Child,
+    grpc: String,
+    metrics: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_config(dir: &tempfile::TempDir, json: &str) -> std::path::PathBuf {
+    let path = dir.path().join("control-plane.json");
+    std::fs::write(&path, json).unwrap();
+    path
+}
+
+/// Starts the daemon and waits for its "listening" log line.
+fn start(json: &str) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(&dir, json);
+    let mut child = Command::new(BIN)
+        .arg("-config")
+        .arg(&path)
+        .env("LOG_FORMAT", "json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                && v["message"] == "scheduler listening"
+            {
+                let _ = tx.send((
+                    v["grpc_addr"].as_str().unwrap().to_string(),
+                    v["metrics_addr"].as_str().unwrap().to_string(),
+                ));
+            }
+        }
+    });
+    let (grpc, metrics) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("scheduler did not report its listening addresses");
+    Daemon {
+        child,
+        grpc,
+        metrics,
+        _dir: dir,
+    }
+}
+
+const CONFIG: &str = r#"{
+  "log_level": "info",
+  "scheduler": {
+    "grpc_listen_addr": "127.0.0.1:0",
+    "metrics_listen_addr": "127.0.0.1:0",
+    "strategy": "round_robin",
+    "report_ttl": "30s",
+    "binding_ttl": "30s",
+    "nodes": [
+      {"id": "node-a", "endpoint": "http://127.0.0.1:18001"},
+      {"id": "node-b", "endpoint": "http://127.0.0.1:18002"}
+    ]
+  }
+}"#;
+
+fn beat(id: &str, sandboxes: &[&str]) -> HeartbeatRequest {
+    HeartbeatRequest {
+        node_id: id.into(),
+        service_instance_id: format!("{id}-1"),
+        snapshot: Some(NodeSnapshot {
+            status: NodeStatus::Ready as i32,
+            ..Default::default()
+        }),
+        sandbox_ids: sandboxes.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn binary_serves_scheduler_health_and_metrics_then_stops_on_sigterm() {
+    let mut d = start(CONFIG);
+    let url = format!("http://{}", d.grpc);
+    let mut client = SchedulerClient::connect(url.clone()).await.unwrap();
+
+    let e = client
+        .schedule(ScheduleRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::Unavailable, "no nodes available")
+    );
+
+    client.heartbeat(beat("node-a", &["sbx-1"])).await.unwrap();
+    client.heartbeat(beat("node-b", &[])).await.unwrap();
+    let mut placed = Vec::new();
+    for _ in 0..4 {
+        let r = client.schedule(ScheduleRequest::default()).await.unwrap();
+        placed.push(r.into_inner().node.unwrap().node_id);
+    }
+    placed.sort();
+    assert_eq!(placed, ["node-a", "node-a", "node-b", "node-b"]);
+
+    let found = client
+        .lookup_node(LookupNodeRequest {
+            sandbox_id: "sbx-1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .node
+        .unwrap();
+    assert_eq!(found.endpoint, "http://127.0.0.1:18001");
+    client
+        .record_assignment(RecordAssignmentRequest {
+            sandbox_id: "sbx-2".into(),
+            node: Some(Node {
+                node_id: "node-b".into(),
+                endpoint: "http://127.0.0.1:18002".into(),
+            }),
+        })
+        .await
+        .unwrap();
+    let found = client
+        .lookup_node(LookupNodeRequest {
+            sandbox_id: "sbx-2".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(found.into_inner().node.unwrap().node_id, "node-b");
+
+    let e = client.heartbeat(beat("node-z", &[])).await.unwrap_err();
+    assert_eq!(
+        (e.code(), e.message()),
+        (Code::InvalidArgument, "node is not in scheduler node list")
+    );
+    let e = client
+        .lookup_node(LookupNodeRequest {
+            sandbox_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    let channel = tonic::transport::Channel::from_shared(url)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in ["", "scheduler.v1.Scheduler"] {
+        let r = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            r.into_inner().status,
+            ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
+
+    let metrics = http_get(&d.metrics, "/metrics").await;
+    assert!(
+        metrics.contains(
+            r#"agentenv_scheduler_rpc_duration_seconds_count{rpc="Schedule",status="ok"} 4"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"agentenv_scheduler_observed_nodes{status="ready"}"#),
+        "{metrics}"
+    );
+
+    let status = Command::new("kill")
+        .args(["-TERM", &d.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let exit = loop {
+        if let Some(s) = d.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "scheduler did not stop after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(exit.success(), "graceful stop exits 0, got {exit:?}");
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Runs the binary on a config that must be refused; returns its stderr.
+fn refused(json: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_config(&dir, json);
+    let out = Command::new(BIN)
+        .arg("-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "bad config accepted: {json}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    stderr
+}
+
+#[test]
+fn bad_configs_exit_non_zero_with_one_line_naming_the_key() {
+    let cases = [
+        (r#"{"scheduler":{"report_ttl":30}}"#, "scheduler.report_ttl"),
+        (
+            r#"{"scheduler":{"strategy":"fastest"}}"#,
+            "scheduler.strategy",
+        ),
+        (r#"{"scheduler":{"nodes":[]}}"#, "scheduler.nodes"),
+        (
+            r#"{"scheduler":{"nodes":[{"id":"a","endpoint":"http://x:1"},{"id":"a","endpoint":"http://y:1"}]}}"#,
+            "scheduler.nodes[1].id",
+        ),
+        (
+            r#"{"scheduler":{"nodes":[{"id":"a","endpoint":"10.0.0.21:8000"}]}}"#,
+            "scheduler.nodes[0].endpoint",
+        ),
+        (r#"{"scheduler": "#, "not valid JSON"),
+    ];
+    for (json, key) in cases {
+        let stderr = refused(json);
+        assert!(
+            stderr.starts_with("agentenv-scheduler: load config failed: "),
+            "{stderr}"
+        );
+        assert!(stderr.contains(key), "{key} not named in: {stderr}");
+    }
+}
+
+#[test]
+fn an_address_in_use_is_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let stderr = refused(&format!(
+        r#"{{"scheduler":{{"grpc_listen_addr":"127.0.0.1:{port}","metrics_listen_addr":"127.0.0.1:0"}}}}"#
+    ));
+    assert!(
+        stderr.contains("cannot listen on scheduler.grpc_listen_addr"),
+        "{stderr}"
+    );
+}
