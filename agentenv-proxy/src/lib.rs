@@ -1,1 +1,22 @@
-//! The AgentENV gateway as a library.
+//! The AgentENV gateway as a library: API-key authentication, routing by
+//! host, path, header or placement through a scheduler, a streaming reverse
+//! proxy with WebSocket upgrades, and the cluster-wide sandbox list.
+//!
+//! A [`Gateway`] is built from a [`SchedulerClient`] and [`GatewayOptions`];
+//! run it with [`Gateway::serve`], or mount [`Gateway::service`] in another
+//! hyper server next to other routes.
+
+pub mod body;
+pub mod client;
+pub mod cluster_list;
+pub mod forward;
+pub mod hint;
+pub mod host_route;
+pub mod metrics;
+pub mod nodes;
+pub mod routing;
+pub mod server;
+
+pub use client::{ClientError, GrpcSchedulerClient, InProcessScheduler, SchedulerClient};
+pub use metrics::GatewayMetrics;
+pub use server::{Gateway, GatewayError, GatewayOptions, GatewayService};

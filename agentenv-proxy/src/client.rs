@@ -1,0 +1,278 @@
+//! What the gateway needs from a scheduler, behind one trait: a gRPC client
+//! for the daemon and a direct in-process call for embedding.
+
+use std::sync::Arc;
+
+use agentenv_core::proto::scheduler_v1 as pb;
+use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient as GrpcClient;
+use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler;
+use async_trait::async_trait;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Status};
+
+/// Errors building a scheduler client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(
+        "invalid scheduler address {addr:?}: {message}; use host:port without a scheme, e.g. \"127.0.0.1:9090\""
+    )]
+    InvalidAddress { addr: String, message: String },
+}
+
+/// The scheduler RPCs the gateway uses. Errors are gRPC statuses; the gateway
+/// maps them to HTTP (UNAVAILABLE → 503, NOT_FOUND → 404, ...).
+#[async_trait]
+pub trait SchedulerClient: Send + Sync + 'static {
+    /// Picks a node for a new sandbox.
+    async fn schedule(&self, hint: Option<pb::ScheduleRequestHint>) -> Result<pb::Node, Status>;
+    /// The node that owns `sandbox_id`.
+    async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status>;
+    /// Binds a freshly created sandbox to the node that created it.
+    async fn record_assignment(&self, sandbox_id: &str, node: pb::Node) -> Result<(), Status>;
+    /// Every discovered node, lingering ones included.
+    async fn list_nodes(&self) -> Result<Vec<pb::Node>, Status>;
+    /// Heartbeat-derived node views, filtered by cluster (blank = all).
+    async fn list_observed_nodes(&self, cluster_id: &str) -> Result<Vec<pb::ObservedNode>, Status>;
+    /// One node's heartbeat-derived view.
+    async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status>;
+}
+
+#[async_trait]
+impl<T: SchedulerClient + ?Sized> SchedulerClient for Arc<T> {
+    async fn schedule(&self, hint: Option<pb::ScheduleRequestHint>) -> Result<pb::Node, Status> {
+        (**self).schedule(hint).await
+    }
+    async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status> {
+        (**self).lookup_node(sandbox_id).await
+    }
+    async fn record_assignment(&self, sandbox_id: &str, node: pb::Node) -> Result<(), Status> {
+        (**self).record_assignment(sandbox_id, node).await
+    }
+    async fn list_nodes(&self) -> Result<Vec<pb::Node>, Status> {
+        (**self).list_nodes().await
+    }
+    async fn list_observed_nodes(&self, cluster_id: &str) -> Result<Vec<pb::ObservedNode>, Status> {
+        (**self).list_observed_nodes(cluster_id).await
+    }
+    async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status> {
+        (**self).get_node(node_id, cluster_id).await
+    }
+}
+
+/// The scheduler over plaintext gRPC: a primary, plus an optional query-only
+/// replica used for `LookupNode` alone. Connections are made lazily, so a
+/// scheduler that is down at start-up only fails the requests that need it.
+#[derive(Clone)]
+pub struct GrpcSchedulerClient {
+    primary: GrpcClient<Channel>,
+    query: Option<GrpcClient<Channel>>,
+}
+
+impl GrpcSchedulerClient {
+    /// `primary` and `query_only` are gRPC targets without a scheme
+    /// (`host:port`); an empty `query_only` means lookups use the primary.
+    pub fn connect_lazy(primary: &str, query_only: &str) -> Result<Self, ClientError> {
+        let primary = GrpcClient::new(lazy_channel(primary)?);
+        let query = match query_only.trim() {
+            "" => None,
+            addr => Some(GrpcClient::new(lazy_channel(addr)?)),
+        };
+        Ok(Self { primary, query })
+    }
+}
+
+fn lazy_channel(addr: &str) -> Result<Channel, ClientError> {
+    let addr = addr.trim();
+    if addr.contains("://") {
+        return Err(ClientError::InvalidAddress {
+            addr: addr.into(),
+            message: "a scheme is not allowed".into(),
+        });
+    }
+    let endpoint = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| {
+        ClientError::InvalidAddress {
+            addr: addr.into(),
+            message: e.to_string(),
+        }
+    })?;
+    Ok(endpoint.tcp_nodelay(true).connect_lazy())
+}
+
+#[async_trait]
+impl SchedulerClient for GrpcSchedulerClient {
+    async fn schedule(&self, hint: Option<pb::ScheduleRequestHint>) -> Result<pb::Node, Status> {
+        let resp = self
+            .primary
+            .clone()
+            .schedule(pb::ScheduleRequest { hint })
+            .await?;
+        Ok(resp.into_inner().node.unwrap_or_default())
+    }
+
+    async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status> {
+        let mut client = self.query.as_ref().unwrap_or(&self.primary).clone();
+        let resp = client
+            .lookup_node(pb::LookupNodeRequest {
+                sandbox_id: sandbox_id.to_string(),
+            })
+            .await?;
+        Ok(resp.into_inner().node.unwrap_or_default())
+    }
+
+    async fn record_assignment(&self, sandbox_id: &str, node: pb::Node) -> Result<(), Status> {
+        self.primary
+            .clone()
+            .record_assignment(pb::RecordAssignmentRequest {
+                sandbox_id: sandbox_id.to_string(),
+                node: Some(node),
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn list_nodes(&self) -> Result<Vec<pb::Node>, Status> {
+        let resp = self
+            .primary
+            .clone()
+            .list_nodes(pb::ListNodesRequest {})
+            .await?;
+        Ok(resp.into_inner().nodes)
+    }
+
+    async fn list_observed_nodes(&self, cluster_id: &str) -> Result<Vec<pb::ObservedNode>, Status> {
+        let resp = self
+            .primary
+            .clone()
+            .list_observed_nodes(pb::ListObservedNodesRequest {
+                cluster_id: cluster_id.to_string(),
+            })
+            .await?;
+        Ok(resp.into_inner().nodes)
+    }
+
+    async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status> {
+        let resp = self
+            .primary
+            .clone()
+            .get_node(pb::GetNodeRequest {
+                node_id: node_id.to_string(),
+                cluster_id: cluster_id.to_string(),
+            })
+            .await?;
+        resp.into_inner()
+            .node
+            .ok_or_else(|| Status::not_found("observed node not found"))
+    }
+}
+
+/// A scheduler service running in the same process, called directly through
+/// its `scheduler.v1` trait: no sockets, no encoding. Any implementation of
+/// the generated server trait fits.
+pub struct InProcessScheduler<T> {
+    service: Arc<T>,
+}
+
+impl<T> Clone for InProcessScheduler<T> {
+    fn clone(&self) -> Self {
+        Self {
+            service: self.service.clone(),
+        }
+    }
+}
+
+impl<T: Scheduler> InProcessScheduler<T> {
+    pub fn new(service: Arc<T>) -> Self {
+        Self { service }
+    }
+
+    /// The wrapped service.
+    pub fn service(&self) -> &Arc<T> {
+        &self.service
+    }
+}
+
+#[async_trait]
+impl<T: Scheduler> SchedulerClient for InProcessScheduler<T> {
+    async fn schedule(&self, hint: Option<pb::ScheduleRequestHint>) -> Result<pb::Node, Status> {
+        let resp = self
+            .service
+            .schedule(Request::new(pb::ScheduleRequest { hint }))
+            .await?;
+        Ok(resp.into_inner().node.unwrap_or_default())
+    }
+
+    async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status> {
+        let resp = self
+            .service
+            .lookup_node(Request::new(pb::LookupNodeRequest {
+                sandbox_id: sandbox_id.to_string(),
+            }))
+            .await?;
+        Ok(resp.into_inner().node.unwrap_or_default())
+    }
+
+    async fn record_assignment(&self, sandbox_id: &str, node: pb::Node) -> Result<(), Status> {
+        self.service
+            .record_assignment(Request::new(pb::RecordAssignmentRequest {
+                sandbox_id: sandbox_id.to_string(),
+                node: Some(node),
+            }))
+            .await?;
+        Ok(())
+    }
+
+    async fn list_nodes(&self) -> Result<Vec<pb::Node>, Status> {
+        let resp = self
+            .service
+            .list_nodes(Request::new(pb::ListNodesRequest {}))
+            .await?;
+        Ok(resp.into_inner().nodes)
+    }
+
+    async fn list_observed_nodes(&self, cluster_id: &str) -> Result<Vec<pb::ObservedNode>, Status> {
+        let resp = self
+            .service
+            .list_observed_nodes(Request::new(pb::ListObservedNodesRequest {
+                cluster_id: cluster_id.to_string(),
+            }))
+            .await?;
+        Ok(resp.into_inner().nodes)
+    }
+
+    async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status> {
+        let resp = self
+            .service
+            .get_node(Request::new(pb::GetNodeRequest {
+                node_id: node_id.to_string(),
+                cluster_id: cluster_id.to_string(),
+            }))
+            .await?;
+        resp.into_inner()
+            .node
+            .ok_or_else(|| Status::not_found("observed node not found"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_with_a_scheme_is_rejected_with_a_hint() {
+        let err = GrpcSchedulerClient::connect_lazy("http://127.0.0.1:9090", "")
+            .err()
+            .unwrap();
+        let msg = err.to_string();
+        assert!(msg.contains("without a scheme"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn a_lazy_client_to_a_closed_port_reports_unavailable() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let client = GrpcSchedulerClient::connect_lazy(&addr.to_string(), "").unwrap();
+        let err = client.list_nodes().await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+    }
+}

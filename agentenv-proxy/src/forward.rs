@@ -1,0 +1,255 @@
+//! Upstream URL and header rewriting for proxied requests.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Uri};
+
+/// A node endpoint that is not an absolute `http://` or `https://` URL.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid upstream endpoint {0:?}")]
+pub struct InvalidEndpoint(pub String);
+
+/// Joins `endpoint`'s base path and `path` (both escaped, kept byte for
+/// byte) with exactly one `/` at the seam, and appends the raw `query`. Any
+/// query on the endpoint is dropped.
+pub fn upstream_uri(
+    endpoint: &str,
+    path: &str,
+    query: Option<&str>,
+) -> Result<Uri, InvalidEndpoint> {
+    let invalid = || InvalidEndpoint(endpoint.to_string());
+    let base: Uri = endpoint.trim().parse().map_err(|_| invalid())?;
+    let scheme = base.scheme_str().ok_or_else(invalid)?;
+    if scheme != "http" && scheme != "https" {
+        return Err(invalid());
+    }
+    let authority = base.authority().ok_or_else(invalid)?;
+    if authority.host().is_empty() {
+        return Err(invalid());
+    }
+    let joined = join_path(base.path(), path);
+    let mut s = String::with_capacity(scheme.len() + authority.as_str().len() + joined.len() + 8);
+    s.push_str(scheme);
+    s.push_str("://");
+    s.push_str(authority.as_str());
+    s.push_str(&joined);
+    if let Some(q) = query {
+        s.push('?');
+        s.push_str(q);
+    }
+    s.parse().map_err(|_| invalid())
+}
+
+/// `a` + `b` with exactly one `/` between them.
+pub fn join_path(a: &str, b: &str) -> String {
+    let a_slash = a.ends_with('/');
+    let b_slash = b.starts_with('/');
+    match (a_slash, b_slash) {
+        (true, true) => format!("{a}{}", &b[1..]),
+        (false, false) => format!("{a}/{b}"),
+        _ => format!("{a}{b}"),
+    }
+}
+
+/// The target path upstream: data-plane routes go under `/proxy` (a path
+/// that already is `/proxy/…` is kept as is), the rest unchanged.
+pub fn target_path(raw_path: &str, data_plane: bool, already_proxy: bool) -> String {
+    if data_plane && !already_proxy {
+        join_path("/proxy", raw_path)
+    } else {
+        raw_path.to_string()
+    }
+}
+
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|s| s.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+}
+
+/// What the gateway knows about the inbound request for `X-Forwarded-*`.
+pub struct Forwarded<'a> {
+    pub client_ip: IpAddr,
+    pub host: Option<&'a HeaderValue>,
+    pub method: &'a Method,
+    /// The inbound request URI (escaped path and query).
+    pub request_uri: &'a str,
+}
+
+/// Rewrites inbound request headers for the upstream: hop-by-hop headers go
+/// (`Te: trailers` stays; `Connection`/`Upgrade` stay for an upgrade), the
+/// client's forwarding headers are replaced, Host is kept.
+pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &Forwarded<'_>) {
+    let te_trailers = crate::routing::has_token(headers, header::TE.as_str(), "trailers");
+    let upgrade_value = headers.get(header::UPGRADE).cloned();
+    strip_hop_by_hop(headers);
+    if te_trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+    if upgrade && let Some(v) = upgrade_value {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        headers.insert(header::UPGRADE, v);
+    }
+    headers.remove(header::FORWARDED);
+    headers.remove("x-forwarded-host");
+    headers.remove("x-forwarded-proto");
+    if let Some(host) = fwd.host {
+        headers.insert(header::HOST, host.clone());
+        headers.insert("x-forwarded-host", host.clone());
+    }
+    headers.insert(
+        "x-forwarded-for",
+        HeaderValue::from_str(&fwd.client_ip.to_string()).expect("an IP is a valid header value"),
+    );
+    headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    headers.insert(
+        "x-forwarded-method",
+        HeaderValue::from_str(fwd.method.as_str()).unwrap_or(HeaderValue::from_static("OTHER")),
+    );
+    if let Ok(v) = HeaderValue::from_str(fwd.request_uri) {
+        headers.insert("x-forwarded-uri", v);
+    }
+}
+
+/// Strips hop-by-hop headers from an upstream response (a 101 keeps
+/// `Connection` and `Upgrade`).
+pub fn rewrite_response_headers(headers: &mut HeaderMap, switching_protocols: bool) {
+    if switching_protocols {
+        let upgrade = headers.get(header::UPGRADE).cloned();
+        strip_hop_by_hop(headers);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        if let Some(v) = upgrade {
+            headers.insert(header::UPGRADE, v);
+        }
+    } else {
+        strip_hop_by_hop(headers);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_plane_paths_go_under_proxy_and_others_stay() {
+        assert_eq!(target_path("/health", true, false), "/proxy/health");
+        assert_eq!(target_path("/", true, false), "/proxy/");
+        assert_eq!(target_path("/proxy/x", true, true), "/proxy/x");
+        assert_eq!(
+            target_path("/sandboxes/a/pause", false, false),
+            "/sandboxes/a/pause"
+        );
+    }
+
+    #[test]
+    fn escaped_paths_are_kept_and_joined_under_a_base_path() {
+        let u = upstream_uri(
+            "http://u:8000/base",
+            "/proxy/a%2Fb/%2525/c%20d",
+            Some("x=%2F&y"),
+        )
+        .unwrap();
+        assert_eq!(
+            u.to_string(),
+            "http://u:8000/base/proxy/a%2Fb/%2525/c%20d?x=%2F&y"
+        );
+        let u = upstream_uri("http://u:8000/base/", "/x", None).unwrap();
+        assert_eq!(u.path(), "/base/x");
+        let u = upstream_uri("http://u:8000?drop=1", "/x", None).unwrap();
+        assert_eq!(u.to_string(), "http://u:8000/x");
+    }
+
+    #[test]
+    fn endpoints_without_scheme_or_host_are_invalid() {
+        for e in ["", "u:8000", "ftp://u", "/just/a/path", "http://"] {
+            assert!(upstream_uri(e, "/x", None).is_err(), "{e}");
+        }
+    }
+
+    #[test]
+    fn request_headers_are_rewritten_for_the_upstream() {
+        let mut h = HeaderMap::new();
+        h.insert("host", HeaderValue::from_static("gw.example:8080"));
+        h.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, x-drop-me"),
+        );
+        h.insert("x-drop-me", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert(
+            "x-forwarded-for",
+            HeaderValue::from_static("1.2.3.4, 5.6.7.8"),
+        );
+        h.insert("forwarded", HeaderValue::from_static("for=1.2.3.4"));
+        h.insert("x-api-key", HeaderValue::from_static("k"));
+        let host = h.get("host").cloned();
+        rewrite_request_headers(
+            &mut h,
+            false,
+            &Forwarded {
+                client_ip: "127.0.0.9".parse().unwrap(),
+                host: host.as_ref(),
+                method: &Method::POST,
+                request_uri: "/a%2Fb?q=1",
+            },
+        );
+        assert_eq!(h["host"], "gw.example:8080");
+        assert_eq!(h["x-forwarded-host"], "gw.example:8080");
+        assert_eq!(h["x-forwarded-for"], "127.0.0.9");
+        assert_eq!(h["x-forwarded-proto"], "http");
+        assert_eq!(h["x-forwarded-method"], "POST");
+        assert_eq!(h["x-forwarded-uri"], "/a%2Fb?q=1");
+        assert_eq!(h["te"], "trailers");
+        assert_eq!(h["x-api-key"], "k");
+        for gone in ["connection", "x-drop-me", "keep-alive", "forwarded"] {
+            assert!(h.get(gone).is_none(), "{gone}");
+        }
+    }
+
+    #[test]
+    fn upgrades_keep_connection_and_upgrade() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        rewrite_request_headers(
+            &mut h,
+            true,
+            &Forwarded {
+                client_ip: "::1".parse().unwrap(),
+                host: None,
+                method: &Method::GET,
+                request_uri: "/socket",
+            },
+        );
+        assert_eq!(h["connection"], "Upgrade");
+        assert_eq!(h["upgrade"], "websocket");
+        assert_eq!(h["x-forwarded-for"], "::1");
+    }
+}

@@ -1,0 +1,1021 @@
+//! The gateway itself: authentication, dispatch, routing through the
+//! scheduler, the streaming reverse proxy, RecordAssignment after creates,
+//! the cluster list and node routes, and the HTTP server around them.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentenv_core::config::GatewayConfig;
+use agentenv_core::metrics::grpc_status_label;
+use agentenv_core::proto::scheduler_v1 as pb;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::header::{self, HeaderValue};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tonic::{Code, Status};
+
+use crate::body::{
+    BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, ReplayBody, boxed,
+    caused_by_client_body, client_body, concat, empty, error_response, full, json_response,
+    read_prefix,
+};
+use crate::client::SchedulerClient;
+use crate::cluster_list::{self, ListedSandbox};
+use crate::forward::{
+    Forwarded, rewrite_request_headers, rewrite_response_headers, target_path, upstream_uri,
+};
+use crate::hint::capture_hint;
+use crate::host_route::{HostRoute, HostRouteError, HostRouter, InvalidDomain};
+use crate::metrics::{GatewayMetrics, RequestLabels, RpcLabels, UpstreamLabels};
+use crate::nodes::NodeView;
+use crate::routing::*;
+
+/// How long shutdown waits for in-flight requests.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// RecordAssignment never waits longer than this.
+pub const RECORD_TIMEOUT_CAP: Duration = Duration::from_secs(5);
+/// Create responses are sniffed for sandbox ids up to this size when
+/// `forward_response_size` is unlimited (≤ 0).
+pub const SNIFF_CAP: usize = 4 * 1024 * 1024;
+/// A node's list answer larger than this fails the cluster list.
+pub const LIST_BODY_CAP: usize = 64 * 1024 * 1024;
+
+/// The upstream HTTP client: one keep-alive pool per node, `TCP_NODELAY`.
+pub type UpstreamClient = Client<HttpConnector, GatewayBody>;
+
+/// Errors building a [`Gateway`].
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("API key is required: set AENV_API_KEY or provide /run/secrets/api-key")]
+    EmptyApiKey,
+    #[error(transparent)]
+    Domain(#[from] InvalidDomain),
+}
+
+/// What the gateway needs besides a scheduler.
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// The key clients send in `X-API-Key`.
+    pub api_key: String,
+    /// Bounds routing plus the whole upstream exchange of ordinary requests.
+    pub request_timeout: Duration,
+    /// Largest create response sniffed for sandbox ids (≤ 0: the built-in cap).
+    pub forward_response_size: i64,
+    /// Domains for `<port>-<sandbox>.<domain>` host routing.
+    pub sandbox_proxy_domains: Vec<String>,
+    /// Adds `x-agentenv-node-id` to proxied responses.
+    pub debug_mode: bool,
+}
+
+impl GatewayOptions {
+    /// Options from the `gateway` config section.
+    pub fn from_config(cfg: &GatewayConfig, api_key: impl Into<String>) -> Self {
+        Self {
+            api_key: api_key.into(),
+            request_timeout: cfg.request_timeout,
+            forward_response_size: cfg.forward_response_size,
+            sandbox_proxy_domains: cfg.sandbox_proxy_domains.clone(),
+            debug_mode: cfg.debug_mode,
+        }
+    }
+}
+
+/// The gateway as a value: mount [`Gateway::service`] in any hyper server,
+/// or run [`Gateway::serve`] on a listener.
+#[derive(Clone)]
+pub struct Gateway {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    scheduler: Arc<dyn SchedulerClient>,
+    opts: GatewayOptions,
+    hosts: HostRouter,
+    client: UpstreamClient,
+    metrics: GatewayMetrics,
+}
+
+/// Records the request histogram when dropped: with the response status, or
+/// `client_closed` when the client went away first.
+struct Recorder {
+    metrics: GatewayMetrics,
+    start: Instant,
+    method: &'static str,
+    route: &'static str,
+    source: RouteSource,
+    status: Option<u16>,
+    instrument: bool,
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        if !self.instrument {
+            return;
+        }
+        let status = self.status.map(status_label).unwrap_or("client_closed");
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                method: self.method,
+                route: self.route,
+                route_source: self.source.label(),
+                status,
+            })
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// Where a proxied request goes and how.
+struct ProxyPlan {
+    node: pb::Node,
+    uri: Uri,
+    route: &'static str,
+    /// `None` for long-lived requests (no timeout).
+    deadline: Option<Instant>,
+    record: bool,
+    host_route: Option<HostRoute>,
+}
+
+impl Gateway {
+    /// Builds a gateway that routes through `scheduler`.
+    pub fn new(
+        scheduler: impl SchedulerClient,
+        opts: GatewayOptions,
+    ) -> Result<Self, GatewayError> {
+        Self::with_metrics(scheduler, opts, GatewayMetrics::new())
+    }
+
+    /// Like [`Gateway::new`], recording into `metrics`.
+    pub fn with_metrics(
+        scheduler: impl SchedulerClient,
+        opts: GatewayOptions,
+        metrics: GatewayMetrics,
+    ) -> Result<Self, GatewayError> {
+        if opts.api_key.is_empty() {
+            return Err(GatewayError::EmptyApiKey);
+        }
+        let hosts = HostRouter::new(&opts.sandbox_proxy_domains)?;
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(opts.request_timeout.max(Duration::from_secs(1))));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(http);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                scheduler: Arc::new(scheduler),
+                opts,
+                hosts,
+                client,
+                metrics,
+            }),
+        })
+    }
+
+    /// The gateway's metrics (expose `metrics().registry()`).
+    pub fn metrics(&self) -> &GatewayMetrics {
+        &self.inner.metrics
+    }
+
+    /// A hyper service for one client connection from `remote`.
+    pub fn service(&self, remote: SocketAddr) -> GatewayService {
+        GatewayService {
+            gateway: self.clone(),
+            remote,
+        }
+    }
+
+    /// Serves HTTP/1.1 and HTTP/2 (cleartext) on `listener` until
+    /// `shutdown` resolves, then waits up to [`SHUTDOWN_GRACE`] for
+    /// in-flight requests. Relayed WebSockets are not waited for.
+    pub async fn serve(&self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        let mut shutdown = pin!(shutdown);
+        loop {
+            let (stream, remote) = tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting a connection failed");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                },
+            };
+            if let Err(e) = stream.set_nodelay(true) {
+                tracing::debug!(error = %e, "setting TCP_NODELAY failed");
+            }
+            let guard = self.inner.metrics.connection_guard();
+            let conn = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), self.service(remote))
+                .into_owned();
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                let _guard = guard;
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %remote, "client connection ended with an error");
+                }
+            });
+        }
+        drop(listener);
+        tokio::select! {
+            _ = graceful.shutdown() => {}
+            _ = tokio::time::sleep(SHUTDOWN_GRACE) => {
+                tracing::warn!("shutdown grace period over; closing remaining connections");
+            }
+        }
+    }
+
+    /// Handles one request from `remote`. Never fails: errors are responses.
+    pub async fn handle<B>(&self, req: Request<B>, remote: SocketAddr) -> Response<GatewayBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let req = req.map(client_body);
+        let mut rec = Recorder {
+            metrics: self.inner.metrics.clone(),
+            start: Instant::now(),
+            method: method_label(req.method()),
+            route: "unmatched",
+            source: RouteSource::Unknown,
+            status: None,
+            instrument: true,
+        };
+        let resp = self.dispatch(req, remote, &mut rec).await;
+        rec.status = Some(resp.status().as_u16());
+        resp
+    }
+
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        let mut values = headers.get_all(API_KEY_HEADER).iter();
+        let (Some(v), None) = (values.next(), values.next()) else {
+            return false;
+        };
+        let key = self.inner.opts.api_key.as_bytes();
+        v.as_bytes().len() == key.len() && bool::from(v.as_bytes().ct_eq(key))
+    }
+
+    async fn dispatch(
+        &self,
+        req: Request<GatewayBody>,
+        remote: SocketAddr,
+        rec: &mut Recorder,
+    ) -> Response<GatewayBody> {
+        let Some(decoded) = decode_path(req.uri().path()) else {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid request path: bad percent-encoding",
+            );
+        };
+        rec.route = route_label(&decoded);
+        let headers = req.headers();
+        let host = request_host(&req);
+        let host_route = self
+            .inner
+            .hosts
+            .route(host.as_ref().and_then(|h| h.to_str().ok()).unwrap_or(""));
+        let local_path = decoded == "/health" || decoded == "/metrics";
+        let proxy_path = is_proxy_path(&decoded);
+        let control_plane = is_control_plane(req.method(), &decoded);
+        let id_header = sandbox_id_from_headers(headers).is_some();
+        let port_header = target_port_from_headers(headers).is_some();
+
+        let exempt = local_path
+            || proxy_path
+            || matches!(host_route, Ok(Some(_)))
+            || (!control_plane && id_header && port_header);
+        if !exempt && !self.authorized(headers) {
+            return error_response(StatusCode::UNAUTHORIZED, "");
+        }
+
+        if proxy_path {
+            if !id_header {
+                return error_response(StatusCode::BAD_REQUEST, "sandbox id header required");
+            }
+            if !port_header {
+                return error_response(StatusCode::BAD_REQUEST, "target port header required");
+            }
+        }
+
+        if local_path && matches!(host_route, Ok(None)) {
+            if has_routing_headers(headers) {
+                if !id_header {
+                    return error_response(StatusCode::BAD_REQUEST, "sandbox id header required");
+                }
+            } else {
+                rec.instrument = false;
+                return if decoded == "/health" {
+                    let mut resp = Response::new(empty());
+                    *resp.status_mut() = StatusCode::NO_CONTENT;
+                    resp
+                } else {
+                    error_response(StatusCode::NOT_FOUND, "404 page not found")
+                };
+            }
+        }
+
+        self.handle_proxy(req, remote, decoded, host_route, control_plane, rec)
+            .await
+    }
+
+    async fn handle_proxy(
+        &self,
+        mut req: Request<GatewayBody>,
+        remote: SocketAddr,
+        decoded: String,
+        host_route: Result<Option<HostRoute>, HostRouteError>,
+        control_plane: bool,
+        rec: &mut Recorder,
+    ) -> Response<GatewayBody> {
+        let host_route = match host_route {
+            Ok(r) => r,
+            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
+        let opts = &self.inner.opts;
+        let deadline = Instant::now() + opts.request_timeout;
+        let long_lived = is_long_lived(req.headers());
+
+        if host_route.is_none()
+            && !has_routing_headers(req.headers())
+            && req.method() == Method::GET
+        {
+            let trimmed = trim_trailing_slashes(&decoded);
+            if trimmed == "/sandboxes" || trimmed == "/v2/sandboxes" {
+                rec.source = RouteSource::Gateway;
+                return self
+                    .cluster_list(req, remote, trimmed == "/v2/sandboxes", deadline)
+                    .await;
+            }
+            if trimmed == "/nodes" {
+                rec.source = RouteSource::Gateway;
+                let query = req.uri().query().map(str::to_string);
+                return self.node_list(query.as_deref(), deadline).await;
+            }
+            if let Some(node_id) = node_id_from_path(&decoded) {
+                rec.source = RouteSource::Gateway;
+                let node_id = node_id.to_string();
+                return self
+                    .node_detail(req, remote, &node_id, deadline, long_lived)
+                    .await;
+            }
+        }
+
+        let (sandbox_id, source) = if let Some(r) = &host_route {
+            if has_routing_headers(req.headers()) {
+                tracing::debug!(sandbox_id = %r.sandbox_id, "host route overrides routing headers");
+            }
+            (Some(r.sandbox_id.clone()), RouteSource::Host)
+        } else if control_plane {
+            (
+                path_sandbox_id(&decoded).map(str::to_string),
+                RouteSource::Path,
+            )
+        } else if let Some(id) = sandbox_id_from_headers(req.headers()) {
+            (Some(id.to_string()), RouteSource::Header)
+        } else if let Some(id) = path_sandbox_id(&decoded) {
+            (Some(id.to_string()), RouteSource::Path)
+        } else {
+            (None, RouteSource::Schedule)
+        };
+        rec.source = source;
+
+        let scheduler = &self.inner.scheduler;
+        let node = match sandbox_id {
+            Some(id) => {
+                self.rpc("LookupNode", deadline, scheduler.lookup_node(&id))
+                    .await
+            }
+            None => {
+                let hint = match create_kind(req.method(), &decoded) {
+                    Some(kind) => {
+                        let (mut parts, body) = req.into_parts();
+                        let captured = tokio::time::timeout_at(
+                            deadline,
+                            capture_hint(kind, &mut parts.headers, body),
+                        )
+                        .await;
+                        match captured {
+                            Ok(Ok((hint, body))) => {
+                                req = Request::from_parts(parts, body);
+                                Some(hint)
+                            }
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = ?e, "reading a create body failed");
+                                return error_response(
+                                    StatusCode::BAD_REQUEST,
+                                    "failed to read request body",
+                                );
+                            }
+                            Err(_) => {
+                                return error_response(
+                                    StatusCode::BAD_REQUEST,
+                                    "failed to read request body",
+                                );
+                            }
+                        }
+                    }
+                    None => None,
+                };
+                self.rpc("Schedule", deadline, scheduler.schedule(hint))
+                    .await
+            }
+        };
+        let node = match node {
+            Ok(n) => n,
+            Err(status) => return scheduler_error(&status),
+        };
+
+        let target = target_path(
+            req.uri().path(),
+            source.is_data_plane(),
+            is_proxy_path(&decoded),
+        );
+        let uri = match upstream_uri(&node.endpoint, &target, req.uri().query()) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(node_id = %node.node_id, error = %e, "scheduler returned an unusable endpoint");
+                return error_response(StatusCode::BAD_GATEWAY, "invalid upstream endpoint");
+            }
+        };
+        let record = records_assignment(req.method(), &decoded, source);
+        let plan = ProxyPlan {
+            node,
+            uri,
+            route: rec.route,
+            deadline: (!long_lived).then_some(deadline),
+            record,
+            host_route,
+        };
+        self.proxy(req, remote, plan).await
+    }
+
+    async fn rpc<T>(
+        &self,
+        name: &'static str,
+        deadline: Instant,
+        call: impl Future<Output = Result<T, Status>>,
+    ) -> Result<T, Status> {
+        let start = Instant::now();
+        let result = match tokio::time::timeout_at(deadline, call).await {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(
+                "scheduler call exceeded the request timeout",
+            )),
+        };
+        let code = result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok);
+        self.inner
+            .metrics
+            .scheduler_rpc
+            .get_or_create(&RpcLabels {
+                rpc: name,
+                status: grpc_status_label(code),
+            })
+            .observe(start.elapsed().as_secs_f64());
+        result
+    }
+
+    async fn proxy(
+        &self,
+        mut req: Request<GatewayBody>,
+        remote: SocketAddr,
+        plan: ProxyPlan,
+    ) -> Response<GatewayBody> {
+        let websocket = is_websocket(req.headers());
+        let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
+        let host = request_host(&req);
+        let request_uri = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+        let stream_input = is_stream_input(req.method(), req.uri().path());
+        let (mut parts, body) = req.into_parts();
+        rewrite_request_headers(
+            &mut parts.headers,
+            websocket,
+            &Forwarded {
+                client_ip: remote.ip().to_canonical(),
+                host: host.as_ref(),
+                method: &parts.method,
+                request_uri: &request_uri,
+            },
+        );
+        if let Some(r) = &plan.host_route {
+            parts.headers.insert(
+                SANDBOX_ID_HEADER,
+                HeaderValue::from_str(&r.sandbox_id).expect("a DNS label is a valid header"),
+            );
+            parts
+                .headers
+                .insert(TARGET_PORT_HEADER, HeaderValue::from(r.port));
+        }
+        parts.uri = plan.uri;
+        parts.version = Version::HTTP_11;
+        parts.extensions = http::Extensions::new();
+        let method = parts.method.clone();
+        let upstream_req = Request::from_parts(parts, body);
+
+        let start = Instant::now();
+        let sent = self.inner.client.request(upstream_req);
+        let result = match plan.deadline {
+            Some(d) => match tokio::time::timeout_at(d, sent).await {
+                Ok(r) => r.map_err(Some),
+                Err(_) => Err(None),
+            },
+            None => sent.await.map_err(Some),
+        };
+        let upstream_metric = |status: &'static str| {
+            self.inner
+                .metrics
+                .upstream
+                .get_or_create(&UpstreamLabels {
+                    route: plan.route,
+                    status,
+                })
+                .observe(start.elapsed().as_secs_f64());
+        };
+        let mut resp = match result {
+            Ok(r) => r,
+            Err(None) => {
+                upstream_metric("5xx");
+                tracing::warn!(node_id = %plan.node.node_id, "upstream did not answer before the request timeout");
+                return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
+            }
+            Err(Some(e)) if caused_by_client_body(&e) => {
+                upstream_metric("4xx");
+                if stream_input {
+                    tracing::debug!(error = %e, "client stopped sending the request body");
+                } else {
+                    tracing::warn!(error = %e, "client stopped sending the request body");
+                }
+                return error_response(StatusCode::BAD_REQUEST, "failed to read request body");
+            }
+            Err(Some(e)) => {
+                upstream_metric("5xx");
+                tracing::warn!(node_id = %plan.node.node_id, endpoint = %plan.node.endpoint, error = ?e, "upstream request failed");
+                return error_response(StatusCode::BAD_GATEWAY, "upstream unavailable");
+            }
+        };
+        upstream_metric(status_label(resp.status().as_u16()));
+
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(client_upgrade) = client_upgrade
+        {
+            let upstream_upgrade = hyper::upgrade::on(&mut resp);
+            let guard = self.inner.metrics.connection_guard();
+            tokio::spawn(async move {
+                let _guard = guard;
+                match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                    Ok((client, upstream)) => {
+                        let mut client = TokioIo::new(client);
+                        let mut upstream = TokioIo::new(upstream);
+                        if let Err(e) =
+                            tokio::io::copy_bidirectional(&mut client, &mut upstream).await
+                        {
+                            tracing::debug!(error = %e, "upgraded connection ended with an error");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "upgrade was not completed"),
+                }
+            });
+        }
+
+        let (parts, body) = resp.into_parts();
+        let body = match plan.deadline {
+            Some(d) => boxed(DeadlineBody::new(body, d)),
+            None => boxed(body),
+        };
+        let mut resp = Response::from_parts(parts, body);
+        if plan.record && resp.status().is_success() {
+            resp = match self.record_created(resp, &plan.node, &method).await {
+                Ok(r) => r,
+                Err(err) => return err,
+            };
+        }
+
+        let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+        let (mut parts, body) = resp.into_parts();
+        rewrite_response_headers(&mut parts.headers, switching);
+        if self.inner.opts.debug_mode
+            && let Ok(v) = HeaderValue::from_str(&plan.node.node_id)
+        {
+            parts.headers.insert(NODE_ID_HEADER, v);
+        }
+        Response::from_parts(parts, body)
+    }
+
+    /// RecordAssignment for a successful create or fork. The id comes from
+    /// the response header, else (best-effort, bounded) from the JSON body.
+    async fn record_created(
+        &self,
+        resp: Response<GatewayBody>,
+        node: &pb::Node,
+        method: &Method,
+    ) -> Result<Response<GatewayBody>, Response<GatewayBody>> {
+        let header_id = sandbox_id_from_headers(resp.headers()).map(str::to_string);
+        if let Some(id) = header_id {
+            self.record(&[id], node).await;
+            return Ok(resp);
+        }
+        let limit = match self.inner.opts.forward_response_size {
+            n if n > 0 => usize::try_from(n).unwrap_or(usize::MAX),
+            _ => SNIFF_CAP,
+        };
+        let (mut parts, body) = resp.into_parts();
+        let body = match read_prefix(body, limit).await {
+            Err(e) if e.is::<BodyDeadlineExceeded>() => {
+                return Err(error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "upstream timeout",
+                ));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the create response failed");
+                return Err(error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "failed to read upstream response",
+                ));
+            }
+            Ok((frames, _, Some(rest))) => {
+                tracing::warn!(
+                    %method,
+                    limit,
+                    "create response without a sandbox id header is larger than forward_response_size; \
+                     the binding is left to the node's next heartbeat"
+                );
+                boxed(ReplayBody::new(frames, Some(rest)))
+            }
+            Ok((frames, len, None)) => {
+                let bytes = concat(&frames);
+                let ids = extract_sandbox_ids(&bytes);
+                if ids.is_empty() {
+                    tracing::warn!("create response carries no sandbox id; nothing recorded");
+                }
+                self.record(&ids, node).await;
+                if frames.iter().any(|f| f.is_trailers()) {
+                    boxed(ReplayBody::new(frames, None))
+                } else {
+                    parts.headers.remove(header::TRANSFER_ENCODING);
+                    parts
+                        .headers
+                        .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+                    full(bytes)
+                }
+            }
+        };
+        Ok(Response::from_parts(parts, body))
+    }
+
+    async fn record(&self, ids: &[String], node: &pb::Node) {
+        let timeout = match self.inner.opts.request_timeout {
+            t if t.is_zero() => RECORD_TIMEOUT_CAP,
+            t => t.min(RECORD_TIMEOUT_CAP),
+        };
+        let deadline = Instant::now() + timeout;
+        for id in ids {
+            let call = self.inner.scheduler.record_assignment(id, node.clone());
+            if let Err(status) = self.rpc("RecordAssignment", deadline, call).await {
+                tracing::warn!(
+                    sandbox_id = %id,
+                    node_id = %node.node_id,
+                    code = ?status.code(),
+                    message = status.message(),
+                    "RecordAssignment failed; the node's next heartbeat will bind the sandbox"
+                );
+            }
+        }
+    }
+
+    async fn node_list(&self, query: Option<&str>, deadline: Instant) -> Response<GatewayBody> {
+        let cluster = query_value(query, "clusterID").unwrap_or_default();
+        let call = self.inner.scheduler.list_observed_nodes(cluster.trim());
+        match self.rpc("ListObservedNodes", deadline, call).await {
+            Ok(nodes) => {
+                let views: Vec<NodeView> = nodes.iter().map(NodeView::from).collect();
+                json_response(StatusCode::OK, &views)
+            }
+            Err(status) => scheduler_error(&status),
+        }
+    }
+
+    async fn node_detail(
+        &self,
+        req: Request<GatewayBody>,
+        remote: SocketAddr,
+        node_id: &str,
+        deadline: Instant,
+        long_lived: bool,
+    ) -> Response<GatewayBody> {
+        let cluster = query_value(req.uri().query(), "clusterID").unwrap_or_default();
+        let call = self.inner.scheduler.get_node(node_id, cluster.trim());
+        let observed = match self.rpc("GetNode", deadline, call).await {
+            Ok(n) => n,
+            Err(status) => return scheduler_error(&status),
+        };
+        if observed.endpoint.trim().is_empty() {
+            return error_response(StatusCode::BAD_GATEWAY, "resolved node endpoint is empty");
+        }
+        let uri = match upstream_uri(&observed.endpoint, req.uri().path(), req.uri().query()) {
+            Ok(u) => u,
+            Err(_) => return error_response(StatusCode::BAD_GATEWAY, "invalid upstream endpoint"),
+        };
+        let plan = ProxyPlan {
+            node: pb::Node {
+                node_id: observed.node_id.clone(),
+                endpoint: observed.endpoint.clone(),
+            },
+            uri,
+            route: "/nodes/{node_id}",
+            deadline: (!long_lived).then_some(deadline),
+            record: false,
+            host_route: None,
+        };
+        self.proxy(req, remote, plan).await
+    }
+
+    async fn cluster_list(
+        &self,
+        req: Request<GatewayBody>,
+        remote: SocketAddr,
+        v2: bool,
+        deadline: Instant,
+    ) -> Response<GatewayBody> {
+        let nodes = match self
+            .rpc("ListNodes", deadline, self.inner.scheduler.list_nodes())
+            .await
+        {
+            Ok(n) => n,
+            Err(status) => return scheduler_error(&status),
+        };
+        if nodes.is_empty() {
+            return error_response(StatusCode::BAD_GATEWAY, "cluster list unavailable");
+        }
+        let raw_query = req.uri().query().unwrap_or("").to_string();
+        let pairs = cluster_list::parse_query(&raw_query);
+        let upstream_query = if v2 {
+            cluster_list::v2_upstream_query(&pairs)
+        } else {
+            raw_query.clone()
+        };
+        let upstream_query = (!upstream_query.is_empty()).then_some(upstream_query);
+        let host = request_host(&req);
+        let request_uri = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
+        let mut headers = req.headers().clone();
+        rewrite_request_headers(
+            &mut headers,
+            false,
+            &Forwarded {
+                client_ip: remote.ip().to_canonical(),
+                host: host.as_ref(),
+                method: req.method(),
+                request_uri: &request_uri,
+            },
+        );
+        headers.remove(header::CONTENT_LENGTH);
+        let path = req.uri().path().to_string();
+        let fetches = nodes.iter().map(|node| {
+            let headers = headers.clone();
+            let path = path.as_str();
+            let query = upstream_query.as_deref();
+            async move {
+                let uri = upstream_uri(&node.endpoint, path, query).map_err(|_| None)?;
+                let mut up = Request::new(empty());
+                *up.uri_mut() = uri;
+                *up.headers_mut() = headers;
+                let resp = self.inner.client.request(up).await.map_err(|e| {
+                    tracing::warn!(node_id = %node.node_id, error = ?e, "cluster list: node unreachable");
+                    None
+                })?;
+                let status = resp.status();
+                if !status.is_success() {
+                    tracing::warn!(node_id = %node.node_id, %status, "cluster list: node answered with an error");
+                    return Err(Some(status));
+                }
+                let (frames, _, rest) = read_prefix(boxed(resp.into_body()), LIST_BODY_CAP).await.map_err(|_| None)?;
+                if rest.is_some() {
+                    tracing::warn!(node_id = %node.node_id, "cluster list: node answer too large");
+                    return Err(None);
+                }
+                serde_json::from_slice::<Vec<ListedSandbox>>(&concat(&frames)).map_err(|e| {
+                    tracing::warn!(node_id = %node.node_id, error = %e, "cluster list: node answer is not a sandbox list");
+                    None
+                })
+            }
+        });
+        let all = match tokio::time::timeout_at(deadline, futures::future::try_join_all(fetches))
+            .await
+        {
+            Ok(Ok(lists)) => lists.into_iter().flatten().collect::<Vec<_>>(),
+            Ok(Err(Some(status))) if status.is_client_error() => {
+                return error_response(status, status.canonical_reason().unwrap_or("client error"));
+            }
+            Ok(Err(_)) | Err(_) => {
+                return error_response(StatusCode::BAD_GATEWAY, "cluster list unavailable");
+            }
+        };
+        let merged = cluster_list::merge(all);
+        if !v2 {
+            return json_response(StatusCode::OK, &merged);
+        }
+        let limit = match cluster_list::parse_limit(&pairs) {
+            Ok(l) => l,
+            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
+        let token = pairs
+            .iter()
+            .find(|(k, _)| k == "nextToken")
+            .map(|(_, v)| v.as_str());
+        let cursor = match cluster_list::parse_token(token, time::OffsetDateTime::now_utc()) {
+            Ok(c) => c,
+            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
+        let (page, next) = cluster_list::paginate(merged, cursor, limit);
+        let mut resp = json_response(StatusCode::OK, &page);
+        if let Some(next) = next
+            && let Ok(v) = HeaderValue::from_str(&next)
+        {
+            resp.headers_mut().insert(NEXT_TOKEN_HEADER, v);
+        }
+        resp
+    }
+}
+
+/// A scheduler error as an HTTP response.
+pub fn scheduler_error(status: &Status) -> Response<GatewayBody> {
+    match status.code() {
+        Code::InvalidArgument => error_response(StatusCode::BAD_REQUEST, status.message()),
+        Code::NotFound => error_response(StatusCode::NOT_FOUND, status.message()),
+        Code::Unavailable => error_response(StatusCode::SERVICE_UNAVAILABLE, status.message()),
+        _ => {
+            tracing::warn!(code = ?status.code(), message = status.message(), "scheduler error");
+            error_response(StatusCode::BAD_GATEWAY, "scheduler error")
+        }
+    }
+}
+
+/// Sandbox ids in a create or fork response body: `sandboxID`, `sandboxId`
+/// or `sandbox_id` at the top level, in `data`, and in the items of
+/// `sandboxes` and `data.sandboxes`. Blanks skipped, order kept, no repeats.
+pub fn extract_sandbox_ids(body: &[u8]) -> Vec<String> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut take = |obj: &serde_json::Value| {
+        for key in ["sandboxID", "sandboxId", "sandbox_id"] {
+            if let Some(id) = obj.get(key).and_then(|v| v.as_str()).map(str::trim)
+                && !id.is_empty()
+                && !out.iter().any(|o| o == id)
+            {
+                out.push(id.to_string());
+            }
+        }
+    };
+    let data = value.get("data");
+    take(&value);
+    if let Some(d) = data {
+        take(d);
+    }
+    for list in [
+        value.get("sandboxes"),
+        data.and_then(|d| d.get("sandboxes")),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if let Some(items) = list.as_array() {
+            items.iter().for_each(&mut take);
+        }
+    }
+    out
+}
+
+fn request_host<B>(req: &Request<B>) -> Option<HeaderValue> {
+    req.headers().get(header::HOST).cloned().or_else(|| {
+        req.uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    })
+}
+
+/// The decoded path, or `None` when a `%` is not followed by two hex digits
+/// or the result is not UTF-8.
+fn decode_path(raw: &str) -> Option<String> {
+    let b = raw.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            if i + 2 >= b.len() {
+                return None;
+            }
+            if !(b[i + 1].is_ascii_hexdigit() && b[i + 2].is_ascii_hexdigit()) {
+                return None;
+            }
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
+}
+
+fn query_value(query: Option<&str>, key: &str) -> Option<String> {
+    cluster_list::parse_query(query?)
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+}
+
+/// A [`Gateway`] bound to one client connection, as a hyper service.
+#[derive(Clone)]
+pub struct GatewayService {
+    gateway: Gateway,
+    remote: SocketAddr,
+}
+
+impl<B> hyper::service::Service<Request<B>> for GatewayService
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<GatewayBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response<GatewayBody>, Infallible>>;
+
+    fn call(&self, req: Request<B>) -> Self::Future {
+        let gateway = self.gateway.clone();
+        let remote = self.remote;
+        Box::pin(async move { Ok(gateway.handle(req, remote).await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_ids_come_from_top_level_data_and_lists_in_order() {
+        assert_eq!(extract_sandbox_ids(br#"{"sandboxID":"a"}"#), ["a"]);
+        assert_eq!(
+            extract_sandbox_ids(br#"{"sandboxId":"a","data":{"sandbox_id":"b"}}"#),
+            ["a", "b"]
+        );
+        assert_eq!(
+            extract_sandbox_ids(br#"{"sandboxes":[{"sandboxID":"x"},{"sandboxID":" "},{"sandboxID":"y"},{"sandboxID":"x"}]}"#),
+            ["x", "y"]
+        );
+        assert_eq!(
+            extract_sandbox_ids(br#"{"data":{"sandboxes":[{"sandboxID":"z"}]}}"#),
+            ["z"]
+        );
+        assert!(extract_sandbox_ids(b"not json").is_empty());
+    }
+
+    #[test]
+    fn scheduler_codes_map_to_http_statuses() {
+        let s = |c, m: &str| scheduler_error(&Status::new(c, m)).status();
+        assert_eq!(s(Code::InvalidArgument, "x"), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            s(Code::NotFound, "sandbox assignment not found"),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            s(Code::Unavailable, "no nodes available"),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(s(Code::DeadlineExceeded, "x"), StatusCode::BAD_GATEWAY);
+        assert_eq!(s(Code::Internal, "x"), StatusCode::BAD_GATEWAY);
+        assert_eq!(s(Code::Unimplemented, "x"), StatusCode::BAD_GATEWAY);
+    }
+
+    #[test]
+    fn paths_with_broken_escapes_are_rejected() {
+        assert_eq!(decode_path("/a%2Fb").as_deref(), Some("/a/b"));
+        assert_eq!(decode_path("/a%20b").as_deref(), Some("/a b"));
+        assert_eq!(decode_path("/a%zz"), None);
+        assert_eq!(decode_path("/a%2"), None);
+        assert_eq!(decode_path("/a%"), None);
+        assert_eq!(decode_path("/a%ff"), None);
+    }
+}
