@@ -1,0 +1,381 @@
+//! `GET /files` (download) and `POST /files` (upload: multipart field
+//! `file`, or the raw body; optionally gzip-encoded), streamed both ways.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt, TryStreamExt};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use http_body::Frame;
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::Incoming;
+use tokio::io::{AsyncRead, AsyncWriteExt};
+use tokio_util::io::{ReaderStream, StreamReader};
+
+use crate::connect::RespBody;
+use crate::filesystem::{chown_to, make_dirs};
+use crate::server::{AgentState, json_error};
+use crate::users::User;
+
+/// Read size for downloads.
+const DOWNLOAD_CHUNK: usize = 256 * 1024;
+
+/// Errors of the `/files` handlers.
+#[derive(Debug, thiserror::Error)]
+pub enum FilesError {
+    #[error("query parameter `path` is required (or a multipart filename)")]
+    MissingPath,
+    #[error("{0}")]
+    BadUser(String),
+    #[error("{0} is a directory; download files one by one")]
+    IsDirectory(String),
+    #[error("{path}: {source}")]
+    Io { path: String, source: io::Error },
+    #[error("reading the upload: {0}")]
+    Body(String),
+    #[error("multipart upload: {0}; send a `file` part per file")]
+    Multipart(String),
+}
+
+impl FilesError {
+    fn status(&self) -> StatusCode {
+        match self {
+            FilesError::MissingPath | FilesError::IsDirectory(_) | FilesError::Multipart(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            FilesError::BadUser(_) => StatusCode::UNAUTHORIZED,
+            FilesError::Body(_) => StatusCode::BAD_REQUEST,
+            FilesError::Io { source, .. } => match source.kind() {
+                io::ErrorKind::NotFound => StatusCode::NOT_FOUND,
+                io::ErrorKind::PermissionDenied => StatusCode::FORBIDDEN,
+                io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
+                    StatusCode::INSUFFICIENT_STORAGE
+                }
+                io::ErrorKind::IsADirectory | io::ErrorKind::NotADirectory => {
+                    StatusCode::BAD_REQUEST
+                }
+                io::ErrorKind::InvalidData | io::ErrorKind::UnexpectedEof => {
+                    StatusCode::BAD_REQUEST
+                }
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            },
+        }
+    }
+
+    fn into_response(self) -> Response<RespBody> {
+        json_error(self.status(), self.to_string())
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> FilesError + '_ {
+    move |source| FilesError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Decodes `%XX` and `+` in a query component.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One query parameter.
+fn query_param(query: Option<&str>, key: &str) -> Option<String> {
+    query?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        (percent_decode(k) == key).then(|| percent_decode(v))
+    })
+}
+
+fn user_for(
+    state: &AgentState,
+    query: Option<&str>,
+    headers: &HeaderMap,
+) -> Result<User, FilesError> {
+    match query_param(query, "username").filter(|u| !u.is_empty()) {
+        Some(u) => state.user(Some(&u)),
+        None => state.caller(headers),
+    }
+    .map_err(|e| FilesError::BadUser(e.message))
+}
+
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|e| {
+            let mut parts = e.trim().split(';');
+            let name = parts.next().unwrap_or("").trim();
+            let q0 = parts.any(|p| {
+                p.trim()
+                    .strip_prefix("q=")
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    == Some(0.0)
+            });
+            name.eq_ignore_ascii_case("gzip") && !q0
+        })
+}
+
+fn reader_body<R: AsyncRead + Send + 'static>(r: R) -> RespBody {
+    StreamBody::new(ReaderStream::with_capacity(r, DOWNLOAD_CHUNK).map_ok(Frame::data))
+        .boxed_unsync()
+}
+
+/// `GET /files?path=&username=`.
+pub async fn download(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
+    match download_inner(state, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn download_inner(
+    state: &AgentState,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, FilesError> {
+    let query = req.uri().query();
+    let user = user_for(state, query, req.headers())?;
+    let raw = query_param(query, "path")
+        .filter(|p| !p.is_empty())
+        .ok_or(FilesError::MissingPath)?;
+    let path = crate::paths::resolve(&raw, &user.home);
+    let md = tokio::fs::metadata(&path).await.map_err(io_err(&path))?;
+    if md.is_dir() {
+        return Err(FilesError::IsDirectory(path.display().to_string()));
+    }
+    let file = tokio::fs::File::open(&path).await.map_err(io_err(&path))?;
+    let gzip = accepts_gzip(req.headers());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().replace('"', "_"))
+        .unwrap_or_default();
+    let mut resp = if gzip {
+        let enc = async_compression::tokio::bufread::GzipEncoder::new(
+            tokio::io::BufReader::with_capacity(DOWNLOAD_CHUNK, file),
+        );
+        let mut r = Response::new(reader_body(enc));
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r
+    } else {
+        let mut r = Response::new(reader_body(file));
+        r.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(md.len()));
+        r
+    };
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    Ok(resp)
+}
+
+/// The `X-Metadata-<key>: <value>` headers of an upload.
+fn upload_metadata(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter_map(|(k, v)| {
+            let key = k.as_str().strip_prefix("x-metadata-")?;
+            Some((key.to_string(), v.to_str().ok()?.to_string()))
+        })
+        .collect()
+}
+
+fn set_metadata(path: &Path, meta: &[(String, String)]) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(cpath) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    for (k, v) in meta {
+        let Ok(name) = std::ffi::CString::new(format!("user.e2b.{k}")) else {
+            continue;
+        };
+        // SAFETY: both strings are NUL-terminated and `v` is valid for
+        // `v.len()` bytes.
+        let rc = unsafe {
+            libc::lsetxattr(cpath.as_ptr(), name.as_ptr(), v.as_ptr().cast(), v.len(), 0)
+        };
+        if rc != 0 {
+            tracing::debug!(path = %path.display(), error = %io::Error::last_os_error(), "setxattr");
+        }
+    }
+}
+
+/// Writes a byte stream to `path` (parents created, owner set).
+async fn write_stream<S, E>(path: &Path, user: &User, mut body: S) -> Result<(), FilesError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    if let Some(parent) = path.parent() {
+        make_dirs(parent, user).map_err(io_err(parent))?;
+    }
+    if path.is_dir() {
+        return Err(FilesError::IsDirectory(path.display().to_string()));
+    }
+    let mut file = tokio::fs::File::create(path).await.map_err(io_err(path))?;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| FilesError::Body(e.to_string()))?;
+        file.write_all(&chunk).await.map_err(io_err(path))?;
+    }
+    file.flush().await.map_err(io_err(path))?;
+    drop(file);
+    chown_to(path, user);
+    Ok(())
+}
+
+fn incoming_stream(body: Incoming) -> impl Stream<Item = Result<Bytes, hyper::Error>> + Unpin {
+    BodyStream::new(body)
+        .try_filter_map(|f| async move { Ok(f.into_data().ok()) })
+        .boxed()
+}
+
+/// `POST /files?path=&username=`.
+pub async fn upload(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
+    match upload_inner(state, req).await {
+        Ok(written) => {
+            let list: Vec<_> = written
+                .iter()
+                .map(|p| {
+                    serde_json::json!({
+                        "path": p.display().to_string(),
+                        "name": p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+                        "type": "file",
+                    })
+                })
+                .collect();
+            let mut r = Response::new(crate::connect::full(
+                serde_json::to_vec(&list).unwrap_or_default(),
+            ));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn upload_inner(
+    state: &AgentState,
+    req: Request<Incoming>,
+) -> Result<Vec<PathBuf>, FilesError> {
+    let query = req.uri().query().map(str::to_string);
+    let user = user_for(state, query.as_deref(), req.headers())?;
+    let target = query_param(query.as_deref(), "path").filter(|p| !p.is_empty());
+    let meta = upload_metadata(req.headers());
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let gzip = req
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
+        .unwrap_or(false);
+    let body = incoming_stream(req.into_body());
+
+    if let Ok(boundary) = multer::parse_boundary(&ct) {
+        let mut mp = multer::Multipart::new(body, boundary);
+        let mut written = Vec::new();
+        loop {
+            let field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return Err(FilesError::Multipart(e.to_string())),
+            };
+            if field.name() != Some("file") {
+                continue;
+            }
+            let raw = match (&target, field.file_name()) {
+                (Some(t), _) => t.clone(),
+                (None, Some(f)) if !f.is_empty() => f.to_string(),
+                _ => return Err(FilesError::MissingPath),
+            };
+            let path = crate::paths::resolve(&raw, &user.home);
+            write_stream(&path, &user, field).await?;
+            set_metadata(&path, &meta);
+            written.push(path);
+        }
+        if written.is_empty() {
+            return Err(FilesError::Multipart("no part named `file`".into()));
+        }
+        return Ok(written);
+    }
+
+    let raw = target.ok_or(FilesError::MissingPath)?;
+    let path = crate::paths::resolve(&raw, &user.home);
+    if gzip {
+        let reader = StreamReader::new(body.map_err(io::Error::other));
+        let dec = async_compression::tokio::bufread::GzipDecoder::new(reader);
+        let stream = ReaderStream::with_capacity(dec, DOWNLOAD_CHUNK);
+        write_stream(&path, &user, stream).await?;
+    } else {
+        write_stream(&path, &user, body).await?;
+    }
+    set_metadata(&path, &meta);
+    Ok(vec![path])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_params_are_percent_decoded() {
+        let q = Some("path=%2Ftmp%2Fa%20b.txt&username=user&x=1+2");
+        assert_eq!(query_param(q, "path").as_deref(), Some("/tmp/a b.txt"));
+        assert_eq!(query_param(q, "username").as_deref(), Some("user"));
+        assert_eq!(query_param(q, "x").as_deref(), Some("1 2"));
+        assert_eq!(query_param(q, "missing"), None);
+        assert_eq!(percent_decode("%zz%4"), "%zz%4");
+    }
+
+    #[test]
+    fn gzip_acceptance() {
+        let mut h = HeaderMap::new();
+        assert!(!accepts_gzip(&h));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("br, gzip"),
+        );
+        assert!(accepts_gzip(&h));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("gzip;q=0"),
+        );
+        assert!(!accepts_gzip(&h));
+    }
+}

@@ -1,0 +1,107 @@
+//! The official E2B Python SDK (PyPI `e2b`, debug mode) against the agent
+//! binary on localhost:49983.
+//!
+//! The SDK is installed into `target/e2b-venv` (created on first run with
+//! `python3 -m venv` and `pip install e2b`). Debug mode pins port 49983, so
+//! this is the only test that uses it, and a file lock keeps two runs of it
+//! apart.
+
+mod common;
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn venv_python() -> Result<PathBuf, String> {
+    let venv = common::target_dir().join("e2b-venv");
+    let py = venv.join("bin/python");
+    let has_sdk = |py: &Path| {
+        Command::new(py)
+            .args(["-c", "import e2b"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if py.exists() && has_sdk(&py) {
+        return Ok(py);
+    }
+    let st = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .map_err(|e| format!("python3 not runnable: {e}"))?;
+    if !st.success() {
+        return Err("`python3 -m venv` failed (install python3-venv)".into());
+    }
+    let st = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "e2b"])
+        .status()
+        .map_err(|e| format!("pip not runnable: {e}"))?;
+    if !st.success() || !has_sdk(&py) {
+        return Err("`pip install e2b` failed (is PyPI reachable?)".into());
+    }
+    Ok(py)
+}
+
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn official_e2b_python_sdk_drives_the_agent() {
+    let py = match venv_python() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("SKIPPED official_e2b_python_sdk_drives_the_agent: {why}");
+            return;
+        }
+    };
+    // Only one user of port 49983 at a time.
+    let lock = File::create(common::target_dir().join("e2b-sdk-49983.lock")).unwrap();
+    // SAFETY: flock on a valid fd.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+
+    let agent = Command::new(env!("CARGO_BIN_EXE_agentenv-guest"))
+        .args(["--port", "49983", "--addr", "127.0.0.1"])
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("starting the agent binary");
+    let _agent = KillOnDrop(agent);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if std::net::TcpStream::connect("127.0.0.1:49983").is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "agent did not listen on 49983");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let base = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2b_sdk_script.py");
+    let out = Command::new(&py)
+        .arg(&script)
+        .arg(base.path())
+        .env("E2B_DEBUG", "true")
+        .env(
+            "E2B_API_KEY",
+            "e2b_0000000000000000000000000000000000000000",
+        )
+        .output()
+        .expect("running the SDK script");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success(),
+        "SDK script failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("checks passed"), "{stdout}");
+}
