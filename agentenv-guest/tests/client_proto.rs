@@ -1,0 +1,422 @@
+//! The Rust Connect client (binary protobuf codec) against an in-process
+//! agent on loopback.
+
+mod common;
+
+use std::time::Duration;
+
+use agentenv_guest::client::{ClientError, GuestClient, collect_output};
+use agentenv_guest::connect::Code;
+use agentenv_guest::proto::process as pr;
+use agentenv_guest::server::AgentOptions;
+use common::{TestAgent, poll};
+use futures::StreamExt;
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+
+fn pid_sel(pid: u32) -> pr::ProcessSelector {
+    pr::ProcessSelector {
+        selector: Some(pr::process_selector::Selector::Pid(pid)),
+    }
+}
+
+fn start_req(cmd: &str, args: &[&str], stdin: bool) -> pr::StartRequest {
+    pr::StartRequest {
+        process: Some(pr::ProcessConfig {
+            cmd: cmd.into(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }),
+        stdin: Some(stdin),
+        ..Default::default()
+    }
+}
+
+async fn first_pid<T, F>(stream: &mut agentenv_guest::client::ResponseStream<T>, ev: F) -> u32
+where
+    T: agentenv_guest::connect::ConnectMessage,
+    F: Fn(T) -> Option<pr::ProcessEvent>,
+{
+    let first = stream.next().await.unwrap().unwrap();
+    match ev(first).and_then(|e| e.event) {
+        Some(pr::process_event::Event::Start(s)) => s.pid,
+        other => panic!("first event is not start: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn binary_codec_runs_a_process_with_separate_stdout_and_stderr() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let out = c
+        .run("/bin/sh", &["-c", "echo out; echo err >&2; exit 7"])
+        .await
+        .unwrap();
+    assert!(out.pid > 0);
+    assert_eq!(out.stdout, b"out\n");
+    assert_eq!(out.stderr, b"err\n");
+    let end = out.end.unwrap();
+    assert_eq!(
+        (end.exit_code, end.exited, end.status.as_str()),
+        (7, true, "exit status 7")
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn h2c_client_runs_processes_over_one_connection() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new_h2c(&agent.url()).unwrap();
+    for i in 0..3 {
+        let out = c.run("/bin/echo", &[&i.to_string()]).await.unwrap();
+        assert_eq!(out.stdout, format!("{i}\n").into_bytes());
+    }
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn stream_input_and_close_stdin_feed_a_process() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let mut stream = c.start(&start_req("/bin/cat", &[], true)).await.unwrap();
+    let pid = first_pid(&mut stream, |m: pr::StartResponse| m.event).await;
+    let (tx, task) = c.stream_input(pid_sel(pid), false);
+    assert!(tx.send(b"hello ".to_vec()).await);
+    assert!(tx.send(b"world\n".to_vec()).await);
+    drop(tx);
+    task.await.unwrap().unwrap();
+    c.send_input(pid_sel(pid), b"unary\n".to_vec(), false)
+        .await
+        .unwrap();
+    c.close_stdin(pid_sel(pid)).await.unwrap();
+    let out = collect_output(stream.map(|r| r.map(|m| m.event)))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"hello world\nunary\n");
+    assert_eq!(out.end.unwrap().exit_code, 0);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn signals_end_a_process_and_report_it_like_envd() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let mut stream = c
+        .start(&start_req("/bin/sleep", &["60"], false))
+        .await
+        .unwrap();
+    let pid = first_pid(&mut stream, |m: pr::StartResponse| m.event).await;
+    let listed = c.list().await.unwrap();
+    assert!(listed.iter().any(|p| p.pid == pid));
+    c.send_signal(pid_sel(pid), pr::Signal::Sigterm)
+        .await
+        .unwrap();
+    let out = collect_output(stream.map(|r| r.map(|m| m.event)))
+        .await
+        .unwrap();
+    let end = out.end.unwrap();
+    assert_eq!((end.exit_code, end.exited), (-1, false));
+    assert_eq!(end.status, "signal: terminated");
+    let err = c
+        .send_signal(pid_sel(pid), pr::Signal::Sigkill)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::NotFound), "{err}");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "process was not reaped"
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn connect_by_tag_reattaches_to_running_process() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let mut req = start_req("/bin/cat", &[], true);
+    req.tag = Some("my-cat".into());
+    let mut first = c.start(&req).await.unwrap();
+    let pid = first_pid(&mut first, |m: pr::StartResponse| m.event).await;
+    drop(first); // the first client goes away; the process keeps running
+    let sel = pr::ProcessSelector {
+        selector: Some(pr::process_selector::Selector::Tag("my-cat".into())),
+    };
+    let mut again = c.connect(sel.clone()).await.unwrap();
+    assert_eq!(
+        first_pid(&mut again, |m: pr::ConnectResponse| m.event).await,
+        pid
+    );
+    let listed = c.list().await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .find(|p| p.pid == pid)
+            .and_then(|p| p.tag.clone())
+            .as_deref(),
+        Some("my-cat")
+    );
+    c.send_input(sel.clone(), b"after reconnect\n".to_vec(), false)
+        .await
+        .unwrap();
+    c.close_stdin(sel).await.unwrap();
+    let out = collect_output(again.map(|r| r.map(|m| m.event)))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"after reconnect\n");
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn pty_process_gets_input_and_resize() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let req = pr::StartRequest {
+        process: Some(pr::ProcessConfig {
+            cmd: "/bin/sh".into(),
+            ..Default::default()
+        }),
+        pty: Some(pr::Pty {
+            size: Some(pr::pty::Size { cols: 90, rows: 20 }),
+        }),
+        ..Default::default()
+    };
+    let mut stream = c.start(&req).await.unwrap();
+    let pid = first_pid(&mut stream, |m: pr::StartResponse| m.event).await;
+    c.send_input(pid_sel(pid), b"stty size; tty\n".to_vec(), true)
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut wait_for = async |needle: &str, seen: &mut Vec<u8>| {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !String::from_utf8_lossy(seen).contains(needle) {
+                if let Some(Ok(m)) = stream.next().await
+                    && let Some(pr::process_event::Event::Data(d)) = m.event.and_then(|e| e.event)
+                    && let Some(pr::process_event::data_event::Output::Pty(b)) = d.output
+                {
+                    seen.extend_from_slice(&b);
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no {needle:?} in {:?}", String::from_utf8_lossy(seen)));
+    };
+    wait_for("20 90", &mut seen).await;
+    wait_for("/dev/pts/", &mut seen).await;
+    c.resize_pty(pid_sel(pid), 120, 40).await.unwrap();
+    c.send_input(pid_sel(pid), b"stty size\n".to_vec(), true)
+        .await
+        .unwrap();
+    wait_for("40 120", &mut seen).await;
+    let err = c.close_stdin(pid_sel(pid)).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::FailedPrecondition));
+    c.send_input(pid_sel(pid), b"exit 5\n".to_vec(), true)
+        .await
+        .unwrap();
+    let out = collect_output(stream.map(|r| r.map(|m| m.event)))
+        .await
+        .unwrap();
+    assert_eq!(out.end.unwrap().exit_code, 5);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn filesystem_calls_over_binary_codec() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("a/b");
+    c.make_dir(d.to_str().unwrap()).await.unwrap();
+    let err = c.make_dir(d.to_str().unwrap()).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::AlreadyExists));
+    std::fs::write(d.join("f.txt"), b"12345").unwrap();
+    std::os::unix::fs::symlink(d.join("f.txt"), d.join("link")).unwrap();
+    let st = c.stat(d.join("f.txt").to_str().unwrap()).await.unwrap();
+    assert_eq!((st.size, st.name.as_str()), (5, "f.txt"));
+    let link = c.stat(d.join("link").to_str().unwrap()).await.unwrap();
+    assert!(link.is_symlink);
+    assert_eq!(
+        link.r#type,
+        agentenv_guest::proto::filesystem::FileType::File as i32
+    );
+    assert_eq!(link.symlink_target.as_deref(), d.join("f.txt").to_str());
+    let top = c.list_dir(dir.path().to_str().unwrap(), 1).await.unwrap();
+    assert_eq!(top.len(), 1);
+    let all = c.list_dir(dir.path().to_str().unwrap(), 3).await.unwrap();
+    assert_eq!(all.len(), 4, "{all:?}");
+    c.remove(dir.path().join("a").to_str().unwrap())
+        .await
+        .unwrap();
+    let err = c.stat(d.to_str().unwrap()).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::NotFound));
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn access_token_is_enforced_once_init_sets_it() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let open = GuestClient::new(&agent.url()).unwrap();
+    open.init(&serde_json::json!({
+        "envVars": {"FROM_INIT": "yes"},
+        "accessToken": "s3cret",
+        "timestamp": "2026-01-01T00:00:00Z"
+    }))
+    .await
+    .unwrap();
+    assert!(open.health().await.unwrap(), "/health must stay open");
+    let err = open.list().await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+    let wrong = GuestClient::new(&agent.url())
+        .unwrap()
+        .with_access_token("s3creT");
+    assert_eq!(
+        wrong.list().await.unwrap_err().code(),
+        Some(Code::Unauthenticated)
+    );
+    let err = open.download("/etc/hostname").await.err().unwrap();
+    assert!(
+        matches!(err, ClientError::Http { status, .. } if status == 401),
+        "{err}"
+    );
+    let good = GuestClient::new(&agent.url())
+        .unwrap()
+        .with_access_token("s3cret");
+    let out = good
+        .run("/bin/sh", &["-c", "echo $FROM_INIT"])
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"yes\n");
+    // A second /init needs the current token.
+    assert!(
+        open.init(&serde_json::json!({"accessToken": ""}))
+            .await
+            .is_err()
+    );
+    good.init(&serde_json::json!({"accessToken": ""}))
+        .await
+        .unwrap();
+    open.list().await.unwrap();
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn connect_timeout_ms_ends_a_start_stream_and_the_process() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let msg = prost::Message::encode_to_vec(&start_req("/bin/sleep", &["30"], false));
+    let env = agentenv_guest::connect::encode_envelope(0, &msg);
+    let req = http::Request::post(format!("{}/process.Process/Start", agent.url()))
+        .header("content-type", "application/connect+proto")
+        .header("connect-timeout-ms", "300")
+        .body(http_body_util::Full::new(env))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("deadline_exceeded"), "{text}");
+    poll(
+        "the timed-out process to end",
+        Duration::from_secs(10),
+        || async { agent.state.processes.is_empty().then_some(()) },
+    )
+    .await;
+    agent.stop().await;
+}
+
+fn fill_pseudo_random(buf: &mut [u8], seed: &mut u64) {
+    for chunk in buf.chunks_mut(8) {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        let b = seed.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+#[tokio::test]
+async fn upload_and_download_100_mib_round_trip_with_checksum() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.bin");
+    let mut want = Sha256::new();
+    {
+        let mut f = tokio::fs::File::create(&src).await.unwrap();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut buf = vec![0u8; 1 << 20];
+        for _ in 0..100 {
+            fill_pseudo_random(&mut buf, &mut seed);
+            want.update(&buf);
+            f.write_all(&buf).await.unwrap();
+        }
+        f.flush().await.unwrap();
+    }
+    let want = want.finalize();
+    let remote = dir.path().join("remote/dir/uploaded.bin");
+    c.upload_file(&src, remote.to_str().unwrap()).await.unwrap();
+    assert_eq!(std::fs::metadata(&remote).unwrap().len(), 100 << 20);
+    let mut got = Sha256::new();
+    let mut n = 0usize;
+    let mut stream = c.download(remote.to_str().unwrap()).await.unwrap();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        n += chunk.len();
+        got.update(&chunk);
+    }
+    assert_eq!(n, 100 << 20);
+    assert_eq!(
+        got.finalize(),
+        want,
+        "downloaded bytes differ from uploaded ones"
+    );
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn gzip_upload_and_download_round_trip() {
+    use async_compression::tokio::bufread::{GzipDecoder, GzipEncoder};
+    use tokio::io::AsyncReadExt;
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..200_000u32)
+        .flat_map(|i| (i % 251).to_le_bytes())
+        .collect();
+    let mut gz = Vec::new();
+    GzipEncoder::new(&data[..])
+        .read_to_end(&mut gz)
+        .await
+        .unwrap();
+    let path = dir.path().join("g.bin");
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let req = http::Request::post(format!("{}/files?path={}", agent.url(), path.display()))
+        .header("content-type", "application/octet-stream")
+        .header("content-encoding", "gzip")
+        .body(http_body_util::Full::new(bytes::Bytes::from(gz)))
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(std::fs::read(&path).unwrap(), data);
+    let req = http::Request::get(format!("{}/files?path={}", agent.url(), path.display()))
+        .header("accept-encoding", "gzip")
+        .body(http_body_util::Full::default())
+        .unwrap();
+    let resp = http.request(req).await.unwrap();
+    assert_eq!(resp.headers()["content-encoding"], "gzip");
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert!(body.len() < data.len());
+    let mut plain = Vec::new();
+    GzipDecoder::new(&body[..])
+        .read_to_end(&mut plain)
+        .await
+        .unwrap();
+    assert_eq!(plain, data);
+    agent.stop().await;
+}
