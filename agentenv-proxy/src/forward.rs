@@ -73,7 +73,14 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
 ];
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+fn strip_hop_by_hop(headers: &mut HeaderMap, keep_trailer: bool) {
+    let trailer = keep_trailer.then(|| {
+        headers
+            .get_all(header::TRAILER)
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+    });
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -88,6 +95,10 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         headers.remove(name);
     }
     headers.remove(header::UPGRADE);
+    // A response keeps its trailer announcement so trailers reach HTTP/1.1 clients.
+    for v in trailer.into_iter().flatten() {
+        headers.append(header::TRAILER, v);
+    }
 }
 
 /// What the gateway knows about the inbound request for `X-Forwarded-*`.
@@ -105,7 +116,7 @@ pub struct Forwarded<'a> {
 pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &Forwarded<'_>) {
     let te_trailers = crate::routing::has_token(headers, header::TE.as_str(), "trailers");
     let upgrade_value = headers.get(header::UPGRADE).cloned();
-    strip_hop_by_hop(headers);
+    strip_hop_by_hop(headers, false);
     if te_trailers {
         headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
@@ -135,17 +146,17 @@ pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &For
 }
 
 /// Strips hop-by-hop headers from an upstream response (a 101 keeps
-/// `Connection` and `Upgrade`).
+/// `Connection` and `Upgrade`; `Trailer` is kept).
 pub fn rewrite_response_headers(headers: &mut HeaderMap, switching_protocols: bool) {
     if switching_protocols {
         let upgrade = headers.get(header::UPGRADE).cloned();
-        strip_hop_by_hop(headers);
+        strip_hop_by_hop(headers, true);
         headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
         if let Some(v) = upgrade {
             headers.insert(header::UPGRADE, v);
         }
     } else {
-        strip_hop_by_hop(headers);
+        strip_hop_by_hop(headers, true);
     }
 }
 

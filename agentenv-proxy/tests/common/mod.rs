@@ -130,6 +130,41 @@ impl FakeNode {
         (node, log)
     }
 
+    /// A node that logs each request and answers with a fixed response.
+    pub async fn canned(
+        status: StatusCode,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> (Self, Log) {
+        let log: Log = Arc::default();
+        let l = log.clone();
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let body: Bytes = body.into();
+        let node = Self::start(move |req| {
+            let l = l.clone();
+            let headers = headers.clone();
+            let body = body.clone();
+            async move {
+                let seen = read_seen(req).await;
+                l.lock().push(seen);
+                let mut resp = Response::new(full(body));
+                *resp.status_mut() = status;
+                for (k, v) in headers {
+                    resp.headers_mut().insert(
+                        http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                        v.parse().unwrap(),
+                    );
+                }
+                resp
+            }
+        })
+        .await;
+        (node, log)
+    }
+
     /// Stops accepting connections (the port then refuses).
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
