@@ -1,1 +1,4 @@
 //! The AgentENV runtime node as a library.
+
+pub mod backend;
+pub mod template;

@@ -1,0 +1,630 @@
+//! Per-sandbox cgroups on cgroup v1 or v2, behind one small interface.
+//!
+//! v1: one directory per hierarchy that carries a controller we use (`cpu`, `cpuacct`,
+//! `memory`, `pids`, `freezer`; co-mounted controllers share a directory). v2: one
+//! directory in the unified hierarchy, with `cpu`, `memory` and `pids` enabled in the
+//! parent's `cgroup.subtree_control` and the built-in freezer.
+//!
+//! Sandbox cgroups live under `<parent>/<sandbox id>`, where `<parent>` is relative to the
+//! node's own cgroup (or absolute from the hierarchy root when it starts with `/`).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Errors of the cgroup layer.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error(
+        "no usable cgroup hierarchy: need cgroup v1 with cpu, cpuacct, memory, pids and freezer mounted, or cgroup v2 with cpu, memory and pids available ({0})"
+    )]
+    Unsupported(String),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cgroup {path} did not reach state {want} within {timeout:?}")]
+    Timeout {
+        path: String,
+        want: &'static str,
+        timeout: Duration,
+    },
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CgroupError {
+    let context = context.into();
+    move |source| CgroupError::Io { context, source }
+}
+
+/// The controllers the jail needs on cgroup v1.
+pub const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"];
+/// The controllers the jail enables on cgroup v2.
+pub const V2_CONTROLLERS: &[&str] = &["cpu", "memory", "pids"];
+
+/// Which hierarchy the host uses, and where the node's own cgroups are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Hierarchy {
+    /// `(controllers of the mount, mount point, the node's cgroup in it)` per hierarchy.
+    V1(Vec<V1Mount>),
+    /// Mount point of the unified hierarchy and the node's cgroup in it.
+    V2 { mount: PathBuf, own: PathBuf },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct V1Mount {
+    pub controllers: Vec<String>,
+    pub mount: PathBuf,
+    pub own: PathBuf,
+}
+
+/// Limits of one sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub cpus: u32,
+    pub memory_bytes: u64,
+    pub max_processes: u32,
+}
+
+/// What a sandbox uses now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub cpu_ns: u64,
+    pub memory_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub processes: u64,
+}
+
+/// CFS period used for CPU quotas.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+impl Hierarchy {
+    /// Detects the host's hierarchy from `/proc/self/mountinfo` and `/proc/self/cgroup`.
+    /// cgroup v1 is used when it carries the memory controller, else v2.
+    pub fn detect() -> Result<Self, CgroupError> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(io_err("reading /proc/self/mountinfo"))?;
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(io_err("reading /proc/self/cgroup"))?;
+        Self::from_texts(&mountinfo, &own, |p| {
+            std::fs::read_to_string(p.join("cgroup.controllers")).ok()
+        })
+    }
+
+    /// [`Hierarchy::detect`] on given texts; `controllers_of` reads a v2 cgroup's
+    /// `cgroup.controllers`.
+    pub fn from_texts(
+        mountinfo: &str,
+        own_cgroup: &str,
+        controllers_of: impl Fn(&Path) -> Option<String>,
+    ) -> Result<Self, CgroupError> {
+        let mut v1 = Vec::new();
+        let mut v2_mount = None;
+        for line in mountinfo.lines() {
+            // id parent maj:min root mountpoint options [optional...] - fstype source superopts
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            let fields: Vec<&str> = left.split(' ').collect();
+            let rfields: Vec<&str> = right.split(' ').collect();
+            if fields.len() < 5 || rfields.len() < 3 {
+                continue;
+            }
+            let (root, mount) = (fields[3], fields[4]);
+            match rfields[0] {
+                "cgroup" if root == "/" => {
+                    let controllers: Vec<String> = rfields[2]
+                        .split(',')
+                        .filter(|o| V1_CONTROLLERS.contains(o))
+                        .map(str::to_string)
+                        .collect();
+                    if !controllers.is_empty() {
+                        v1.push((controllers, PathBuf::from(mount)));
+                    }
+                }
+                "cgroup2" if root == "/" && v2_mount.is_none() => {
+                    v2_mount = Some(PathBuf::from(mount));
+                }
+                _ => {}
+            }
+        }
+        let mut own_v1 = Vec::new();
+        let mut own_v2 = None;
+        for line in own_cgroup.lines() {
+            let mut parts = line.splitn(3, ':');
+            let (_, ctrls, path) = match (parts.next(), parts.next(), parts.next()) {
+                (Some(a), Some(b), Some(c)) => (a, b, c),
+                _ => continue,
+            };
+            if ctrls.is_empty() {
+                own_v2 = Some(PathBuf::from(path));
+            } else {
+                own_v1.push((
+                    ctrls.split(',').map(str::to_string).collect::<Vec<_>>(),
+                    PathBuf::from(path),
+                ));
+            }
+        }
+        let has_v1 = |c: &str| v1.iter().any(|(cs, _)| cs.iter().any(|x| x == c));
+        if V1_CONTROLLERS.iter().all(|c| has_v1(c)) {
+            let mounts = v1
+                .into_iter()
+                .map(|(controllers, mount)| {
+                    let own = own_v1
+                        .iter()
+                        .find(|(cs, _)| cs.iter().any(|c| controllers.contains(c)))
+                        .map(|(_, p)| p.clone())
+                        .unwrap_or_else(|| PathBuf::from("/"));
+                    V1Mount {
+                        controllers,
+                        mount,
+                        own,
+                    }
+                })
+                .collect();
+            return Ok(Hierarchy::V1(mounts));
+        }
+        if let Some(mount) = v2_mount {
+            let own = own_v2.unwrap_or_else(|| PathBuf::from("/"));
+            let available = controllers_of(&mount).unwrap_or_default();
+            let missing: Vec<&str> = V2_CONTROLLERS
+                .iter()
+                .copied()
+                .filter(|c| !available.split_whitespace().any(|a| a == *c))
+                .collect();
+            if missing.is_empty() {
+                return Ok(Hierarchy::V2 { mount, own });
+            }
+            return Err(CgroupError::Unsupported(format!(
+                "cgroup v2 at {} lacks {}",
+                mount.display(),
+                missing.join(", ")
+            )));
+        }
+        Err(CgroupError::Unsupported("no cgroup mounts found".into()))
+    }
+
+    pub fn version(&self) -> u8 {
+        match self {
+            Hierarchy::V1(_) => 1,
+            Hierarchy::V2 { .. } => 2,
+        }
+    }
+
+    /// The parent directories sandbox cgroups are created in (one per v1 hierarchy).
+    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf> {
+        let join = |mount: &Path, own: &Path| {
+            let base = if parent.starts_with('/') {
+                mount.to_path_buf()
+            } else {
+                mount.join(own.strip_prefix("/").unwrap_or(own))
+            };
+            base.join(parent.trim_start_matches('/'))
+        };
+        match self {
+            Hierarchy::V1(mounts) => mounts.iter().map(|m| join(&m.mount, &m.own)).collect(),
+            Hierarchy::V2 { mount, own } => vec![join(mount, own)],
+        }
+    }
+
+    /// Creates the parent cgroups (and on v2 enables the controllers down to them).
+    pub fn prepare_parent(&self, parent: &str) -> Result<(), CgroupError> {
+        for dir in self.parent_dirs(parent) {
+            std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        }
+        if let Hierarchy::V2 { mount, .. } = self {
+            let dir = &self.parent_dirs(parent)[0];
+            // Enable controllers on every level from the mount point down to the parent.
+            let rel = dir.strip_prefix(mount).unwrap_or(Path::new(""));
+            let mut level = mount.clone();
+            let enable = V2_CONTROLLERS
+                .iter()
+                .map(|c| format!("+{c}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let mut levels = vec![level.clone()];
+            for comp in rel.components() {
+                level = level.join(comp);
+                levels.push(level.clone());
+            }
+            for l in levels {
+                let f = l.join("cgroup.subtree_control");
+                std::fs::write(&f, &enable).map_err(io_err(format!(
+                    "enabling {enable} in {} (on cgroup v2 the parent must be a delegated cgroup without processes; set the jail's cgroup_parent)",
+                    f.display()
+                )))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The cgroup of sandbox `id` (not created yet).
+    pub fn sandbox(&self, parent: &str, id: &str) -> SandboxCgroup {
+        SandboxCgroup {
+            version: self.version(),
+            dirs: self
+                .parent_dirs(parent)
+                .into_iter()
+                .map(|d| d.join(id))
+                .collect(),
+            controllers: match self {
+                Hierarchy::V1(mounts) => mounts.iter().map(|m| m.controllers.clone()).collect(),
+                Hierarchy::V2 { .. } => {
+                    vec![V2_CONTROLLERS.iter().map(|s| s.to_string()).collect()]
+                }
+            },
+        }
+    }
+
+    /// Names of the sandbox cgroups that exist under `parent`.
+    pub fn list(&self, parent: &str) -> Vec<String> {
+        let mut names = std::collections::BTreeSet::new();
+        for dir in self.parent_dirs(parent) {
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                for e in entries.flatten() {
+                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                        names.insert(e.file_name().to_string_lossy().into_owned());
+                    }
+                }
+            }
+        }
+        names.into_iter().collect()
+    }
+}
+
+/// The cgroup(s) of one sandbox.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxCgroup {
+    version: u8,
+    dirs: Vec<PathBuf>,
+    controllers: Vec<Vec<String>>,
+}
+
+impl SandboxCgroup {
+    /// The cgroup directories (one per v1 hierarchy, one on v2).
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+
+    fn dir_with(&self, controller: &str) -> &Path {
+        self.controllers
+            .iter()
+            .position(|cs| cs.iter().any(|c| c == controller))
+            .map(|i| self.dirs[i].as_path())
+            .unwrap_or(self.dirs[0].as_path())
+    }
+
+    /// The `cgroup.procs` files a process writes `0` to in order to join.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    fn write(&self, controller: &str, file: &str, value: &str) -> Result<(), CgroupError> {
+        let path = self.dir_with(controller).join(file);
+        std::fs::write(&path, value)
+            .map_err(io_err(format!("writing {value:?} to {}", path.display())))
+    }
+
+    fn read(&self, controller: &str, file: &str) -> Result<String, CgroupError> {
+        let path = self.dir_with(controller).join(file);
+        std::fs::read_to_string(&path).map_err(io_err(format!("reading {}", path.display())))
+    }
+
+    /// Creates the directories and sets the limits. On failure the directories are removed.
+    pub fn create(&self, limits: Limits) -> Result<(), CgroupError> {
+        let result = self.create_inner(limits);
+        if result.is_err() {
+            for d in &self.dirs {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+        result
+    }
+
+    fn create_inner(&self, limits: Limits) -> Result<(), CgroupError> {
+        for d in &self.dirs {
+            std::fs::create_dir(d).map_err(io_err(format!("creating {}", d.display())))?;
+        }
+        let quota = u64::from(limits.cpus) * CPU_PERIOD_US;
+        let mem = limits.memory_bytes.to_string();
+        let pids = limits.max_processes.to_string();
+        if self.version == 1 {
+            self.write("cpu", "cpu.cfs_period_us", &CPU_PERIOD_US.to_string())?;
+            self.write("cpu", "cpu.cfs_quota_us", &quota.to_string())?;
+            self.write("memory", "memory.limit_in_bytes", &mem)?;
+            // Swap counts against the same limit where swap accounting exists.
+            if self
+                .dir_with("memory")
+                .join("memory.memsw.limit_in_bytes")
+                .exists()
+            {
+                self.write("memory", "memory.memsw.limit_in_bytes", &mem)?;
+            }
+            self.write("pids", "pids.max", &pids)?;
+        } else {
+            self.write("cpu", "cpu.max", &format!("{quota} {CPU_PERIOD_US}"))?;
+            self.write("memory", "memory.max", &mem)?;
+            if self.dir_with("memory").join("memory.swap.max").exists() {
+                self.write("memory", "memory.swap.max", "0")?;
+            }
+            self.write("pids", "pids.max", &pids)?;
+        }
+        Ok(())
+    }
+
+    /// Processes in the cgroup.
+    pub fn pids(&self) -> Vec<i32> {
+        self.read(
+            if self.version == 1 { "pids" } else { "cpu" },
+            "cgroup.procs",
+        )
+        .map(|s| s.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+    }
+
+    /// Freezes every process; returns once all are frozen.
+    pub async fn freeze(&self, timeout: Duration) -> Result<(), CgroupError> {
+        if self.version == 1 {
+            self.write("freezer", "freezer.state", "FROZEN")?;
+            self.wait_for(
+                "freezer",
+                "freezer.state",
+                "FROZEN",
+                |s| s.trim() == "FROZEN",
+                timeout,
+            )
+            .await
+        } else {
+            self.write("cpu", "cgroup.freeze", "1")?;
+            self.wait_for(
+                "cpu",
+                "cgroup.events",
+                "frozen 1",
+                |s| s.lines().any(|l| l.trim() == "frozen 1"),
+                timeout,
+            )
+            .await
+        }
+    }
+
+    /// Thaws every process; returns once none is frozen.
+    pub async fn thaw(&self, timeout: Duration) -> Result<(), CgroupError> {
+        if self.version == 1 {
+            self.write("freezer", "freezer.state", "THAWED")?;
+            self.wait_for(
+                "freezer",
+                "freezer.state",
+                "THAWED",
+                |s| s.trim() == "THAWED",
+                timeout,
+            )
+            .await
+        } else {
+            self.write("cpu", "cgroup.freeze", "0")?;
+            self.wait_for(
+                "cpu",
+                "cgroup.events",
+                "frozen 0",
+                |s| s.lines().any(|l| l.trim() == "frozen 0"),
+                timeout,
+            )
+            .await
+        }
+    }
+
+    async fn wait_for(
+        &self,
+        controller: &str,
+        file: &str,
+        want: &'static str,
+        done: impl Fn(&str) -> bool,
+        timeout: Duration,
+    ) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            if done(&self.read(controller, file)?) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(CgroupError::Timeout {
+                    path: self.dir_with(controller).display().to_string(),
+                    want,
+                    timeout,
+                });
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the cgroup is frozen (or freezing).
+    pub fn is_frozen(&self) -> bool {
+        if self.version == 1 {
+            self.read("freezer", "freezer.state")
+                .map(|s| s.trim() != "THAWED")
+                .unwrap_or(false)
+        } else {
+            self.read("cpu", "cgroup.freeze")
+                .map(|s| s.trim() == "1")
+                .unwrap_or(false)
+        }
+    }
+
+    /// Kills every process in the cgroup (frozen ones included) and waits until it is
+    /// empty.
+    pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        if self.version == 2 && self.dirs[0].join("cgroup.kill").exists() {
+            self.write("cpu", "cgroup.kill", "1")?;
+        } else {
+            // Freeze so nothing forks while we kill, kill, then thaw so the kills land.
+            let _ = self.freeze(timeout).await;
+            for pid in self.pids() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        let _ = self.thaw(timeout).await;
+        let mut pause = Duration::from_micros(100);
+        loop {
+            if self.pids().is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(CgroupError::Timeout {
+                    path: self.dirs[0].display().to_string(),
+                    want: "empty",
+                    timeout,
+                });
+            }
+            for pid in self.pids() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+
+    /// Removes the directories (the cgroup must be empty); retries while the kernel still
+    /// reports it busy.
+    pub async fn remove(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        for d in &self.dirs {
+            loop {
+                match std::fs::remove_dir(d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    Err(e)
+                        if Instant::now() < deadline && e.raw_os_error() == Some(libc::EBUSY) =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    Err(e) => return Err(io_err(format!("removing {}", d.display()))(e)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any of the directories still exists.
+    pub fn exists(&self) -> bool {
+        self.dirs.iter().any(|d| d.exists())
+    }
+
+    /// Current usage.
+    pub fn usage(&self) -> Result<Usage, CgroupError> {
+        let num = |s: String| s.trim().parse::<u64>().unwrap_or(u64::MAX);
+        if self.version == 1 {
+            Ok(Usage {
+                cpu_ns: num(self.read("cpuacct", "cpuacct.usage")?),
+                memory_bytes: num(self.read("memory", "memory.usage_in_bytes")?),
+                memory_limit_bytes: num(self.read("memory", "memory.limit_in_bytes")?),
+                processes: num(self.read("pids", "pids.current")?),
+            })
+        } else {
+            let stat = self.read("cpu", "cpu.stat")?;
+            let usec = stat
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            let max = self.read("memory", "memory.max")?;
+            Ok(Usage {
+                cpu_ns: usec * 1000,
+                memory_bytes: num(self.read("memory", "memory.current")?),
+                memory_limit_bytes: if max.trim() == "max" {
+                    u64::MAX
+                } else {
+                    num(max)
+                },
+                processes: num(self.read("pids", "pids.current")?),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTINFO_V1: &str = "\
+30 23 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
+32 30 0:28 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct
+33 30 0:29 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory
+34 30 0:30 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids
+35 30 0:31 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer
+36 30 0:32 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,xattr,name=systemd
+";
+    const OWN_V1: &str =
+        "5:freezer:/\n4:pids:/\n3:memory:/svc/a\n2:cpu,cpuacct:/\n1:name=systemd:/\n0::/\n";
+
+    #[test]
+    fn v1_is_detected_with_comounted_controllers_and_own_cgroups() {
+        let h = Hierarchy::from_texts(MOUNTINFO_V1, OWN_V1, |_| None).unwrap();
+        assert_eq!(h.version(), 1);
+        let cg = h.sandbox("agentenv", "sbx1");
+        let dirs: Vec<String> = cg.dirs().iter().map(|d| d.display().to_string()).collect();
+        assert_eq!(
+            dirs,
+            vec![
+                "/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1",
+                "/sys/fs/cgroup/memory/svc/a/agentenv/sbx1",
+                "/sys/fs/cgroup/pids/agentenv/sbx1",
+                "/sys/fs/cgroup/freezer/agentenv/sbx1",
+            ]
+        );
+        assert_eq!(
+            cg.dir_with("cpuacct"),
+            Path::new("/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1")
+        );
+        assert_eq!(
+            cg.dir_with("memory"),
+            Path::new("/sys/fs/cgroup/memory/svc/a/agentenv/sbx1")
+        );
+        // An absolute parent ignores the node's own cgroup.
+        let abs = h.sandbox("/x", "s");
+        assert_eq!(
+            abs.dir_with("memory"),
+            Path::new("/sys/fs/cgroup/memory/x/s")
+        );
+    }
+
+    #[test]
+    fn v2_is_detected_when_v1_lacks_controllers() {
+        let mi = "31 23 0:27 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let h = Hierarchy::from_texts(mi, "0::/system.slice/aenv.service\n", |_| {
+            Some("cpuset cpu io memory pids\n".into())
+        })
+        .unwrap();
+        assert_eq!(
+            h,
+            Hierarchy::V2 {
+                mount: "/sys/fs/cgroup".into(),
+                own: "/system.slice/aenv.service".into()
+            }
+        );
+        let cg = h.sandbox("agentenv", "s1");
+        assert_eq!(
+            cg.procs_files(),
+            vec![PathBuf::from(
+                "/sys/fs/cgroup/system.slice/aenv.service/agentenv/s1/cgroup.procs"
+            )]
+        );
+    }
+
+    #[test]
+    fn v2_without_controllers_is_unsupported_with_a_reason() {
+        let mi = "31 23 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
+        let err = Hierarchy::from_texts(mi, "0::/\n", |_| Some(String::new())).unwrap_err();
+        assert!(err.to_string().contains("lacks cpu, memory, pids"), "{err}");
+    }
+}

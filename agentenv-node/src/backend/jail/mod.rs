@@ -1,0 +1,844 @@
+//! The `jail` backend: sandboxes as process trees in Linux namespaces, without a VM.
+//!
+//! A sandbox is:
+//! * a directory `<data>/jail/sandboxes/<id>/` with the overlay's `upper/` and `work/`,
+//!   the mount point `root/`, the agent's log and `state.json` (what reconciliation needs
+//!   to clean up after a crash);
+//! * a network namespace with `eth0`, the peer of a host veth, addressed from the pool
+//!   (see [`net`]);
+//! * cgroups limiting CPU, memory (swap included) and processes (see [`cgroup`]);
+//! * PID 1 = the guest agent in init mode, in new mount, PID, UTS, IPC and cgroup
+//!   namespaces, on an overlay root over the read-only template, with capabilities
+//!   dropped to [`spawn::KEPT_CAPABILITIES`], `no_new_privs`, and the seccomp filters of
+//!   [`seccomp`].
+//!
+//! Pause freezes the cgroup; resume thaws it. Destroy kills PID 1 (the kernel kills the
+//! rest of the PID namespace), deletes the veth, removes the cgroups, releases the address
+//! and deletes the directory; the namespaces go away with their last process.
+
+pub mod cgroup;
+pub mod net;
+pub mod seccomp;
+pub mod spawn;
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::watch;
+
+use self::cgroup::{Hierarchy, Limits, SandboxCgroup};
+use self::net::{AddressPool, HostRules, Ipv4Net, SandboxNet, Slot};
+use super::{
+    AGENT_PORT, BackendError, MIN_MEMORY_MB, ReconcileReport, ResourceUsage, SandboxAddress,
+    SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, validate_sandbox_id,
+};
+use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
+
+/// Where the agent binary appears inside every sandbox.
+pub const AGENT_GUEST_PATH: &str = "/agentenv/agentenv-guest";
+
+/// Configuration of the jail backend.
+#[derive(Clone, Debug)]
+pub struct JailConfig {
+    /// The node's data directory (`home_path`); sandboxes live in `<data_dir>/jail`.
+    pub data_dir: PathBuf,
+    /// Host-wide runtime state (address reservations, locks), shared by every node
+    /// process on the host (`runtime_path`).
+    pub runtime_dir: PathBuf,
+    /// The template store.
+    pub templates: TemplateStoreConfig,
+    /// The agent binary on the host (a static `agentenv-guest`).
+    pub agent_binary: PathBuf,
+    /// Arguments of the agent (after its path): init mode by default.
+    pub agent_args: Vec<String>,
+    /// The agent's port inside the sandbox.
+    pub agent_port: u16,
+    /// Sandbox addresses: carved into /30 networks.
+    pub address_pool: Ipv4Net,
+    /// Host interface names start with this (at most 6 characters).
+    pub iface_prefix: String,
+    /// Networks sandboxes never reach (the host's private ranges by default).
+    pub denied_networks: Vec<Ipv4Net>,
+    /// Nameservers for the sandboxes' resolv.conf; `None` takes the host's.
+    pub dns_servers: Option<Vec<Ipv4Addr>>,
+    /// Parent of the sandbox cgroups, relative to the node's own cgroup (absolute from
+    /// the hierarchy root when it starts with `/`).
+    pub cgroup_parent: String,
+    /// Most processes per sandbox unless the spec says otherwise.
+    pub default_max_processes: u32,
+    /// How long pause, resume and kill may take before they fail.
+    pub op_timeout: Duration,
+}
+
+impl JailConfig {
+    /// Defaults for a node with data under `data_dir`, running `agent_binary`.
+    pub fn new(data_dir: impl Into<PathBuf>, agent_binary: impl Into<PathBuf>) -> Self {
+        let data_dir = data_dir.into();
+        Self {
+            templates: TemplateStoreConfig::new(data_dir.join("templates")),
+            data_dir,
+            runtime_dir: PathBuf::from("/run/agentenv"),
+            agent_binary: agent_binary.into(),
+            agent_args: vec!["init".into()],
+            agent_port: AGENT_PORT,
+            address_pool: Ipv4Net::new(Ipv4Addr::new(10, 12, 0, 0), 16)
+                .expect("10.12.0.0/16 is a valid network"),
+            iface_prefix: "ae".into(),
+            denied_networks: Ipv4Net::default_denied(),
+            dns_servers: None,
+            cgroup_parent: "agentenv".into(),
+            default_max_processes: 1024,
+            op_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What reconciliation needs to find a sandbox's leftovers.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct StateFile {
+    id: String,
+    template: String,
+    pid: Option<i32>,
+    host_if: String,
+    slot: Ipv4Addr,
+    created_at: u64,
+}
+
+struct Sandbox {
+    info: Mutex<SandboxInfo>,
+    pid: Pid,
+    cgroup: SandboxCgroup,
+    net: Mutex<Option<SandboxNet>>,
+    dir: PathBuf,
+    exited: watch::Receiver<Option<WaitStatus>>,
+    op: tokio::sync::Mutex<()>,
+}
+
+enum Entry {
+    Creating,
+    Ready(Arc<Sandbox>),
+}
+
+/// The jail backend.
+pub struct JailBackend {
+    cfg: JailConfig,
+    templates: TemplateStore,
+    hierarchy: Hierarchy,
+    pool: AddressPool,
+    netlink: rtnetlink::Handle,
+    filters: Arc<Vec<seccompiler::BpfProgram>>,
+    dns: Vec<Ipv4Addr>,
+    sandboxes_dir: PathBuf,
+    host_cpus: u32,
+    host_memory: u64,
+    sandboxes: Mutex<HashMap<String, Entry>>,
+}
+
+fn setup(msg: impl std::fmt::Display) -> BackendError {
+    BackendError::Setup(msg.to_string())
+}
+
+impl JailBackend {
+    /// Checks the host, prepares directories, cgroup parents and host firewall rules.
+    pub async fn new(cfg: JailConfig) -> Result<Self, BackendError> {
+        if cfg.iface_prefix.is_empty()
+            || cfg.iface_prefix.len() > 6
+            || !cfg.iface_prefix.bytes().all(|b| b.is_ascii_lowercase())
+        {
+            return Err(setup(format!(
+                "invalid iface_prefix {:?}: use 1 to 6 lowercase letters",
+                cfg.iface_prefix
+            )));
+        }
+        if !cfg.agent_binary.is_file() {
+            return Err(setup(format!(
+                "the agent binary {} does not exist: build it (agentenv-guest/build-static.sh) and set the jail's agent_binary",
+                cfg.agent_binary.display()
+            )));
+        }
+        let sandboxes_dir = cfg.data_dir.join("jail").join("sandboxes");
+        std::fs::create_dir_all(&sandboxes_dir)
+            .map_err(|e| BackendError::io(format!("creating {}", sandboxes_dir.display()), e))?;
+        std::fs::create_dir_all(&cfg.runtime_dir)
+            .map_err(|e| BackendError::io(format!("creating {}", cfg.runtime_dir.display()), e))?;
+        let hierarchy = Hierarchy::detect().map_err(setup)?;
+        hierarchy
+            .prepare_parent(&cfg.cgroup_parent)
+            .map_err(setup)?;
+        let pool = AddressPool::new(cfg.address_pool, &cfg.runtime_dir).map_err(setup)?;
+        let dns = cfg
+            .dns_servers
+            .clone()
+            .unwrap_or_else(net::host_nameservers);
+        HostRules {
+            iface_prefix: cfg.iface_prefix.clone(),
+            pool: cfg.address_pool,
+            denied: cfg.denied_networks.clone(),
+            dns: dns.clone(),
+        }
+        .install(&cfg.runtime_dir)
+        .await
+        .map_err(setup)?;
+        let (conn, netlink, _) = rtnetlink::new_connection()
+            .map_err(|e| BackendError::io("opening a netlink socket", e))?;
+        tokio::spawn(conn);
+        let filters = Arc::new(seccomp::sandbox_filters().map_err(setup)?);
+        let host_cpus = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
+        let host_memory = host_memory_bytes().unwrap_or(u64::MAX);
+        tracing::info!(
+            cgroup = hierarchy.version(),
+            pool = %cfg.address_pool,
+            data = %cfg.data_dir.display(),
+            "jail backend ready"
+        );
+        Ok(Self {
+            templates: TemplateStore::new(cfg.templates.clone()),
+            cfg,
+            hierarchy,
+            pool,
+            netlink,
+            filters,
+            dns,
+            sandboxes_dir,
+            host_cpus,
+            host_memory,
+            sandboxes: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The template store sandboxes are created from.
+    pub fn templates(&self) -> &TemplateStore {
+        &self.templates
+    }
+
+    /// The cgroup version in use (1 or 2).
+    pub fn cgroup_version(&self) -> u8 {
+        self.hierarchy.version()
+    }
+
+    /// The directory of a sandbox.
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.sandboxes_dir.join(id)
+    }
+
+    /// The cgroup directories of a sandbox (present while it exists).
+    pub fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
+        self.hierarchy
+            .sandbox(&self.cfg.cgroup_parent, id)
+            .dirs()
+            .to_vec()
+    }
+
+    /// The host interface of a running sandbox.
+    pub fn host_interface(&self, id: &str) -> Option<String> {
+        let sbx = self.ready(id).ok()?;
+        let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
+        net.as_ref().map(|n| n.host_if.clone())
+    }
+
+    /// PID 1 of a sandbox, as seen from the host.
+    pub fn pid(&self, id: &str) -> Option<i32> {
+        self.ready(id).ok().map(|s| s.pid.as_raw())
+    }
+
+    /// Whether an address of the pool is reserved (by any node process on this host).
+    pub fn address_reserved(&self, ip: Ipv4Addr) -> bool {
+        let net = u32::from(ip) & !3;
+        self.pool.is_reserved(Slot {
+            network: Ipv4Addr::from(net),
+        })
+    }
+
+    /// Names of host interfaces of sandboxes (of every node process on this host).
+    pub async fn host_interfaces(&self) -> Vec<String> {
+        net::list_links(&self.netlink, &self.cfg.iface_prefix)
+            .await
+            .unwrap_or_default()
+    }
+
+    fn ready(&self, id: &str) -> Result<Arc<Sandbox>, BackendError> {
+        match self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+        {
+            Some(Entry::Ready(s)) => Ok(s.clone()),
+            _ => Err(BackendError::NotFound(id.to_string())),
+        }
+    }
+
+    fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
+        if spec.cpu_count == 0 {
+            return Err(BackendError::InvalidLimits(
+                "cpuCount must be at least 1".into(),
+            ));
+        }
+        if spec.cpu_count > self.host_cpus {
+            return Err(BackendError::InvalidLimits(format!(
+                "cpuCount {} is more than this node's {} CPUs",
+                spec.cpu_count, self.host_cpus
+            )));
+        }
+        if spec.memory_mb < MIN_MEMORY_MB {
+            return Err(BackendError::InvalidLimits(format!(
+                "memoryMB must be at least {MIN_MEMORY_MB}"
+            )));
+        }
+        let memory_bytes = spec.memory_mb.saturating_mul(1 << 20);
+        if memory_bytes > self.host_memory {
+            return Err(BackendError::InvalidLimits(format!(
+                "memoryMB {} is more than this node's {} MiB",
+                spec.memory_mb,
+                self.host_memory >> 20
+            )));
+        }
+        let max_processes = spec.max_processes.unwrap_or(self.cfg.default_max_processes);
+        if max_processes == 0 {
+            return Err(BackendError::InvalidLimits(
+                "the process limit must be at least 1".into(),
+            ));
+        }
+        Ok(Limits {
+            cpus: spec.cpu_count,
+            memory_bytes,
+            max_processes,
+        })
+    }
+
+    /// Creates a sandbox, building the template first if needed, with progress reported.
+    pub async fn create_with_progress(
+        &self,
+        spec: SandboxSpec,
+        progress: Progress,
+    ) -> Result<SandboxInfo, BackendError> {
+        validate_sandbox_id(&spec.id)?;
+        let limits = self.check_limits(&spec)?;
+        {
+            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            if map.contains_key(&spec.id) || self.sandbox_dir(&spec.id).exists() {
+                return Err(BackendError::AlreadyExists(spec.id.clone()));
+            }
+            map.insert(spec.id.clone(), Entry::Creating);
+        }
+        let result = async {
+            let template = self
+                .templates
+                .ensure(&spec.template, progress)
+                .await
+                .map_err(|e| match e {
+                    TemplateError::NotFound(n) | TemplateError::InvalidName(n) => {
+                        BackendError::UnknownTemplate(n)
+                    }
+                    other => BackendError::Template(other),
+                })?;
+            self.start(&spec, limits, &template.rootfs).await
+        }
+        .await;
+        let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(sbx) => {
+                let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                map.insert(spec.id.clone(), Entry::Ready(sbx));
+                Ok(info)
+            }
+            Err(e) => {
+                map.remove(&spec.id);
+                Err(e)
+            }
+        }
+    }
+
+    async fn start(
+        &self,
+        spec: &SandboxSpec,
+        limits: Limits,
+        lower: &Path,
+    ) -> Result<Arc<Sandbox>, BackendError> {
+        let mut undo = Undo::new(self);
+        let dir = self.sandbox_dir(&spec.id);
+        let (upper, work, root) = (dir.join("upper"), dir.join("work"), dir.join("root"));
+        undo.dir = Some(dir.clone());
+        for d in [&upper, &work, &root] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
+        }
+        let slot = self.pool.reserve(&dir).map_err(|e| match e {
+            net::NetError::Exhausted(p) => BackendError::AddressPoolExhausted {
+                pool: p.to_string(),
+            },
+            other => setup(other),
+        })?;
+        undo.slot = Some(slot);
+        self.write_guest_files(&upper, &spec.id, slot)?;
+        let log = std::fs::File::create(dir.join("agent.log"))
+            .map_err(|e| BackendError::io("creating agent.log", e))?;
+
+        let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &spec.id);
+        cg.create(limits).map_err(setup)?;
+        undo.cgroup = Some(cg.clone());
+
+        let host_if = slot.host_ifname(&self.cfg.iface_prefix, spec.allow_internet_access);
+        undo.link = Some(host_if.clone());
+        let sandbox_net = net::create_sandbox_net(&self.netlink, slot, host_if.clone())
+            .await
+            .map_err(setup)?;
+
+        let created_at = SystemTime::now();
+        let mut state = StateFile {
+            id: spec.id.clone(),
+            template: spec.template.clone(),
+            pid: None,
+            host_if: host_if.clone(),
+            slot: slot.network,
+            created_at: created_at
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        };
+        write_state(&dir, &state)?;
+
+        let mut env: Vec<(String, String)> = vec![
+            (
+                "PATH".into(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            ),
+            ("HOME".into(), "/root".into()),
+            ("HOSTNAME".into(), spec.id.clone()),
+        ];
+        env.retain(|(k, _)| !spec.env.contains_key(k));
+        env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+
+        let plan = spawn::ChildPlan::new(spawn::PlanInput {
+            netns: sandbox_net.netns.as_fd(),
+            cgroup_procs: cg.procs_files(),
+            hostname: &spec.id,
+            lower,
+            upper: &upper,
+            work: &work,
+            root: &root,
+            agent_host_path: &self.cfg.agent_binary,
+            agent_guest_path: AGENT_GUEST_PATH,
+            agent_args: &self.cfg.agent_args,
+            env,
+            log: log.as_fd(),
+            filters: self.filters.as_ref().clone(),
+        })
+        .map_err(setup)?;
+        let pid = tokio::task::spawn_blocking(move || {
+            let r = spawn::spawn(&plan);
+            drop(plan);
+            r
+        })
+        .await
+        .map_err(|e| setup(format!("spawn task: {e}")))?
+        .map_err(setup)?;
+        drop(log);
+        undo.pid = Some(pid);
+        let exited = watch_exit(pid).map_err(|e| BackendError::io("watching PID 1", e))?;
+        state.pid = Some(pid.as_raw());
+        write_state(&dir, &state)?;
+
+        let info = SandboxInfo {
+            id: spec.id.clone(),
+            template: spec.template.clone(),
+            state: SandboxState::Running,
+            address: SandboxAddress {
+                ip: slot.sandbox_ip(),
+                agent_port: self.cfg.agent_port,
+            },
+            cpu_count: spec.cpu_count,
+            memory_mb: spec.memory_mb,
+            allow_internet_access: spec.allow_internet_access,
+            created_at,
+        };
+        undo.disarm();
+        tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %slot.sandbox_ip(), "sandbox started");
+        Ok(Arc::new(Sandbox {
+            info: Mutex::new(info),
+            pid,
+            cgroup: cg,
+            net: Mutex::new(Some(sandbox_net)),
+            dir,
+            exited,
+            op: tokio::sync::Mutex::new(()),
+        }))
+    }
+
+    fn write_guest_files(&self, upper: &Path, id: &str, slot: Slot) -> Result<(), BackendError> {
+        let etc = upper.join("etc");
+        let agent_dir = upper
+            .join(AGENT_GUEST_PATH.trim_start_matches('/'))
+            .parent()
+            .map(Path::to_path_buf);
+        for d in [Some(etc.clone()), agent_dir].into_iter().flatten() {
+            std::fs::create_dir_all(&d)
+                .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
+        }
+        let write = |name: &str, text: String| {
+            std::fs::write(etc.join(name), text)
+                .map_err(|e| BackendError::io(format!("writing /etc/{name}"), e))
+        };
+        write("hostname", format!("{id}\n"))?;
+        write(
+            "hosts",
+            format!(
+                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{}\t{id}\n",
+                slot.sandbox_ip()
+            ),
+        )?;
+        let resolv: String = self
+            .dns
+            .iter()
+            .map(|ip| format!("nameserver {ip}\n"))
+            .collect();
+        write("resolv.conf", resolv)?;
+        let agent = upper.join(AGENT_GUEST_PATH.trim_start_matches('/'));
+        std::fs::File::create(&agent)
+            .map_err(|e| BackendError::io("creating the agent mount point", e))?;
+        Ok(())
+    }
+
+    /// Kills a sandbox and removes all it holds. Errors are collected; every step runs.
+    async fn teardown(&self, sbx: &Sandbox) -> Result<(), BackendError> {
+        let timeout = self.cfg.op_timeout;
+        let _ = kill(sbx.pid, Signal::SIGKILL);
+        // Frozen processes die only once thawed.
+        if sbx.cgroup.is_frozen() {
+            let _ = sbx.cgroup.thaw(timeout).await;
+        }
+        let mut exited = sbx.exited.clone();
+        let died = matches!(
+            tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await,
+            Ok(Ok(_))
+        );
+        let mut errors = Vec::new();
+        if !died || !sbx.cgroup.pids().is_empty() {
+            if let Err(e) = sbx.cgroup.kill_all(timeout).await {
+                errors.push(e.to_string());
+            }
+        }
+        let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(n) = net {
+            if let Err(e) = net::delete_link(&self.netlink, &n.host_if).await {
+                errors.push(e.to_string());
+            }
+            self.pool.release(n.slot);
+            drop(n);
+        }
+        if let Err(e) = sbx.cgroup.remove(timeout).await {
+            errors.push(e.to_string());
+        }
+        if let Err(e) = std::fs::remove_dir_all(&sbx.dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                errors.push(format!("removing {}: {e}", sbx.dir.display()));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(setup(errors.join("; ")))
+        }
+    }
+
+    /// Cleans the leftovers of one sandbox directory from an earlier process.
+    async fn clean_leftover(&self, id: &str, report: &mut ReconcileReport) {
+        let dir = self.sandbox_dir(id);
+        let state: Option<StateFile> = std::fs::read(dir.join("state.json"))
+            .ok()
+            .and_then(|raw| serde_json::from_slice(&raw).ok());
+        if validate_sandbox_id(id).is_ok() {
+            let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, id);
+            if cg.exists() {
+                if let Err(e) = cg.kill_all(self.cfg.op_timeout).await {
+                    tracing::warn!(id, error = %e, "killing a leftover sandbox");
+                }
+                if let Err(e) = cg.remove(self.cfg.op_timeout).await {
+                    tracing::warn!(id, error = %e, "removing a leftover cgroup");
+                }
+            }
+        }
+        let mut slots: Vec<Slot> = self
+            .pool
+            .reservations()
+            .into_iter()
+            .filter(|(_, owner)| owner == &dir)
+            .map(|(s, _)| s)
+            .collect();
+        if let Some(st) = &state {
+            slots.push(Slot { network: st.slot });
+        }
+        for slot in slots {
+            for internet in [true, false] {
+                let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
+                if let Ok(true) = net::delete_link(&self.netlink, &name).await {
+                    report.removed_other.push(format!("link {name}"));
+                }
+            }
+            if self
+                .pool
+                .reservations()
+                .iter()
+                .any(|(s, o)| *s == slot && o == &dir)
+            {
+                self.pool.release(slot);
+                report
+                    .removed_other
+                    .push(format!("address {}", slot.sandbox_ip()));
+            }
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(id, error = %e, "removing a leftover sandbox directory");
+        }
+        report.removed_sandboxes.push(id.to_string());
+    }
+}
+
+/// Undoes a half-done create.
+struct Undo<'a> {
+    backend: &'a JailBackend,
+    armed: bool,
+    dir: Option<PathBuf>,
+    slot: Option<Slot>,
+    cgroup: Option<SandboxCgroup>,
+    link: Option<String>,
+    pid: Option<Pid>,
+}
+
+impl<'a> Undo<'a> {
+    fn new(backend: &'a JailBackend) -> Self {
+        Self {
+            backend,
+            armed: true,
+            dir: None,
+            slot: None,
+            cgroup: None,
+            link: None,
+            pid: None,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(pid) = self.pid {
+            let _ = kill(pid, Signal::SIGKILL);
+            let _ = waitpid(pid, None);
+        }
+        if let Some(cg) = self.cgroup.take() {
+            for d in cg.dirs() {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+        if let Some(link) = self.link.take() {
+            // Netlink is async; `ip` does the same synchronously from a destructor.
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &link])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+        if let Some(slot) = self.slot {
+            self.backend.pool.release(slot);
+        }
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn write_state(dir: &Path, state: &StateFile) -> Result<(), BackendError> {
+    let raw = serde_json::to_vec(state)
+        .map_err(|e| BackendError::io("encoding state.json", std::io::Error::other(e)))?;
+    let tmp = dir.join("state.json.tmp");
+    std::fs::write(&tmp, raw).map_err(|e| BackendError::io("writing state.json", e))?;
+    std::fs::rename(&tmp, dir.join("state.json"))
+        .map_err(|e| BackendError::io("writing state.json", e))
+}
+
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Reaps PID 1 when it exits (through a pidfd) and publishes its status.
+fn watch_exit(pid: Pid) -> std::io::Result<watch::Receiver<Option<WaitStatus>>> {
+    // SAFETY: pidfd_open takes a pid and flags; the returned descriptor is owned below.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the AsyncFd owns the descriptor, so it stays open while registered.
+    let afd = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .map_err(std::io::Error::from)?;
+    let (tx, rx) = watch::channel(None);
+    tokio::spawn(async move {
+        let _ = afd.readable().await;
+        let status = loop {
+            match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(s) => break s,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(_) => break WaitStatus::Exited(pid, -1),
+            }
+        };
+        tracing::debug!(pid = pid.as_raw(), ?status, "sandbox PID 1 exited");
+        let _ = tx.send(Some(status));
+    });
+    Ok(rx)
+}
+
+#[async_trait]
+impl SandboxBackend for JailBackend {
+    fn kind(&self) -> &'static str {
+        "jail"
+    }
+
+    async fn create(&self, spec: SandboxSpec) -> Result<SandboxInfo, BackendError> {
+        self.create_with_progress(spec, crate::template::log_progress())
+            .await
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), BackendError> {
+        let sbx = self.ready(id)?;
+        let _op = sbx.op.lock().await;
+        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
+            return Ok(());
+        }
+        sbx.cgroup
+            .freeze(self.cfg.op_timeout)
+            .await
+            .map_err(setup)?;
+        sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state = SandboxState::Paused;
+        Ok(())
+    }
+
+    async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError> {
+        let sbx = self.ready(id)?;
+        let _op = sbx.op.lock().await;
+        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
+            sbx.cgroup.thaw(self.cfg.op_timeout).await.map_err(setup)?;
+        }
+        let mut info = sbx.info.lock().unwrap_or_else(|e| e.into_inner());
+        info.state = SandboxState::Running;
+        Ok(info.clone())
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
+        let sbx = {
+            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            match map.get(id) {
+                Some(Entry::Ready(_)) => match map.remove(id) {
+                    Some(Entry::Ready(s)) => s,
+                    _ => return Err(BackendError::NotFound(id.to_string())),
+                },
+                _ => return Err(BackendError::NotFound(id.to_string())),
+            }
+        };
+        let _op = sbx.op.lock().await;
+        self.teardown(&sbx).await
+    }
+
+    async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
+        let sbx = self.ready(id)?;
+        let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(info)
+    }
+
+    async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
+        let sbx = self.ready(id)?;
+        let u = sbx.cgroup.usage().map_err(setup)?;
+        Ok(ResourceUsage {
+            cpu_time: Duration::from_nanos(u.cpu_ns),
+            memory_bytes: u.memory_bytes,
+            memory_limit_bytes: u.memory_limit_bytes,
+            processes: u.processes,
+        })
+    }
+
+    async fn list(&self) -> Vec<SandboxInfo> {
+        let map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<SandboxInfo> = map
+            .values()
+            .filter_map(|e| match e {
+                Entry::Ready(s) => Some(s.info.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+                Entry::Creating => None,
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    async fn reconcile(&self) -> Result<ReconcileReport, BackendError> {
+        let mut report = ReconcileReport::default();
+        let live: Vec<String> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let entries = std::fs::read_dir(&self.sandboxes_dir).map_err(|e| {
+            BackendError::io(format!("listing {}", self.sandboxes_dir.display()), e)
+        })?;
+        for entry in entries.flatten() {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            if !live.contains(&id) {
+                self.clean_leftover(&id, &mut report).await;
+            }
+        }
+        // Reservations whose owner directory is gone belong to nobody.
+        for (slot, owner) in self.pool.reservations() {
+            if !owner.as_os_str().is_empty() && !owner.exists() {
+                for internet in [true, false] {
+                    let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
+                    if let Ok(true) = net::delete_link(&self.netlink, &name).await {
+                        report.removed_other.push(format!("link {name}"));
+                    }
+                }
+                self.pool.release(slot);
+                report
+                    .removed_other
+                    .push(format!("address {}", slot.sandbox_ip()));
+            }
+        }
+        // Host interfaces whose address is not reserved belong to nobody.
+        for name in self.host_interfaces().await {
+            if let Some(slot) = net::slot_of_ifname(&self.cfg.iface_prefix, &name) {
+                if !self.pool.is_reserved(slot) {
+                    if let Ok(true) = net::delete_link(&self.netlink, &name).await {
+                        report.removed_other.push(format!("link {name}"));
+                    }
+                }
+            }
+        }
+        if !report.removed_sandboxes.is_empty() || !report.removed_other.is_empty() {
+            tracing::info!(?report, "cleaned leftovers of an earlier node process");
+        }
+        Ok(report)
+    }
+}

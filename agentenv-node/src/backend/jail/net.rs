@@ -1,0 +1,672 @@
+//! Per-sandbox networking: a network namespace with a veth pair to the host, addresses from
+//! a pool of /30 networks, and host firewall rules that give sandboxes NAT'd egress (or
+//! none) while keeping the host and other sandboxes out of reach.
+//!
+//! Slot of a /30 network `N`: `N+1` is the host end (`<prefix><i|n><hex N>`, the sandbox's
+//! gateway), `N+2` is `eth0` inside the namespace (the sandbox's address). The interface
+//! letter encodes the egress policy (`i`: internet through NAT, `n`: none), so the host
+//! rules are a fixed set that does not change per sandbox.
+//!
+//! Reservations are files `<runtime>/slots/<N>` created with `O_EXCL`, so several node
+//! processes on one host (tests, for one) share the address space without collisions.
+
+use std::fmt;
+use std::fs::File;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use futures::TryStreamExt;
+use nix::fcntl::{Flock, FlockArg};
+use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute};
+use rtnetlink::{Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+/// Errors of the network layer.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("invalid IPv4 network {0:?}: write it as a.b.c.d/len")]
+    InvalidCidr(String),
+    #[error("address pool {0} is too small: it needs room for at least one /30")]
+    PoolTooSmall(Ipv4Net),
+    #[error("no free sandbox address in {0}: destroy sandboxes or configure a larger pool")]
+    Exhausted(Ipv4Net),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("netlink: {context}: {source}")]
+    Netlink {
+        context: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+    #[error("{0}")]
+    Firewall(String),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetError {
+    let context = context.into();
+    move |source| NetError::Io { context, source }
+}
+
+fn nl_err(context: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetError {
+    let context = context.into();
+    move |source| NetError::Netlink { context, source }
+}
+
+/// An IPv4 network `a.b.c.d/len` (host bits cleared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ipv4Net {
+    addr: Ipv4Addr,
+    len: u8,
+}
+
+impl Ipv4Net {
+    pub fn new(addr: Ipv4Addr, len: u8) -> Option<Self> {
+        if len > 32 {
+            return None;
+        }
+        let mask = Self::mask_of(len);
+        Some(Self {
+            addr: Ipv4Addr::from(u32::from(addr) & mask),
+            len,
+        })
+    }
+
+    fn mask_of(len: u8) -> u32 {
+        if len == 0 { 0 } else { u32::MAX << (32 - len) }
+    }
+
+    pub fn addr(&self) -> Ipv4Addr {
+        self.addr
+    }
+
+    pub fn prefix_len(&self) -> u8 {
+        self.len
+    }
+
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & Self::mask_of(self.len) == u32::from(self.addr)
+    }
+
+    /// The networks the node keeps sandboxes away from by default: private ranges,
+    /// carrier-grade NAT, loopback, link-local.
+    pub fn default_denied() -> Vec<Ipv4Net> {
+        [
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "100.64.0.0/10",
+            "127.0.0.0/8",
+            "169.254.0.0/16",
+        ]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+    }
+}
+
+impl fmt::Display for Ipv4Net {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl FromStr for Ipv4Net {
+    type Err = NetError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || NetError::InvalidCidr(s.to_string());
+        let (a, l) = s.split_once('/').ok_or_else(bad)?;
+        let addr: Ipv4Addr = a.parse().map_err(|_| bad())?;
+        let len: u8 = l.parse().map_err(|_| bad())?;
+        Self::new(addr, len).ok_or_else(bad)
+    }
+}
+
+/// One /30 network of the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slot {
+    pub network: Ipv4Addr,
+}
+
+impl Slot {
+    /// The host end of the veth pair: the sandbox's gateway.
+    pub fn host_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.network) + 1)
+    }
+
+    /// The sandbox's address.
+    pub fn sandbox_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.network) + 2)
+    }
+
+    /// The host-side interface name; its letter after the prefix encodes the egress policy.
+    pub fn host_ifname(&self, prefix: &str, internet: bool) -> String {
+        format!(
+            "{prefix}{}{:08x}",
+            if internet { 'i' } else { 'n' },
+            u32::from(self.network)
+        )
+    }
+}
+
+/// A pool of /30 networks with host-wide reservations.
+#[derive(Debug)]
+pub struct AddressPool {
+    net: Ipv4Net,
+    dir: PathBuf,
+    cursor: AtomicU32,
+}
+
+impl AddressPool {
+    pub fn new(net: Ipv4Net, runtime_dir: &Path) -> Result<Self, NetError> {
+        if net.prefix_len() > 30 {
+            return Err(NetError::PoolTooSmall(net));
+        }
+        let dir = runtime_dir.join("slots");
+        std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        Ok(Self {
+            net,
+            dir,
+            cursor: AtomicU32::new(0),
+        })
+    }
+
+    pub fn net(&self) -> Ipv4Net {
+        self.net
+    }
+
+    pub fn slots(&self) -> u32 {
+        1u32 << (30 - self.net.prefix_len())
+    }
+
+    fn slot_path(&self, slot: Slot) -> PathBuf {
+        self.dir.join(slot.network.to_string())
+    }
+
+    /// Reserves a free slot for `owner` (written into the reservation).
+    pub fn reserve(&self, owner: &Path) -> Result<Slot, NetError> {
+        let n = self.slots();
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
+        for i in 0..n {
+            let idx = (start + i) % n;
+            let slot = Slot {
+                network: Ipv4Addr::from(u32::from(self.net.addr()) + idx * 4),
+            };
+            match File::options()
+                .write(true)
+                .create_new(true)
+                .open(self.slot_path(slot))
+            {
+                Ok(mut f) => {
+                    f.write_all(owner.as_os_str().as_encoded_bytes())
+                        .map_err(io_err("writing an address reservation"))?;
+                    self.cursor.store(idx + 1, Ordering::Relaxed);
+                    return Ok(slot);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(io_err(format!("reserving {}", slot.network))(e)),
+            }
+        }
+        Err(NetError::Exhausted(self.net))
+    }
+
+    /// Returns a slot to the pool.
+    pub fn release(&self, slot: Slot) {
+        match std::fs::remove_file(self.slot_path(slot)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(slot = %slot.network, error = %e, "releasing an address"),
+        }
+    }
+
+    pub fn is_reserved(&self, slot: Slot) -> bool {
+        self.slot_path(slot).exists()
+    }
+
+    /// Every reservation on the host: `(slot, owner path)`.
+    pub fn reservations(&self) -> Vec<(Slot, PathBuf)> {
+        let mut out = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for e in entries.flatten() {
+                let Ok(network) = e.file_name().to_string_lossy().parse::<Ipv4Addr>() else {
+                    continue;
+                };
+                let owner = std::fs::read(e.path())
+                    .map(|b| PathBuf::from(String::from_utf8_lossy(&b).into_owned()))
+                    .unwrap_or_default();
+                out.push((Slot { network }, owner));
+            }
+        }
+        out
+    }
+}
+
+/// Host firewall configuration for sandbox interfaces.
+#[derive(Clone, Debug)]
+pub struct HostRules {
+    pub iface_prefix: String,
+    pub pool: Ipv4Net,
+    pub denied: Vec<Ipv4Net>,
+    /// Nameservers sandboxes may reach on port 53 even inside a denied network.
+    pub dns: Vec<Ipv4Addr>,
+}
+
+impl HostRules {
+    fn chain(&self, which: &str) -> String {
+        format!(
+            "AGENTENV-{}-{which}",
+            self.iface_prefix.to_ascii_uppercase()
+        )
+    }
+
+    /// The `iptables-restore --noflush` input that (re)defines the node's chains.
+    pub fn restore_input(&self) -> String {
+        let p = &self.iface_prefix;
+        let (inp, fwd, nat) = (self.chain("IN"), self.chain("FWD"), self.chain("NAT"));
+        let mut s = String::new();
+        s.push_str("*filter\n");
+        s.push_str(&format!(":{inp} - [0:0]\n:{fwd} - [0:0]\n"));
+        // Sandboxes reach no host listener; replies to the node's own connections pass.
+        s.push_str(&format!(
+            "-A {inp} -i {p}+ -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        ));
+        s.push_str(&format!("-A {inp} -i {p}+ -j REJECT\n"));
+        s.push_str(&format!(
+            "-A {fwd} -o {p}+ -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        ));
+        s.push_str(&format!(
+            "-A {fwd} -i {p}+ -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT\n"
+        ));
+        for d in &self.dns {
+            for proto in ["udp", "tcp"] {
+                s.push_str(&format!(
+                    "-A {fwd} -i {p}i+ -d {d}/32 -p {proto} --dport 53 -j ACCEPT\n"
+                ));
+            }
+        }
+        for net in &self.denied {
+            s.push_str(&format!("-A {fwd} -i {p}+ -d {net} -j REJECT\n"));
+        }
+        s.push_str(&format!("-A {fwd} -i {p}+ -d {} -j REJECT\n", self.pool));
+        s.push_str(&format!("-A {fwd} -i {p}n+ -j REJECT\n"));
+        s.push_str(&format!("-A {fwd} -i {p}i+ -j ACCEPT\n"));
+        s.push_str(&format!("-A {fwd} -o {p}+ -j REJECT\n"));
+        s.push_str("COMMIT\n*nat\n");
+        s.push_str(&format!(":{nat} - [0:0]\n"));
+        s.push_str(&format!(
+            "-A {nat} -s {} ! -o {p}+ -j MASQUERADE\n",
+            self.pool
+        ));
+        s.push_str("COMMIT\n");
+        s
+    }
+
+    /// Installs the chains and the jumps to them, and enables IPv4 forwarding. Idempotent;
+    /// serialized across processes by a lock file in `runtime_dir`.
+    pub async fn install(&self, runtime_dir: &Path) -> Result<(), NetError> {
+        let lock_path = runtime_dir.join("iptables.lock");
+        let input = self.restore_input();
+        let jumps = [
+            ("filter", "INPUT", self.chain("IN")),
+            ("filter", "FORWARD", self.chain("FWD")),
+            ("nat", "POSTROUTING", self.chain("NAT")),
+        ];
+        tokio::task::spawn_blocking(move || -> Result<(), NetError> {
+            let file = File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(io_err(format!("opening {}", lock_path.display())))?;
+            let _lock =
+                Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| NetError::Io {
+                    context: format!("locking {}", lock_path.display()),
+                    source: e.into(),
+                })?;
+            run_with_stdin("iptables-restore", &["-w", "--noflush"], &input)?;
+            for (table, builtin, chain) in &jumps {
+                let check = std::process::Command::new("iptables")
+                    .args(["-w", "-t", table, "-C", builtin, "-j", chain])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .map_err(|e| firewall_tool_err("iptables", e))?;
+                if !check.success() {
+                    run_with_stdin(
+                        "iptables",
+                        &["-w", "-t", table, "-I", builtin, "1", "-j", chain],
+                        "",
+                    )?;
+                }
+            }
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+                .map_err(io_err("enabling IPv4 forwarding"))?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| NetError::Firewall(format!("installing host rules: {e}")))?
+    }
+}
+
+fn firewall_tool_err(tool: &str, e: std::io::Error) -> NetError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        NetError::Firewall(format!(
+            "{tool} not found: install it with `apt-get install iptables` (listed in scripts/apt-packages.txt)"
+        ))
+    } else {
+        NetError::Firewall(format!("running {tool}: {e}"))
+    }
+}
+
+fn run_with_stdin(tool: &str, args: &[&str], stdin: &str) -> Result<(), NetError> {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(tool)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| firewall_tool_err(tool, e))?;
+    if let Some(mut i) = child.stdin.take() {
+        i.write_all(stdin.as_bytes())
+            .map_err(|e| NetError::Firewall(format!("feeding {tool}: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| NetError::Firewall(format!("running {tool}: {e}")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(NetError::Firewall(format!(
+            "{tool} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// The network of one sandbox: its namespace (held open by `netns`) and host interface.
+#[derive(Debug)]
+pub struct SandboxNet {
+    pub netns: OwnedFd,
+    pub host_if: String,
+    pub slot: Slot,
+}
+
+/// The interface name inside the sandbox.
+pub const GUEST_IF: &str = "eth0";
+
+/// Creates a network namespace, a veth pair into it and the addresses and routes on both
+/// ends. On failure nothing is left (the namespace goes away with its last reference).
+pub async fn create_sandbox_net(
+    host: &Handle,
+    slot: Slot,
+    host_if: String,
+) -> Result<SandboxNet, NetError> {
+    let rt = tokio::runtime::Handle::current();
+    // A fresh thread enters a new network namespace and opens a netlink socket there;
+    // the namespace lives on through the returned descriptor and the socket.
+    let (netns, (conn, ns_handle)) = std::thread::spawn(move || -> Result<_, NetError> {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| io_err("creating a network namespace")(e.into()))?;
+        let fd: OwnedFd = File::open("/proc/thread-self/ns/net")
+            .map_err(io_err("opening the new network namespace"))?
+            .into();
+        let _guard = rt.enter();
+        let (conn, handle, _) = rtnetlink::new_connection()
+            .map_err(io_err("netlink socket in the sandbox namespace"))?;
+        Ok((fd, (conn, handle)))
+    })
+    .join()
+    .map_err(|_| NetError::Firewall("network namespace thread panicked".into()))??;
+    let conn_task = tokio::spawn(conn);
+    let result = configure(host, &ns_handle, &netns, slot, &host_if).await;
+    drop(ns_handle);
+    conn_task.abort();
+    match result {
+        Ok(()) => Ok(SandboxNet {
+            netns,
+            host_if,
+            slot,
+        }),
+        Err(e) => {
+            let _ = delete_link(host, &host_if).await;
+            Err(e)
+        }
+    }
+}
+
+async fn link_index(handle: &Handle, name: &str) -> Result<Option<u32>, NetError> {
+    let mut links = handle.link().get().match_name(name.to_string()).execute();
+    match links.try_next().await {
+        Ok(Some(msg)) => Ok(Some(msg.header.index)),
+        Ok(None) => Ok(None),
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
+        Err(e) => Err(nl_err(format!("looking up {name}"))(e)),
+    }
+}
+
+async fn configure(
+    host: &Handle,
+    ns: &Handle,
+    netns: &OwnedFd,
+    slot: Slot,
+    host_if: &str,
+) -> Result<(), NetError> {
+    // The peer is created directly inside the sandbox namespace, named eth0.
+    let peer = LinkMessageBuilder::<LinkUnspec>::new()
+        .name(GUEST_IF.to_string())
+        .setns_by_fd(netns.as_raw_fd())
+        .build();
+    let veth = LinkVeth::new(host_if, GUEST_IF)
+        .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+        .build();
+    host.link()
+        .add(veth)
+        .execute()
+        .await
+        .map_err(nl_err(format!("creating veth {host_if}")))?;
+    let hidx = link_index(host, host_if)
+        .await?
+        .ok_or_else(|| NetError::Firewall(format!("veth {host_if} vanished")))?;
+    host.address()
+        .add(hidx, slot.host_ip().into(), 30)
+        .execute()
+        .await
+        .map_err(nl_err(format!("addressing {host_if}")))?;
+    host.link()
+        .set(LinkUnspec::new_with_index(hidx).up().build())
+        .execute()
+        .await
+        .map_err(nl_err(format!("bringing {host_if} up")))?;
+
+    let gidx = link_index(ns, GUEST_IF)
+        .await?
+        .ok_or_else(|| NetError::Firewall("eth0 missing in the sandbox namespace".into()))?;
+    ns.address()
+        .add(gidx, slot.sandbox_ip().into(), 30)
+        .execute()
+        .await
+        .map_err(nl_err("addressing eth0"))?;
+    ns.link()
+        .set(LinkUnspec::new_with_index(gidx).up().build())
+        .execute()
+        .await
+        .map_err(nl_err("bringing eth0 up"))?;
+    if let Some(lo) = link_index(ns, "lo").await? {
+        ns.link()
+            .set(LinkUnspec::new_with_index(lo).up().build())
+            .execute()
+            .await
+            .map_err(nl_err("bringing lo up"))?;
+    }
+    let route = RouteMessageBuilder::<Ipv4Addr>::new()
+        .gateway(slot.host_ip())
+        .output_interface(gidx)
+        .build();
+    ns.route()
+        .add(route)
+        .execute()
+        .await
+        .map_err(nl_err("adding the default route"))?;
+    Ok(())
+}
+
+/// Deletes a host link by name (its veth peer goes with it); absent is fine.
+pub async fn delete_link(host: &Handle, name: &str) -> Result<bool, NetError> {
+    match link_index(host, name).await? {
+        Some(idx) => match host.link().del(idx).execute().await {
+            Ok(()) => Ok(true),
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(false),
+            Err(e) => Err(nl_err(format!("deleting {name}"))(e)),
+        },
+        None => Ok(false),
+    }
+}
+
+/// Names of host links starting with `prefix` followed by `i` or `n`.
+pub async fn list_links(host: &Handle, prefix: &str) -> Result<Vec<String>, NetError> {
+    let mut out = Vec::new();
+    let mut links = host.link().get().execute();
+    while let Some(msg) = links.try_next().await.map_err(nl_err("listing links"))? {
+        for attr in &msg.attributes {
+            if let LinkAttribute::IfName(name) = attr {
+                if let Some(rest) = name.strip_prefix(prefix) {
+                    if rest.starts_with('i') || rest.starts_with('n') {
+                        out.push(name.clone());
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The slot a host interface name encodes.
+pub fn slot_of_ifname(prefix: &str, name: &str) -> Option<Slot> {
+    let rest = name.strip_prefix(prefix)?;
+    let hex = rest.strip_prefix('i').or_else(|| rest.strip_prefix('n'))?;
+    let n = u32::from_str_radix(hex, 16).ok()?;
+    Some(Slot {
+        network: Ipv4Addr::from(n),
+    })
+}
+
+/// Nameservers from a resolv.conf text, loopback ones skipped.
+pub fn nameservers(resolv_conf: &str) -> Vec<Ipv4Addr> {
+    resolv_conf
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|v| v.trim().parse::<Ipv4Addr>().ok())
+        .filter(|ip| !ip.is_loopback())
+        .collect()
+}
+
+/// The host's nameservers (systemd-resolved's upstream file first).
+pub fn host_nameservers() -> Vec<Ipv4Addr> {
+    for f in ["/run/systemd/resolve/resolv.conf", "/etc/resolv.conf"] {
+        if let Ok(text) = std::fs::read_to_string(f) {
+            let ns = nameservers(&text);
+            if !ns.is_empty() {
+                return ns;
+            }
+        }
+    }
+    Vec::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_parse_and_normalize() {
+        let n: Ipv4Net = "10.12.3.4/16".parse().unwrap();
+        assert_eq!(n.to_string(), "10.12.0.0/16");
+        assert!(n.contains("10.12.255.1".parse().unwrap()));
+        assert!(!n.contains("10.13.0.1".parse().unwrap()));
+        assert!("10.0.0.0".parse::<Ipv4Net>().is_err());
+        assert!("10.0.0.0/33".parse::<Ipv4Net>().is_err());
+        assert!("x/8".parse::<Ipv4Net>().is_err());
+    }
+
+    #[test]
+    fn slots_give_addresses_and_names() {
+        let s = Slot {
+            network: "10.12.0.4".parse().unwrap(),
+        };
+        assert_eq!(s.host_ip().to_string(), "10.12.0.5");
+        assert_eq!(s.sandbox_ip().to_string(), "10.12.0.6");
+        let name = s.host_ifname("ae", true);
+        assert_eq!(name, "aei0a0c0004");
+        assert!(name.len() <= 15);
+        assert_eq!(slot_of_ifname("ae", &name), Some(s));
+        assert_eq!(slot_of_ifname("ae", &s.host_ifname("ae", false)), Some(s));
+        assert_eq!(slot_of_ifname("ae", "eth0"), None);
+    }
+
+    #[test]
+    fn pool_reserves_distinct_slots_until_exhausted_and_reuses_released_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = AddressPool::new("10.13.0.0/29".parse().unwrap(), dir.path()).unwrap();
+        assert_eq!(pool.slots(), 2);
+        let a = pool.reserve(Path::new("/owner/a")).unwrap();
+        let b = pool.reserve(Path::new("/owner/b")).unwrap();
+        assert_ne!(a, b);
+        assert!(matches!(
+            pool.reserve(Path::new("/c")),
+            Err(NetError::Exhausted(_))
+        ));
+        let mut owners: Vec<_> = pool.reservations().into_iter().map(|(_, o)| o).collect();
+        owners.sort();
+        assert_eq!(
+            owners,
+            vec![PathBuf::from("/owner/a"), PathBuf::from("/owner/b")]
+        );
+        pool.release(a);
+        assert!(!pool.is_reserved(a));
+        assert_eq!(pool.reserve(Path::new("/d")).unwrap(), a);
+    }
+
+    #[test]
+    fn a_pool_smaller_than_a_slot_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(AddressPool::new("10.13.0.0/31".parse().unwrap(), dir.path()).is_err());
+    }
+
+    #[test]
+    fn host_rules_reject_denied_networks_before_accepting_internet() {
+        let rules = HostRules {
+            iface_prefix: "ae".into(),
+            pool: "10.12.0.0/16".parse().unwrap(),
+            denied: Ipv4Net::default_denied(),
+            dns: vec!["10.0.0.2".parse().unwrap()],
+        };
+        let text = rules.restore_input();
+        let pos = |needle: &str| {
+            text.find(needle)
+                .unwrap_or_else(|| panic!("{needle} missing in\n{text}"))
+        };
+        assert!(pos("-A AGENTENV-AE-IN -i ae+ -j REJECT") > pos("ESTABLISHED,RELATED -j ACCEPT"));
+        assert!(pos("-d 10.0.0.2/32 -p udp --dport 53 -j ACCEPT") < pos("-d 10.0.0.0/8 -j REJECT"));
+        assert!(pos("-d 192.168.0.0/16 -j REJECT") < pos("-i aei+ -j ACCEPT"));
+        assert!(pos("-i aen+ -j REJECT") < pos("-i aei+ -j ACCEPT"));
+        assert!(text.contains("-A AGENTENV-AE-NAT -s 10.12.0.0/16 ! -o ae+ -j MASQUERADE"));
+    }
+
+    #[test]
+    fn nameservers_skip_loopback() {
+        let t = "# x\nnameserver 127.0.0.53\nnameserver 10.1.2.3\nnameserver ::1\noptions edns0\n";
+        assert_eq!(
+            nameservers(t),
+            vec!["10.1.2.3".parse::<Ipv4Addr>().unwrap()]
+        );
+    }
+}

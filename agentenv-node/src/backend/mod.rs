@@ -1,0 +1,253 @@
+//! Sandbox backends: what the node needs from whatever runs a sandbox.
+//!
+//! A backend turns a [`SandboxSpec`] (template, CPU, memory, environment, network policy)
+//! into a running sandbox whose guest agent (`agentenv-guest`, envd-compatible) listens on
+//! [`SandboxAddress::agent`]. Two implementations share this shape:
+//!
+//! * `jail` ([`jail::JailBackend`]): the agent runs as PID 1 of a process tree in fresh
+//!   mount, PID, network, UTS, IPC and cgroup namespaces, on an overlay root over a
+//!   read-only template, limited by cgroups, with capabilities dropped and a seccomp
+//!   filter. Pause freezes the cgroup.
+//! * `microvm` (agentenv-vmm): the VMM runs inside the same kind of jail; the guest is
+//!   reached through a tap device inside the same per-sandbox network namespace; pause
+//!   writes a snapshot and stops the VMM.
+//!
+//! In both, the node reaches the agent and every guest port at one IPv4 address that
+//! belongs to the sandbox's own network namespace, so the data plane does not care which
+//! backend runs a sandbox.
+
+pub mod agent;
+pub mod jail;
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// The port the guest agent listens on inside every sandbox (envd's port).
+pub const AGENT_PORT: u16 = 49983;
+
+/// Longest sandbox id a backend accepts.
+pub const MAX_SANDBOX_ID_LEN: usize = 64;
+
+/// What to create.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// Sandbox id, chosen by the caller: `[A-Za-z0-9_-]{1,64}`.
+    pub id: String,
+    /// Template name (a root filesystem in the template store).
+    pub template: String,
+    /// Number of CPUs the sandbox may use (a CPU-time quota, not pinning). At least 1.
+    pub cpu_count: u32,
+    /// Memory limit in MiB (swap included). At least [`MIN_MEMORY_MB`].
+    pub memory_mb: u64,
+    /// Environment of the agent and so of every process it starts.
+    pub env: BTreeMap<String, String>,
+    /// Outbound traffic to the internet through NAT (`true`, the default) or none.
+    pub allow_internet_access: bool,
+    /// Most processes (threads included) at once; `None` uses the backend's default.
+    pub max_processes: Option<u32>,
+}
+
+/// The smallest memory limit a sandbox may have, in MiB.
+pub const MIN_MEMORY_MB: u64 = 16;
+
+impl SandboxSpec {
+    /// A spec with the defaults the API uses: 2 CPUs, 512 MiB, internet allowed.
+    pub fn new(id: impl Into<String>, template: impl Into<String>) -> Self {
+        Self {
+            id: id.into(),
+            template: template.into(),
+            cpu_count: 2,
+            memory_mb: 512,
+            env: BTreeMap::new(),
+            allow_internet_access: true,
+            max_processes: None,
+        }
+    }
+}
+
+/// Whether a sandbox runs or is paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Running,
+    Paused,
+}
+
+/// Where the node reaches a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxAddress {
+    /// The sandbox's IPv4 address; every port the guest listens on is reached here.
+    pub ip: Ipv4Addr,
+    /// The port of the guest agent.
+    pub agent_port: u16,
+}
+
+impl SandboxAddress {
+    /// The socket address of the guest agent.
+    pub fn agent(&self) -> SocketAddr {
+        SocketAddr::from((self.ip, self.agent_port))
+    }
+
+    /// The socket address of any other guest port.
+    pub fn port(&self, port: u16) -> SocketAddr {
+        SocketAddr::from((self.ip, port))
+    }
+}
+
+/// What a backend knows about one of its sandboxes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    pub id: String,
+    pub template: String,
+    pub state: SandboxState,
+    pub address: SandboxAddress,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub allow_internet_access: bool,
+    pub created_at: SystemTime,
+}
+
+/// Resources a sandbox uses right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceUsage {
+    /// CPU time consumed since creation, all processes together.
+    pub cpu_time: Duration,
+    /// Memory charged to the sandbox, in bytes (page cache included).
+    pub memory_bytes: u64,
+    /// The memory limit, in bytes.
+    pub memory_limit_bytes: u64,
+    /// Processes (threads included) in the sandbox.
+    pub processes: u64,
+}
+
+/// What [`SandboxBackend::reconcile`] found and removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconcileReport {
+    /// Ids of leftover sandboxes that were cleaned up.
+    pub removed_sandboxes: Vec<String>,
+    /// Other leftovers (cgroups, links, address reservations) that were removed.
+    pub removed_other: Vec<String>,
+}
+
+/// Errors of every backend. The message says what went wrong and, where it can, what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("invalid sandbox id {0:?}: use 1 to 64 characters from [A-Za-z0-9_-]")]
+    InvalidId(String),
+    #[error("sandbox {0} already exists")]
+    AlreadyExists(String),
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("template {0:?} not found")]
+    UnknownTemplate(String),
+    #[error("invalid limits: {0}")]
+    InvalidLimits(String),
+    #[error("no free sandbox address in {pool}: destroy sandboxes or configure a larger pool")]
+    AddressPoolExhausted { pool: String },
+    #[error("sandbox {id} is {state:?}, the operation needs it {needed:?}")]
+    InvalidState {
+        id: String,
+        state: SandboxState,
+        needed: SandboxState,
+    },
+    #[error("template: {0}")]
+    Template(#[from] crate::template::TemplateError),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Setup(String),
+}
+
+impl BackendError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Checks a sandbox id: 1 to 64 characters from `[A-Za-z0-9_-]`.
+pub fn validate_sandbox_id(id: &str) -> Result<(), BackendError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_SANDBOX_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(BackendError::InvalidId(id.to_string()))
+    }
+}
+
+/// Runs sandboxes. Every method is safe to call concurrently, also for one sandbox.
+#[async_trait]
+pub trait SandboxBackend: Send + Sync {
+    /// The backend's name (`jail`, `microvm`).
+    fn kind(&self) -> &'static str;
+
+    /// Creates and starts a sandbox from a template. Returns once the sandbox's processes
+    /// (or VM) run; the agent may still be starting (see [`agent::wait_ready`]). A failure
+    /// leaves nothing behind.
+    async fn create(&self, spec: SandboxSpec) -> Result<SandboxInfo, BackendError>;
+
+    /// Stops a running sandbox in place, keeping memory and processes (jail: frozen cgroup;
+    /// microvm: snapshot, VMM stopped). Pausing a paused sandbox succeeds.
+    async fn pause(&self, id: &str) -> Result<(), BackendError>;
+
+    /// Continues a paused sandbox; returns its info, whose address may differ from before
+    /// the pause (a microvm may resume in another network slot). Resuming a running
+    /// sandbox succeeds.
+    async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError>;
+
+    /// Stops a sandbox and removes every trace of it: processes, namespaces, cgroup, links,
+    /// writable layer, address.
+    async fn destroy(&self, id: &str) -> Result<(), BackendError>;
+
+    /// The sandbox's info (state and address).
+    async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError>;
+
+    /// Resources the sandbox uses now.
+    async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError>;
+
+    /// Every sandbox this backend runs, for reconciliation with the node's records.
+    async fn list(&self) -> Vec<SandboxInfo>;
+
+    /// Finds leftovers of sandboxes from an earlier node process that did not shut down
+    /// cleanly and removes them. Called once at startup, before the first create.
+    async fn reconcile(&self) -> Result<ReconcileReport, BackendError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_ids_are_checked() {
+        assert!(validate_sandbox_id("sbx-1_A").is_ok());
+        assert!(validate_sandbox_id("").is_err());
+        assert!(validate_sandbox_id("../etc").is_err());
+        assert!(validate_sandbox_id("a b").is_err());
+        assert!(validate_sandbox_id(&"x".repeat(65)).is_err());
+        assert!(validate_sandbox_id(&"x".repeat(64)).is_ok());
+    }
+
+    #[test]
+    fn address_gives_agent_and_ports() {
+        let a = SandboxAddress {
+            ip: Ipv4Addr::new(10, 12, 0, 2),
+            agent_port: AGENT_PORT,
+        };
+        assert_eq!(a.agent().to_string(), "10.12.0.2:49983");
+        assert_eq!(a.port(8080).to_string(), "10.12.0.2:8080");
+    }
+}
