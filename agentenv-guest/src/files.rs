@@ -229,8 +229,10 @@ fn set_metadata(path: &Path, meta: &[(String, String)]) {
     }
 }
 
-/// Writes a byte stream to `path` (parents created, owner set).
-async fn write_stream<S, E>(path: &Path, user: &User, mut body: S) -> Result<(), FilesError>
+/// Writes a byte stream to `path` (parents created, owner set). The data
+/// goes to a temporary file beside it that replaces `path` only once the
+/// whole body arrived, so a cut-off upload never clobbers an existing file.
+async fn write_stream<S, E>(path: &Path, user: &User, body: S) -> Result<(), FilesError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
     E: std::fmt::Display,
@@ -238,17 +240,50 @@ where
     if let Some(parent) = path.parent() {
         make_dirs(parent, user).map_err(io_err(parent))?;
     }
-    if path.is_dir() {
+    let existing = std::fs::metadata(path).ok();
+    if existing.as_ref().is_some_and(|m| m.is_dir()) {
         return Err(FilesError::IsDirectory(path.display().to_string()));
     }
+    let tmp = {
+        use rand::Rng;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let suffix: u64 = rand::rng().random();
+        path.with_file_name(format!(".{name}.upload-{suffix:016x}"))
+    };
+    let result = write_to(&tmp, body).await;
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Some(md) = existing {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(
+            &tmp,
+            std::fs::Permissions::from_mode(md.permissions().mode()),
+        );
+    }
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(path)(e));
+    }
+    chown_to(path, user);
+    Ok(())
+}
+
+async fn write_to<S, E>(path: &Path, mut body: S) -> Result<(), FilesError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
     let mut file = tokio::fs::File::create(path).await.map_err(io_err(path))?;
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|e| FilesError::Body(e.to_string()))?;
         file.write_all(&chunk).await.map_err(io_err(path))?;
     }
     file.flush().await.map_err(io_err(path))?;
-    drop(file);
-    chown_to(path, user);
     Ok(())
 }
 
