@@ -81,7 +81,11 @@ fn mount(
 /// /tmp, skipping those already mounted.
 pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
     let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-    if !Path::new("/proc/self").exists() {
+    // As PID 1 of a new PID namespace, an inherited /proc shows the wrong
+    // namespace: mount a fresh one (our mount namespace is private).
+    // SAFETY: getpid has no preconditions.
+    let is_pid1 = unsafe { libc::getpid() } == 1;
+    if is_pid1 || !Path::new("/proc/self").exists() {
         mount("proc", "proc", "/proc", nosuid_nodev_noexec, "")?;
     }
     if !is_mountpoint("/sys")
