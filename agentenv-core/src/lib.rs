@@ -2,6 +2,7 @@
 //! syntax, logging and metrics setup, the JSON error body, and the generated
 //! protobuf types.
 
+pub mod api_key;
 pub mod config;
 pub mod duration;
 pub mod error;

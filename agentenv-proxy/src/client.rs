@@ -98,6 +98,16 @@ fn lazy_channel(addr: &str) -> Result<Channel, ClientError> {
     Ok(endpoint.tcp_nodelay(true).connect_lazy())
 }
 
+/// A status made by the transport (connection refused, reset) rather than
+/// sent by the scheduler says so in its message.
+fn unreachable_scheduler(status: Status) -> Status {
+    if status.code() == tonic::Code::Unavailable && std::error::Error::source(&status).is_some() {
+        Status::unavailable(format!("scheduler unreachable: {}", status.message()))
+    } else {
+        status
+    }
+}
+
 #[async_trait]
 impl SchedulerClient for GrpcSchedulerClient {
     async fn schedule(&self, hint: Option<pb::ScheduleRequestHint>) -> Result<pb::Node, Status> {
@@ -105,7 +115,8 @@ impl SchedulerClient for GrpcSchedulerClient {
             .primary
             .clone()
             .schedule(pb::ScheduleRequest { hint })
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         Ok(resp.into_inner().node.unwrap_or_default())
     }
 
@@ -115,7 +126,8 @@ impl SchedulerClient for GrpcSchedulerClient {
             .lookup_node(pb::LookupNodeRequest {
                 sandbox_id: sandbox_id.to_string(),
             })
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         Ok(resp.into_inner().node.unwrap_or_default())
     }
 
@@ -126,7 +138,8 @@ impl SchedulerClient for GrpcSchedulerClient {
                 sandbox_id: sandbox_id.to_string(),
                 node: Some(node),
             })
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         Ok(())
     }
 
@@ -135,7 +148,8 @@ impl SchedulerClient for GrpcSchedulerClient {
             .primary
             .clone()
             .list_nodes(pb::ListNodesRequest {})
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         Ok(resp.into_inner().nodes)
     }
 
@@ -146,7 +160,8 @@ impl SchedulerClient for GrpcSchedulerClient {
             .list_observed_nodes(pb::ListObservedNodesRequest {
                 cluster_id: cluster_id.to_string(),
             })
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         Ok(resp.into_inner().nodes)
     }
 
@@ -158,7 +173,8 @@ impl SchedulerClient for GrpcSchedulerClient {
                 node_id: node_id.to_string(),
                 cluster_id: cluster_id.to_string(),
             })
-            .await?;
+            .await
+            .map_err(unreachable_scheduler)?;
         resp.into_inner()
             .node
             .ok_or_else(|| Status::not_found("observed node not found"))
@@ -274,5 +290,10 @@ mod tests {
         let client = GrpcSchedulerClient::connect_lazy(&addr.to_string(), "").unwrap();
         let err = client.list_nodes().await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::Unavailable);
+        assert!(
+            err.message().starts_with("scheduler unreachable: "),
+            "{}",
+            err.message()
+        );
     }
 }

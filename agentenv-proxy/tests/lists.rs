@@ -326,8 +326,9 @@ async fn a_scheduler_that_is_down_gives_503() {
     let client = GrpcSchedulerClient::connect_lazy(&dead.to_string(), "").unwrap();
     let gateway = Gateway::new(client, options()).unwrap();
     let (addr, _stop, _task) = serve_gateway(gateway).await;
-    let (status, _, _) = get(&format!("http://{addr}/sandboxes/sbx-1")).await;
+    let (status, _, body) = get(&format!("http://{addr}/sandboxes/sbx-1")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(message(&body).starts_with("scheduler unreachable: "), "{}", message(&body));
     let (status, _, _) = send(
         Request::get(format!("http://{addr}/health"))
             .body(Full::default())
