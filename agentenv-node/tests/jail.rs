@@ -1,8 +1,14 @@
-//! The jail backend end to end: real namespaces, cgroups, veth pairs and overlay roots.
+//! The jail backend end to end: real namespaces, cgroups, veth pairs and overlay roots,
+//! with a small PID 1 of the tests' own (tests/fixtures/test_agent.py).
 //! Needs root; each test says so and returns when it cannot run here.
 
 mod common;
 
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use agentenv_node::backend::agent::probe_health;
+use agentenv_node::backend::jail::spawn::KEPT_CAPABILITIES;
 use agentenv_node::backend::{SandboxBackend, SandboxState};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,13 +31,499 @@ async fn test_agent_answers_at_the_sandbox_address_and_runs_a_command() {
     assert!(lines[1].starts_with("12."), "bookworm: {lines:?}");
     assert_eq!(lines[2], info.id);
     assert_eq!(lines[3], "0");
-    // PID 1 is the agent.
+    // PID 1 is the agent, in init mode.
     let out = common::sh(&info, "cat /proc/1/cmdline | tr '\\0' ' '").await;
     assert!(
-        out.stdout.contains("/agentenv/agentenv-guest init"),
+        out.stdout.contains("/agentenv/agentenv-guest --init"),
         "{out:?}"
     );
-    assert_eq!(b.list().await.len(), 1);
+    // Writes land in the sandbox's own layer, not in the template.
+    let out = common::sh(&info, "echo changed > /etc/motd && cat /etc/motd").await;
+    assert_eq!(out.stdout, "changed\n");
+    assert_eq!(b.get(&info.id).await.unwrap(), info);
+    assert_eq!(b.list().await, vec![info.clone()]);
     b.destroy(&info.id).await.unwrap();
     assert!(b.list().await.is_empty());
+    let tpl = b.templates().get("base").unwrap();
+    assert_ne!(
+        std::fs::read_to_string(tpl.rootfs.join("etc/motd")).unwrap_or_default(),
+        "changed\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_limit_kills_an_allocation_beyond_it() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let mut spec = common::spec(&common::id("mem"));
+    spec.memory_mb = 64;
+    let info = common::create_ready(&b, spec).await;
+    let usage = b.usage(&info.id).await.unwrap();
+    assert_eq!(usage.memory_limit_bytes, 64 << 20);
+    let alloc = |mib: u32| format!("b = b'x' * ({mib} << 20); print(len(b) >> 20)");
+    let small = common::exec(&info, &["python3", "-c", &alloc(16)]).await;
+    assert_eq!((small.exit, small.stdout.trim()), (0, "16"), "{small:?}");
+    let big = common::exec(&info, &["python3", "-c", &alloc(256)]).await;
+    assert_eq!(big.exit, -9, "killed by the OOM killer: {big:?}");
+    // The sandbox survives its process being killed.
+    assert_eq!(common::sh(&info, "echo alive").await.stdout, "alive\n");
+    b.destroy(&info.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_limit_holds_under_a_busy_loop() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let mut spec = common::spec(&common::id("cpu"));
+    spec.cpu_count = 1;
+    let info = common::create_ready(&b, spec).await;
+    let cpu_dir = b
+        .cgroup_dirs(&info.id)
+        .into_iter()
+        .find(|d| d.join("cpu.cfs_quota_us").exists() || d.join("cpu.max").exists())
+        .expect("a cpu cgroup");
+    let quota = std::fs::read_to_string(cpu_dir.join("cpu.cfs_quota_us"))
+        .or_else(|_| std::fs::read_to_string(cpu_dir.join("cpu.max")))
+        .unwrap();
+    assert!(
+        quota.starts_with("100000"),
+        "one CPU per 100 ms period: {quota}"
+    );
+    let before = b.usage(&info.id).await.unwrap().cpu_time;
+    let start = Instant::now();
+    // Two busy loops: without the limit they would use both of the host's CPUs.
+    let out = common::sh(
+        &info,
+        "timeout 3 sh -c 'while :; do :; done' & timeout 3 sh -c 'while :; do :; done'; wait; echo done",
+    )
+    .await;
+    let wall = start.elapsed();
+    assert_eq!(out.stdout, "done\n", "{out:?}");
+    let used = b.usage(&info.id).await.unwrap().cpu_time - before;
+    let share = used.as_secs_f64() / wall.as_secs_f64();
+    eprintln!("cpu share with cpuCount=1: {share:.2} ({used:?} in {wall:?})");
+    assert!(share < 1.35, "the quota of 1 CPU held: {share:.2}");
+    assert!(share > 0.3, "the loops ran: {share:.2}");
+    b.destroy(&info.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_cannot_see_host_processes_mounts_networks_or_other_sandboxes() {
+    require_jail!();
+    let (b, data) = common::backend().await;
+    let a = common::create_ready(&b, common::spec(&common::id("iso-a"))).await;
+    let other = common::create_ready(&b, common::spec(&common::id("iso-b"))).await;
+    common::spawn_bg(&other, "exec sleep 4242").await;
+
+    // Processes: only the sandbox's own.
+    let ps = common::exec(&a, &["ps", "-eo", "pid,args"]).await;
+    let lines: Vec<&str> = ps.stdout.lines().skip(1).collect();
+    assert!(
+        lines.len() <= 4,
+        "only the agent, the shell and ps: {lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.trim().starts_with("1 ")),
+        "{lines:?}"
+    );
+    assert!(
+        !ps.stdout.contains("sleep 4242"),
+        "the other sandbox is invisible: {ps:?}"
+    );
+    let me = std::env::current_exe().unwrap();
+    let me = me.file_name().unwrap().to_string_lossy();
+    assert!(
+        !ps.stdout.contains(me.as_ref()),
+        "host processes are invisible: {ps:?}"
+    );
+
+    // Mounts: only the sandbox's root and its pseudo file systems.
+    let mounts = common::sh(&a, "cut -d' ' -f5 /proc/self/mountinfo").await;
+    for m in mounts.stdout.lines() {
+        let ok = m == "/"
+            || ["/proc", "/sys", "/dev", "/agentenv/"]
+                .iter()
+                .any(|p| m.starts_with(p));
+        assert!(ok, "unexpected mount {m} in\n{}", mounts.stdout);
+    }
+    let data_dir = data.path().display().to_string();
+    let ls = common::sh(&a, &format!("ls {data_dir} /work 2>&1; echo end")).await;
+    assert!(
+        ls.stdout.contains("No such file"),
+        "host paths are absent: {ls:?}"
+    );
+
+    // Network: lo and eth0 only, with the sandbox's address.
+    let links = common::sh(&a, "ip -o link | cut -d: -f2 | tr -d ' ' | cut -d@ -f1").await;
+    assert_eq!(links.stdout.lines().collect::<Vec<_>>(), vec!["lo", "eth0"]);
+    let addrs = common::sh(&a, "ip -o -4 addr | awk '{print $4}'").await;
+    assert_eq!(
+        addrs.stdout.lines().collect::<Vec<_>>(),
+        vec!["127.0.0.1/8".to_string(), format!("{}/30", a.address.ip)]
+    );
+
+    // Host listeners are unreachable: through the gateway and through the host's addresses.
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let gateway = Ipv4Addr::from(u32::from(a.address.ip) - 1);
+    let r = common::try_connect(&a, gateway, port).await;
+    assert!(common::is_blocked(&r), "gateway {gateway}:{port}: {r}");
+    for ip in host_global_addresses() {
+        let r = common::try_connect(&a, ip, port).await;
+        assert!(common::is_blocked(&r), "host address {ip}:{port}: {r}");
+    }
+    // The other sandbox is unreachable.
+    let r = common::try_connect(&a, other.address.ip, 49983).await;
+    assert!(common::is_blocked(&r), "other sandbox: {r}");
+    // ... while the node reaches both.
+    probe_health(a.address.agent()).await.unwrap();
+    probe_health(other.address.agent()).await.unwrap();
+    drop(listener);
+    b.destroy(&a.id).await.unwrap();
+    b.destroy(&other.id).await.unwrap();
+}
+
+/// The host's own global IPv4 addresses, sandbox gateways excluded.
+fn host_global_addresses() -> Vec<Ipv4Addr> {
+    common::host_addresses()
+        .lines()
+        .filter(|l| l.contains("scope global"))
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .filter_map(|a| a.split('/').next()?.parse::<Ipv4Addr>().ok())
+        .filter(|ip| {
+            !"10.12.0.0/16"
+                .parse::<agentenv_node::backend::jail::net::Ipv4Net>()
+                .unwrap()
+                .contains(*ip)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seccomp_capabilities_and_no_new_privs_restrict_the_sandbox() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let info = common::create_ready(&b, common::spec(&common::id("sec"))).await;
+    // keyctl works for any process without the filter; here it fails with EPERM.
+    let code = format!(
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nr = libc.syscall({}, 0, -3, 0)\nprint(r, ctypes.get_errno())\nr = libc.syscall({}, 0, 0, 0)\nprint(r, ctypes.get_errno())\n",
+        libc::SYS_keyctl,
+        libc::SYS_ptrace,
+    );
+    let out = common::exec(&info, &["python3", "-c", &code]).await;
+    let eperm = format!("-1 {}", libc::EPERM);
+    assert_eq!(
+        out.stdout.lines().collect::<Vec<_>>(),
+        vec![eperm.as_str(), eperm.as_str()],
+        "{out:?}"
+    );
+    let status = common::sh(
+        &info,
+        "grep -E '^(Seccomp|NoNewPrivs|CapBnd|CapEff):' /proc/self/status",
+    )
+    .await;
+    let field = |name: &str| {
+        status
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(field("Seccomp"), "2", "{status:?}");
+    assert_eq!(field("NoNewPrivs"), "1");
+    let want: u64 = KEPT_CAPABILITIES
+        .iter()
+        .map(|c| c.bitmask())
+        .fold(0, |a, b| a | b);
+    assert_eq!(u64::from_str_radix(&field("CapBnd"), 16).unwrap(), want);
+    assert_eq!(u64::from_str_radix(&field("CapEff"), 16).unwrap(), want);
+    // Mounting, loading modules and writing kernel settings all fail.
+    let out = common::sh(
+        &info,
+        "mount -t tmpfs none /mnt 2>&1; echo mount=$?; echo 1 > /proc/sys/vm/drop_caches 2>&1; echo sysctl=$?; echo b > /proc/sysrq-trigger 2>&1; echo sysrq=$?",
+    )
+    .await;
+    assert!(
+        out.stdout.contains("mount=32") || out.stdout.contains("mount=1"),
+        "{out:?}"
+    );
+    assert!(!out.stdout.contains("sysctl=0"), "{out:?}");
+    assert!(!out.stdout.contains("sysrq=0"), "{out:?}");
+    b.destroy(&info.id).await.unwrap();
+}
+
+/// Reads the counter the sandbox writes to /tmp/counter, through its writable layer.
+fn read_counter(b: &agentenv_node::backend::jail::JailBackend, id: &str) -> Option<u64> {
+    std::fs::read_to_string(b.sandbox_dir(id).join("upper/tmp/counter"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+async fn counter_above(b: &agentenv_node::backend::jail::JailBackend, id: &str, above: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = read_counter(b, id).filter(|v| *v > above) {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the counter did not pass {above}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_stops_a_counter_and_resume_continues_it() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let info = common::create_ready(&b, common::spec(&common::id("pause"))).await;
+    common::spawn_bg(&info, "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.01; done").await;
+    let running = counter_above(&b, &info.id, 3).await;
+    b.pause(&info.id).await.unwrap();
+    assert_eq!(b.get(&info.id).await.unwrap().state, SandboxState::Paused);
+    b.pause(&info.id).await.unwrap(); // pausing a paused sandbox succeeds
+    let frozen = read_counter(&b, &info.id).unwrap();
+    assert!(frozen >= running);
+    // Observe the paused sandbox over an interval in which the counter would advance ~30 times.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        read_counter(&b, &info.id).unwrap(),
+        frozen,
+        "the counter stopped while paused"
+    );
+    let probe = tokio::time::timeout(
+        Duration::from_millis(300),
+        probe_health(info.address.agent()),
+    )
+    .await;
+    assert!(
+        !matches!(probe, Ok(Ok(()))),
+        "the agent does not answer while paused"
+    );
+    let resumed = b.resume(&info.id).await.unwrap();
+    assert_eq!(resumed.state, SandboxState::Running);
+    assert_eq!(resumed.address, info.address);
+    counter_above(&b, &info.id, frozen).await;
+    // The processes kept their state: the counter continues from where it stopped.
+    let after = read_counter(&b, &info.id).unwrap();
+    assert!(
+        after > frozen && after < frozen + 1000,
+        "{frozen} -> {after}"
+    );
+    probe_health(info.address.agent()).await.unwrap();
+    b.destroy(&info.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destroy_leaves_nothing_behind() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let namespaces_before = common::host_namespaces();
+    let links_before = b.host_interfaces().await;
+    let info = common::create_ready(&b, common::spec(&common::id("destroy"))).await;
+    common::spawn_bg(&info, "exec sleep 1000").await;
+    let t = common::traces(&b, &info);
+    let ns_now = common::host_namespaces();
+    for n in &t.namespaces {
+        assert!(
+            !namespaces_before.contains(n) && ns_now.contains(n),
+            "{n:?} is the sandbox's own"
+        );
+    }
+    assert!(b.host_interfaces().await.contains(&t.host_if));
+    assert!(!links_before.contains(&t.host_if));
+    assert!(common::host_addresses().contains(&format!("inet {}/30", t.gateway)));
+    assert!(b.address_reserved(t.ip));
+    b.destroy(&info.id).await.unwrap();
+    common::assert_gone(&b, &t);
+    assert!(matches!(
+        b.destroy(&info.id).await,
+        Err(agentenv_node::backend::BackendError::NotFound(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destroying_a_paused_sandbox_leaves_nothing_behind() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let info = common::create_ready(&b, common::spec(&common::id("pdestroy"))).await;
+    let t = common::traces(&b, &info);
+    b.pause(&info.id).await.unwrap();
+    b.destroy(&info.id).await.unwrap();
+    common::assert_gone(&b, &t);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_sandboxes_leave_nothing_behind() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let b = std::sync::Arc::new(b);
+    let ids: Vec<String> = (0..20).map(|i| common::id(&format!("many{i}"))).collect();
+    let created = futures::future::join_all(ids.iter().map(|id| {
+        let b = b.clone();
+        let mut spec = common::spec(id);
+        spec.memory_mb = 64;
+        async move { common::create_ready(&b, spec).await }
+    }))
+    .await;
+    let addrs: std::collections::HashSet<_> = created.iter().map(|i| i.address.ip).collect();
+    assert_eq!(addrs.len(), 20, "distinct addresses");
+    let traces: Vec<_> = created.iter().map(|i| common::traces(&b, i)).collect();
+    for info in &created {
+        assert_eq!(common::sh(info, "hostname").await.stdout.trim(), info.id);
+    }
+    let results = futures::future::join_all(ids.iter().map(|id| {
+        let b = b.clone();
+        async move { b.destroy(id).await }
+    }))
+    .await;
+    for r in results {
+        r.unwrap();
+    }
+    for t in &traces {
+        common::assert_gone(&b, t);
+    }
+    assert!(b.list().await.is_empty());
+}
+
+/// A network namespace standing in for the internet: 198.51.100.1 (TEST-NET-2) with a
+/// TCP server that answers with the peer address it sees, routed from the host.
+struct FakeInternet {
+    ns: String,
+    server: std::process::Child,
+}
+
+const INTERNET_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const INTERNET_HOST_SIDE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+const INTERNET_PORT: u16 = 8080;
+
+impl FakeInternet {
+    fn start() -> Self {
+        let ns = format!("agentenv-test-inet-{}", std::process::id());
+        let host_if = format!("tinet{}", std::process::id() % 1_000_000);
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&["netns", "add", &ns]);
+        run(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
+        run(&[
+            "addr",
+            "add",
+            &format!("{INTERNET_HOST_SIDE}/24"),
+            "dev",
+            &host_if,
+        ]);
+        run(&["link", "set", &host_if, "up"]);
+        run(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{INTERNET_IP}/24"),
+            "dev",
+            "eth0",
+        ]);
+        run(&["-n", &ns, "link", "set", "eth0", "up"]);
+        run(&["-n", &ns, "link", "set", "lo", "up"]);
+        let code = format!(
+            "import socket\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('{INTERNET_IP}', {INTERNET_PORT}))\ns.listen(16)\nwhile True:\n    c, a = s.accept()\n    c.sendall(a[0].encode())\n    c.close()\n"
+        );
+        let server = std::process::Command::new("ip")
+            .args(["netns", "exec", &ns, "python3", "-c", &code])
+            .spawn()
+            .unwrap();
+        let me = Self { ns, server };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect_timeout(
+            &(INTERNET_IP, INTERNET_PORT).into(),
+            Duration::from_millis(200),
+        )
+        .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the fake internet server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        me
+    }
+}
+
+impl Drop for FakeInternet {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_goes_through_nat_only_when_internet_access_is_allowed() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let internet = FakeInternet::start();
+    let open = common::create_ready(&b, common::spec(&common::id("egress-on"))).await;
+    let mut closed_spec = common::spec(&common::id("egress-off"));
+    closed_spec.allow_internet_access = false;
+    let closed = common::create_ready(&b, closed_spec).await;
+    let r = common::try_connect(&open, INTERNET_IP, INTERNET_PORT).await;
+    assert_eq!(
+        r,
+        format!("connected {INTERNET_HOST_SIDE}"),
+        "NAT'd to the host's address"
+    );
+    let r = common::try_connect(&closed, INTERNET_IP, INTERNET_PORT).await;
+    assert!(common::is_blocked(&r), "no internet access: {r}");
+    // The node still reaches the closed sandbox.
+    probe_health(closed.address.agent()).await.unwrap();
+    b.destroy(&open.id).await.unwrap();
+    b.destroy(&closed.id).await.unwrap();
+    drop(internet);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_cleans_up_after_a_crashed_node_process() {
+    require_jail!();
+    let data = tempfile::tempdir().unwrap();
+    let cfg = common::config(data.path());
+    let (crashed, _unused) = common::backend_with(|c| *c = cfg.clone()).await;
+    let info = common::create_ready(&crashed, common::spec(&common::id("crash"))).await;
+    common::spawn_bg(&info, "exec sleep 1000").await;
+    let t = common::traces(&crashed, &info);
+    // The node process "crashes": its in-memory state is lost, the sandbox runs on.
+    std::mem::forget(crashed);
+    let restarted = agentenv_node::backend::jail::JailBackend::new(cfg)
+        .await
+        .unwrap();
+    let report = restarted.reconcile().await.unwrap();
+    assert_eq!(report.removed_sandboxes, vec![info.id.clone()]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::path::Path::new(&format!("/proc/{}", t.pid)).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "PID 1 of the leftover sandbox was not reaped"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    common::assert_gone(&restarted, &t);
+    // A second pass finds nothing.
+    let again = restarted.reconcile().await.unwrap();
+    assert!(again.removed_sandboxes.is_empty(), "{again:?}");
 }

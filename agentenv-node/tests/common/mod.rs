@@ -201,6 +201,19 @@ pub async fn try_connect(info: &SandboxInfo, ip: Ipv4Addr, port: u16) -> String 
         .to_string()
 }
 
+/// Whether a [`try_connect`] result is a refused, unreachable or timed-out connection
+/// (not some other failure of the probe itself).
+pub fn is_blocked(result: &str) -> bool {
+    [
+        "blocked ConnectionRefusedError",
+        "blocked TimeoutError",
+        "blocked timeout",
+        "blocked OSError",
+        "blocked PermissionError",
+    ]
+    .contains(&result)
+}
+
 /// Everything a sandbox holds on the host.
 #[derive(Debug, Clone)]
 pub struct Traces {

@@ -89,7 +89,7 @@ impl JailConfig {
             data_dir,
             runtime_dir: PathBuf::from("/run/agentenv"),
             agent_binary: agent_binary.into(),
-            agent_args: vec!["init".into()],
+            agent_args: vec!["--init".into()],
             agent_port: AGENT_PORT,
             address_pool: Ipv4Net::new(Ipv4Addr::new(10, 12, 0, 0), 16)
                 .expect("10.12.0.0/16 is a valid network"),

@@ -266,10 +266,25 @@ impl HostRules {
         )
     }
 
-    /// The `iptables-restore --noflush` input that (re)defines the node's chains.
+    /// The NAT rule for this pool (added once; rules of other pools stay).
+    pub fn nat_rule(&self) -> Vec<String> {
+        [
+            "-s".to_string(),
+            self.pool.to_string(),
+            "!".into(),
+            "-o".into(),
+            format!("{}+", self.iface_prefix),
+            "-j".into(),
+            "MASQUERADE".into(),
+        ]
+        .to_vec()
+    }
+
+    /// The `iptables-restore --noflush` input that (re)defines the node's filter chains.
+    /// They do not depend on the pool, so node processes with different pools share them.
     pub fn restore_input(&self) -> String {
         let p = &self.iface_prefix;
-        let (inp, fwd, nat) = (self.chain("IN"), self.chain("FWD"), self.chain("NAT"));
+        let (inp, fwd) = (self.chain("IN"), self.chain("FWD"));
         let mut s = String::new();
         s.push_str("*filter\n");
         s.push_str(&format!(":{inp} - [0:0]\n:{fwd} - [0:0]\n"));
@@ -294,16 +309,11 @@ impl HostRules {
         for net in &self.denied {
             s.push_str(&format!("-A {fwd} -i {p}+ -d {net} -j REJECT\n"));
         }
-        s.push_str(&format!("-A {fwd} -i {p}+ -d {} -j REJECT\n", self.pool));
+        // Sandboxes never reach each other, whatever their pools.
+        s.push_str(&format!("-A {fwd} -i {p}+ -o {p}+ -j REJECT\n"));
         s.push_str(&format!("-A {fwd} -i {p}n+ -j REJECT\n"));
         s.push_str(&format!("-A {fwd} -i {p}i+ -j ACCEPT\n"));
         s.push_str(&format!("-A {fwd} -o {p}+ -j REJECT\n"));
-        s.push_str("COMMIT\n*nat\n");
-        s.push_str(&format!(":{nat} - [0:0]\n"));
-        s.push_str(&format!(
-            "-A {nat} -s {} ! -o {p}+ -j MASQUERADE\n",
-            self.pool
-        ));
         s.push_str("COMMIT\n");
         s
     }
@@ -313,6 +323,8 @@ impl HostRules {
     pub async fn install(&self, runtime_dir: &Path) -> Result<(), NetError> {
         let lock_path = runtime_dir.join("iptables.lock");
         let input = self.restore_input();
+        let nat_chain = self.chain("NAT");
+        let nat_rule = self.nat_rule();
         let jumps = [
             ("filter", "INPUT", self.chain("IN")),
             ("filter", "FORWARD", self.chain("FWD")),
@@ -331,14 +343,19 @@ impl HostRules {
                     source: e.into(),
                 })?;
             run_with_stdin("iptables-restore", &["-w", "--noflush"], &input)?;
+            // The NAT chain keeps one rule per pool.
+            if !iptables_ok(&["-t", "nat", "-S", &nat_chain]) {
+                run_with_stdin("iptables", &["-w", "-t", "nat", "-N", &nat_chain], "")?;
+            }
+            let mut check = vec!["-t", "nat", "-C", nat_chain.as_str()];
+            check.extend(nat_rule.iter().map(String::as_str));
+            if !iptables_ok(&check) {
+                let mut add = vec!["-w", "-t", "nat", "-A", nat_chain.as_str()];
+                add.extend(nat_rule.iter().map(String::as_str));
+                run_with_stdin("iptables", &add, "")?;
+            }
             for (table, builtin, chain) in &jumps {
-                let check = std::process::Command::new("iptables")
-                    .args(["-w", "-t", table, "-C", builtin, "-j", chain])
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .map_err(|e| firewall_tool_err("iptables", e))?;
-                if !check.success() {
+                if !iptables_ok(&["-t", table, "-C", builtin, "-j", chain]) {
                     run_with_stdin(
                         "iptables",
                         &["-w", "-t", table, "-I", builtin, "1", "-j", chain],
@@ -353,6 +370,18 @@ impl HostRules {
         .await
         .map_err(|e| NetError::Firewall(format!("installing host rules: {e}")))?
     }
+}
+
+/// Whether an iptables query succeeds (a check or a listing).
+fn iptables_ok(args: &[&str]) -> bool {
+    std::process::Command::new("iptables")
+        .arg("-w")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
 }
 
 fn firewall_tool_err(tool: &str, e: std::io::Error) -> NetError {
@@ -658,7 +687,15 @@ mod tests {
         assert!(pos("-d 10.0.0.2/32 -p udp --dport 53 -j ACCEPT") < pos("-d 10.0.0.0/8 -j REJECT"));
         assert!(pos("-d 192.168.0.0/16 -j REJECT") < pos("-i aei+ -j ACCEPT"));
         assert!(pos("-i aen+ -j REJECT") < pos("-i aei+ -j ACCEPT"));
-        assert!(text.contains("-A AGENTENV-AE-NAT -s 10.12.0.0/16 ! -o ae+ -j MASQUERADE"));
+        assert!(pos("-i ae+ -o ae+ -j REJECT") < pos("-i aei+ -j ACCEPT"));
+        assert!(
+            !text.contains("10.12.0.0/16"),
+            "filter rules do not depend on the pool"
+        );
+        assert_eq!(
+            rules.nat_rule().join(" "),
+            "-s 10.12.0.0/16 ! -o ae+ -j MASQUERADE"
+        );
     }
 
     #[test]
