@@ -4,6 +4,12 @@
 //! heartbeat whose roster lists the sandbox; it is removed when its owner's
 //! roster omits it, when the owner unregisters, and when it expires. Recording
 //! or reconciling an id under another node moves it there.
+//!
+//! A node samples its roster before sending it, so a heartbeat can arrive just
+//! after the RecordAssignment of a sandbox the roster was sampled too early to
+//! list. A binding recorded by RecordAssignment after the node's previous
+//! heartbeat was processed is therefore kept when that node's next roster
+//! omits it; the heartbeat after that decides.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -27,13 +33,17 @@ pub trait BindingStore: Send + Sync + 'static {
     /// Binds `sandbox_id` to `node` (moving it from any other node).
     async fn record(&self, sandbox_id: &str, node: &Node, now: Instant) -> Result<(), StoreError>;
 
-    /// Makes `sandbox_ids` the complete set of sandboxes bound to `node`.
+    /// Makes `sandbox_ids` the complete set of sandboxes bound to `node`
+    /// (a heartbeat's roster).
     async fn reconcile_node(
         &self,
         node: &Node,
         sandbox_ids: &[String],
         now: Instant,
     ) -> Result<(), StoreError>;
+
+    /// Drops every binding owned by the node (it unregistered).
+    async fn forget_node(&self, node_id: &str) -> Result<(), StoreError>;
 
     /// Drops expired bindings. Stores that expire on their own do nothing.
     async fn sweep_expired(&self, _now: Instant) -> Result<usize, StoreError> {
@@ -45,12 +55,16 @@ pub trait BindingStore: Send + Sync + 'static {
 struct Binding {
     node: Arc<Node>,
     expires: Instant,
+    /// Recorded by RecordAssignment and not yet listed by a roster of its node.
+    pending: bool,
 }
 
 #[derive(Default)]
 struct Inner {
     by_id: HashMap<Arc<str>, Binding>,
     by_node: HashMap<String, HashSet<Arc<str>>>,
+    /// When each node's last roster was reconciled.
+    last_reconcile: HashMap<String, Instant>,
     /// One shared `Node` per (id, endpoint), so a million bindings do not hold
     /// a million copies of the same strings.
     interned: HashMap<Node, Arc<Node>>,
@@ -82,7 +96,7 @@ impl Inner {
         }
     }
 
-    fn bind(&mut self, id: &str, node: Arc<Node>, expires: Instant) {
+    fn bind(&mut self, id: &str, node: Arc<Node>, expires: Instant, pending: bool) {
         let key: Arc<str> = match self.by_id.get_key_value(id) {
             Some((k, _)) => k.clone(),
             None => Arc::from(id),
@@ -97,7 +111,14 @@ impl Inner {
             .entry(node.node_id.clone())
             .or_default()
             .insert(key.clone());
-        self.by_id.insert(key, Binding { node, expires });
+        self.by_id.insert(
+            key,
+            Binding {
+                node,
+                expires,
+                pending,
+            },
+        );
     }
 }
 
@@ -146,7 +167,7 @@ impl BindingStore for MemoryBindingStore {
         }
         let mut inner = self.inner.lock();
         let node = inner.intern(node);
-        inner.bind(id, node, now + self.ttl);
+        inner.bind(id, node, now + self.ttl, true);
         Ok(())
     }
 
@@ -162,6 +183,13 @@ impl BindingStore for MemoryBindingStore {
             .filter(|s| !s.is_empty())
             .collect();
         let mut inner = self.inner.lock();
+        let previous = inner.last_reconcile.insert(node.node_id.clone(), now);
+        let ttl = self.ttl;
+        // Recorded after the previous roster was processed: this roster may
+        // have been sampled before the sandbox existed.
+        let too_new = |b: &Binding| {
+            b.pending && previous.is_none_or(|p| b.expires.checked_sub(ttl).is_some_and(|r| r > p))
+        };
         let stale: Vec<Arc<str>> = inner
             .by_node
             .get(&node.node_id)
@@ -173,12 +201,12 @@ impl BindingStore for MemoryBindingStore {
             })
             .unwrap_or_default();
         for id in stale {
-            let owned_here = inner
-                .by_id
-                .get(&id)
-                .is_some_and(|b| b.node.node_id == node.node_id);
-            if owned_here {
-                inner.by_id.remove(&id);
+            match inner.by_id.get(&id) {
+                Some(b) if b.node.node_id == node.node_id && too_new(b) => continue,
+                Some(b) if b.node.node_id == node.node_id => {
+                    inner.by_id.remove(&id);
+                }
+                _ => {}
             }
             inner.unlink(&node.node_id, &id);
         }
@@ -188,7 +216,22 @@ impl BindingStore for MemoryBindingStore {
         let shared = inner.intern(node);
         let expires = now + self.ttl;
         for id in roster {
-            inner.bind(id, shared.clone(), expires);
+            inner.bind(id, shared.clone(), expires, false);
+        }
+        Ok(())
+    }
+
+    async fn forget_node(&self, node_id: &str) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock();
+        inner.last_reconcile.remove(node_id);
+        for id in inner.by_node.remove(node_id).unwrap_or_default() {
+            if inner
+                .by_id
+                .get(&id)
+                .is_some_and(|b| b.node.node_id == node_id)
+            {
+                inner.by_id.remove(&id);
+            }
         }
         Ok(())
     }
@@ -293,9 +336,10 @@ mod tests {
     async fn reconcile_removes_missing_ids_dedups_and_ignores_blanks() {
         let store = MemoryBindingStore::new(Duration::from_secs(30));
         let t0 = Instant::now();
-        for id in ["s1", "s2", "s3"] {
-            store.record(id, &node("a"), t0).await.unwrap();
-        }
+        store
+            .reconcile_node(&node("a"), &ids(&["s1", "s2", "s3"]), t0)
+            .await
+            .unwrap();
         store
             .reconcile_node(&node("a"), &ids(&["s1", " s1 ", "", "  ", "s4"]), t0)
             .await
@@ -337,6 +381,63 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(store.get("s1", t0).await.unwrap(), Some(node("a")));
+    }
+
+    #[tokio::test]
+    async fn a_roster_sampled_before_a_create_does_not_drop_its_fresh_binding() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store
+            .reconcile_node(&node("a"), &ids(&["old"]), t0)
+            .await
+            .unwrap();
+        let t1 = t0 + Duration::from_secs(1);
+        store.record("new", &node("a"), t1).await.unwrap();
+        // Heartbeat sampled before "new" existed, processed after its record.
+        let t2 = t0 + Duration::from_secs(2);
+        store
+            .reconcile_node(&node("a"), &ids(&["old"]), t2)
+            .await
+            .unwrap();
+        assert_eq!(store.get("new", t2).await.unwrap(), Some(node("a")));
+        // The next roster still omits it: the sandbox is really gone.
+        let t3 = t0 + Duration::from_secs(7);
+        store
+            .reconcile_node(&node("a"), &ids(&["old"]), t3)
+            .await
+            .unwrap();
+        assert_eq!(store.get("new", t3).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_listed_binding_is_confirmed_and_dropped_by_the_next_omission() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
+        let t1 = t0 + Duration::from_secs(1);
+        store.record("s", &node("a"), t1).await.unwrap();
+        store
+            .reconcile_node(&node("a"), &ids(&["s"]), t1)
+            .await
+            .unwrap();
+        store.reconcile_node(&node("a"), &[], t1).await.unwrap();
+        assert_eq!(store.get("s", t1).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn forget_node_drops_every_binding_of_the_node() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        store.record("s1", &node("a"), t0).await.unwrap();
+        store.record("s2", &node("b"), t0).await.unwrap();
+        store
+            .reconcile_node(&node("a"), &ids(&["s3"]), t0)
+            .await
+            .unwrap();
+        store.forget_node("a").await.unwrap();
+        assert_eq!(store.get("s1", t0).await.unwrap(), None, "pending ones too");
+        assert_eq!(store.get("s3", t0).await.unwrap(), None);
+        assert_eq!(store.get("s2", t0).await.unwrap(), Some(node("b")));
     }
 
     #[tokio::test]

@@ -143,6 +143,7 @@ impl SchedulerBuilder {
             .ok()
             .and_then(NonZeroUsize::new)
             .ok_or(BuildError::ArtifactCapacity)?;
+        let placement_name = placement.name().to_string();
         let metrics = metrics::SchedulerMetrics::default();
         let mut prom = prometheus_client::registry::Registry::default();
         metrics.register(&mut prom);
@@ -155,6 +156,7 @@ impl SchedulerBuilder {
                 c.artifact_lookup_node_limit,
             )),
             limit: c.node_resource_limit.clone(),
+            schedule_handles: service::ScheduleHandles::new(&metrics, placement_name.as_str()),
             metrics,
         });
         let health = HealthReporter::new();

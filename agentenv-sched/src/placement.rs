@@ -5,6 +5,7 @@
 //! the placement returns the index of its choice. Built-ins: `round_robin`,
 //! `random`, `least_loaded` and `power_of_two`. Embedding code may pass its own.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use agentenv_core::config::NodeResourceLimit;
@@ -12,29 +13,26 @@ use agentenv_core::proto::scheduler_v1::{Node, NodeSnapshot, ScheduleRequestHint
 use rand::Rng;
 
 /// One eligible node, with the snapshot of its last heartbeat.
-#[derive(Debug, Clone, Copy)]
-pub struct Candidate<'a> {
-    pub node: &'a Node,
-    pub snapshot: Option<&'a NodeSnapshot>,
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub node: Arc<Node>,
+    pub snapshot: Arc<NodeSnapshot>,
 }
 
-impl Candidate<'_> {
+impl Candidate {
     /// Running plus starting sandboxes, as last reported.
     pub fn sandbox_load(&self) -> u64 {
-        self.snapshot.map_or(0, |s| {
-            u64::from(s.sandbox_count) + u64::from(s.sandbox_starting_count)
-        })
+        u64::from(self.snapshot.sandbox_count) + u64::from(self.snapshot.sandbox_starting_count)
     }
 
     /// Fraction of the node's memory allocated to running sandboxes (0 when unknown).
     pub fn memory_allocated_ratio(&self) -> f64 {
-        self.snapshot.map_or(0.0, |s| {
-            if s.memory_total_bytes == 0 {
-                0.0
-            } else {
-                s.allocated_memory_bytes as f64 / s.memory_total_bytes as f64
-            }
-        })
+        let s = &self.snapshot;
+        if s.memory_total_bytes == 0 {
+            0.0
+        } else {
+            s.allocated_memory_bytes as f64 / s.memory_total_bytes as f64
+        }
     }
 }
 
@@ -45,11 +43,7 @@ pub trait Placement: Send + Sync + 'static {
 
     /// Returns the index of the chosen candidate. `candidates` is never empty.
     /// `None` means "none of these": the Schedule RPC then answers UNAVAILABLE.
-    fn pick(
-        &self,
-        candidates: &[Candidate<'_>],
-        hint: Option<&ScheduleRequestHint>,
-    ) -> Option<usize>;
+    fn pick(&self, candidates: &[Candidate], hint: Option<&ScheduleRequestHint>) -> Option<usize>;
 }
 
 /// Builds a built-in strategy by its config name.
@@ -74,7 +68,7 @@ impl Placement for RoundRobin {
         "round_robin"
     }
 
-    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+    fn pick(&self, candidates: &[Candidate], _: Option<&ScheduleRequestHint>) -> Option<usize> {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         Some((n % candidates.len() as u64) as usize)
     }
@@ -89,7 +83,7 @@ impl Placement for Random {
         "random"
     }
 
-    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+    fn pick(&self, candidates: &[Candidate], _: Option<&ScheduleRequestHint>) -> Option<usize> {
         (!candidates.is_empty()).then(|| rand::rng().random_range(0..candidates.len()))
     }
 }
@@ -99,7 +93,7 @@ impl Placement for Random {
 #[derive(Debug, Default)]
 pub struct LeastLoaded;
 
-fn less_loaded(a: &Candidate<'_>, b: &Candidate<'_>) -> bool {
+fn less_loaded(a: &Candidate, b: &Candidate) -> bool {
     (a.sandbox_load(), a.memory_allocated_ratio()) < (b.sandbox_load(), b.memory_allocated_ratio())
 }
 
@@ -108,7 +102,7 @@ impl Placement for LeastLoaded {
         "least_loaded"
     }
 
-    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+    fn pick(&self, candidates: &[Candidate], _: Option<&ScheduleRequestHint>) -> Option<usize> {
         let mut best = 0;
         for (i, c) in candidates.iter().enumerate().skip(1) {
             if less_loaded(c, &candidates[best]) {
@@ -130,7 +124,7 @@ impl Placement for PowerOfTwo {
         "power_of_two"
     }
 
-    fn pick(&self, candidates: &[Candidate<'_>], _: Option<&ScheduleRequestHint>) -> Option<usize> {
+    fn pick(&self, candidates: &[Candidate], _: Option<&ScheduleRequestHint>) -> Option<usize> {
         let n = candidates.len();
         match n {
             0 => None,
@@ -215,21 +209,23 @@ mod tests {
         }
     }
 
+    fn cands(loads: &[u32]) -> Vec<Candidate> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Candidate {
+                node: Arc::new(node(&format!("n{i}"))),
+                snapshot: Arc::new(snap(l)),
+            })
+            .collect()
+    }
+
     #[test]
     fn round_robin_cycles_a_b_c_a() {
-        let nodes = [node("a"), node("b"), node("c")];
-        let c: Vec<_> = nodes
-            .iter()
-            .map(|n| Candidate {
-                node: n,
-                snapshot: None,
-            })
-            .collect();
+        let c = cands(&[0, 0, 0]);
         let rr = RoundRobin::default();
-        let picks: Vec<_> = (0..4)
-            .map(|_| c[rr.pick(&c, None).unwrap()].node.node_id.clone())
-            .collect();
-        assert_eq!(picks, ["a", "b", "c", "a"]);
+        let picks: Vec<_> = (0..4).map(|_| rr.pick(&c, None).unwrap()).collect();
+        assert_eq!(picks, [0, 1, 2, 0]);
     }
 
     #[test]
@@ -241,14 +237,7 @@ mod tests {
 
     #[test]
     fn random_covers_every_candidate() {
-        let nodes = [node("a"), node("b"), node("c")];
-        let c: Vec<_> = nodes
-            .iter()
-            .map(|n| Candidate {
-                node: n,
-                snapshot: None,
-            })
-            .collect();
+        let c = cands(&[0, 0, 0]);
         let mut seen = [false; 3];
         for _ in 0..300 {
             seen[Random.pick(&c, None).unwrap()] = true;
@@ -258,52 +247,23 @@ mod tests {
 
     #[test]
     fn least_loaded_takes_fewest_sandboxes_then_lowest_id() {
-        let nodes = [node("a"), node("b"), node("c")];
-        let snaps = [snap(5), snap(2), snap(2)];
-        let c: Vec<_> = nodes
-            .iter()
-            .zip(&snaps)
-            .map(|(n, s)| Candidate {
-                node: n,
-                snapshot: Some(s),
-            })
-            .collect();
-        assert_eq!(LeastLoaded.pick(&c, None), Some(1));
+        assert_eq!(LeastLoaded.pick(&cands(&[5, 2, 2]), None), Some(1));
     }
 
     #[test]
     fn power_of_two_never_picks_the_most_loaded_of_two() {
-        let nodes = [node("a"), node("b")];
-        let snaps = [snap(9), snap(1)];
-        let c: Vec<_> = nodes
-            .iter()
-            .zip(&snaps)
-            .map(|(n, s)| Candidate {
-                node: n,
-                snapshot: Some(s),
-            })
-            .collect();
+        let c = cands(&[9, 1]);
         for _ in 0..50 {
             assert_eq!(PowerOfTwo.pick(&c, None), Some(1));
         }
     }
 
     #[test]
-    fn power_of_two_balances_better_than_random_picks_of_one() {
-        // Ten nodes, one heavily loaded: power-of-two picks it only when both
-        // samples hit it, which cannot happen with distinct samples.
-        let nodes: Vec<_> = (0..10).map(|i| node(&format!("n{i}"))).collect();
-        let snaps: Vec<_> = (0..10)
-            .map(|i| snap(if i == 0 { 100 } else { 1 }))
-            .collect();
-        let c: Vec<_> = nodes
-            .iter()
-            .zip(&snaps)
-            .map(|(n, s)| Candidate {
-                node: n,
-                snapshot: Some(s),
-            })
-            .collect();
+    fn power_of_two_never_picks_the_single_most_loaded_node() {
+        // Two distinct samples can never both be the loaded node.
+        let mut loads = vec![1; 10];
+        loads[0] = 100;
+        let c = cands(&loads);
         for _ in 0..500 {
             assert_ne!(PowerOfTwo.pick(&c, None), Some(0));
         }

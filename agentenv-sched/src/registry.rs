@@ -3,6 +3,8 @@
 //! stored by a timer.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use agentenv_core::config::NodeResourceLimit;
 use agentenv_core::proto::scheduler_v1::{
@@ -112,16 +114,27 @@ pub trait NodeRegistry: Send + Sync + 'static {
 
 #[derive(Debug, Clone)]
 struct Observation {
+    /// The last heartbeat, without its snapshot (kept apart, shared).
     view: ObservedNode,
+    snapshot: Arc<NodeSnapshot>,
     last_seen: Instant,
     p2p: Option<P2pEndpoint>,
 }
 
 #[derive(Debug, Clone)]
 struct Entry {
-    node: Node,
+    node: Arc<Node>,
     lingering: bool,
     observed: Option<Observation>,
+}
+
+/// The candidate list of the last Schedule, reused until the registry changes,
+/// the limit differs, or the first candidate's heartbeat goes stale.
+struct CandidateCache {
+    generation: u64,
+    limit: Option<NodeResourceLimit>,
+    valid_until: Option<Instant>,
+    candidates: Arc<[Candidate]>,
 }
 
 #[derive(Default)]
@@ -202,6 +215,9 @@ pub fn derive_status(
 pub struct StaticRegistry {
     state: RwLock<State>,
     report_ttl: Duration,
+    /// Bumped by every change, under the state's write lock.
+    generation: AtomicU64,
+    cache: RwLock<Option<CandidateCache>>,
 }
 
 impl StaticRegistry {
@@ -210,9 +226,22 @@ impl StaticRegistry {
         let r = Self {
             state: RwLock::new(State::default()),
             report_ttl,
+            generation: AtomicU64::new(0),
+            cache: RwLock::new(None),
         };
         r.set(nodes, Vec::new());
         r
+    }
+
+    fn status(&self, e: &Entry, o: &Observation, now: Instant) -> NodeStatus {
+        derive_status(
+            o.last_seen,
+            o.snapshot.status,
+            true,
+            e.lingering,
+            self.report_ttl,
+            now,
+        )
     }
 
     fn view(&self, e: &Entry, o: &Observation, now: Instant) -> ObservedNode {
@@ -220,20 +249,57 @@ impl StaticRegistry {
         if !e.node.endpoint.is_empty() {
             v.endpoint = e.node.endpoint.clone();
         }
-        let status = derive_status(
-            o.last_seen,
-            v.snapshot.as_ref().map_or(0, |s| s.status),
-            true,
-            e.lingering,
-            self.report_ttl,
-            now,
-        );
-        v.snapshot.get_or_insert_with(NodeSnapshot::default).status = status as i32;
+        let mut snapshot = (*o.snapshot).clone();
+        snapshot.status = self.status(e, o, now) as i32;
+        v.snapshot = Some(snapshot);
         v
     }
 
-    fn is_fresh(&self, o: &Observation, now: Instant) -> bool {
-        now.saturating_duration_since(o.last_seen) <= self.report_ttl
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// The healthy candidates within `limit`, sorted by id. Rebuilt only when
+    /// the registry changed or a candidate's heartbeat went stale.
+    fn candidates(&self, now: Instant, limit: Option<&NodeResourceLimit>) -> Arc<[Candidate]> {
+        let generation = self.generation.load(Ordering::Acquire);
+        if let Some(c) = &*self.cache.read()
+            && c.generation == generation
+            && c.limit.as_ref() == limit
+            && c.valid_until.is_none_or(|v| now <= v)
+        {
+            return c.candidates.clone();
+        }
+        let st = self.state.read();
+        // Changes bump the generation under the write lock: stable here.
+        let generation = self.generation.load(Ordering::Acquire);
+        let mut valid_until: Option<Instant> = None;
+        let list: Vec<Candidate> = st
+            .entries
+            .iter()
+            .filter(|e| !e.lingering)
+            .filter_map(|e| {
+                let o = e.observed.as_ref()?;
+                let stale_at = o.last_seen + self.report_ttl;
+                if now > stale_at || limit.is_some_and(|l| !passes_limits(l, &o.snapshot)) {
+                    return None;
+                }
+                valid_until = Some(valid_until.map_or(stale_at, |v| v.min(stale_at)));
+                Some(Candidate {
+                    node: e.node.clone(),
+                    snapshot: o.snapshot.clone(),
+                })
+            })
+            .collect();
+        drop(st);
+        let candidates: Arc<[Candidate]> = list.into();
+        *self.cache.write() = Some(CandidateCache {
+            generation,
+            limit: limit.cloned(),
+            valid_until,
+            candidates: candidates.clone(),
+        });
+        candidates
     }
 }
 
@@ -255,7 +321,7 @@ impl NodeRegistry for StaticRegistry {
             .into_iter()
             .map(|(id, (node, lingering))| Entry {
                 observed: old.remove(&id).and_then(|e| e.observed),
-                node,
+                node: Arc::new(node),
                 lingering,
             })
             .collect();
@@ -272,6 +338,7 @@ impl NodeRegistry for StaticRegistry {
                 st.invalidate_cluster(&o.view.cluster_id);
             }
         }
+        self.changed();
     }
 
     fn list_nodes(&self) -> Vec<Node> {
@@ -279,12 +346,12 @@ impl NodeRegistry for StaticRegistry {
             .read()
             .entries
             .iter()
-            .map(|e| e.node.clone())
+            .map(|e| (*e.node).clone())
             .collect()
     }
 
     fn resolve(&self, node_id: &str) -> Option<Node> {
-        self.state.read().entry(node_id).map(|e| e.node.clone())
+        self.state.read().entry(node_id).map(|e| (*e.node).clone())
     }
 
     fn contains(&self, node: &Node) -> bool {
@@ -307,7 +374,7 @@ impl NodeRegistry for StaticRegistry {
             .get(&req.node_id)
             .ok_or(RegistryError::UnknownNode)?;
         let entry = &st.entries[idx];
-        let node = entry.node.clone();
+        let node = (*entry.node).clone();
         let previous = entry.observed.as_ref();
         let is_new = previous.is_none();
         let previous_cluster = previous.map(|o| o.view.cluster_id.clone());
@@ -340,16 +407,18 @@ impl NodeRegistry for StaticRegistry {
             version: req.version.clone(),
             commit: req.commit.clone(),
             machine_info,
-            snapshot: Some(snapshot),
+            snapshot: None,
             last_seen_unix_ms: now_unix_ms,
         };
         let cpu_config_wanted = cpu_config(&view).is_empty();
         let cluster = view.cluster_id.clone();
         st.entries[idx].observed = Some(Observation {
             view,
+            snapshot: Arc::new(snapshot),
             last_seen: now,
             p2p: req.p2p_endpoint.clone(),
         });
+        self.changed();
 
         if let Some(prev) = previous_cluster.filter(|c| *c != cluster) {
             st.invalidate_cluster(&prev);
@@ -398,6 +467,7 @@ impl NodeRegistry for StaticRegistry {
         st.entries[idx].observed = None;
         st.intersection_sent.remove(node_id);
         st.invalidate_cluster(&cluster);
+        self.changed();
         Ok(true)
     }
 
@@ -408,33 +478,12 @@ impl NodeRegistry for StaticRegistry {
         placement: &dyn Placement,
         hint: Option<&ScheduleRequestHint>,
     ) -> Option<Node> {
-        let st = self.state.read();
-        let candidates: Vec<Candidate<'_>> = st
-            .entries
-            .iter()
-            .filter(|e| !e.lingering)
-            .filter_map(|e| {
-                let o = e.observed.as_ref()?;
-                if !self.is_fresh(o, now) {
-                    return None;
-                }
-                let snapshot = o.view.snapshot.as_ref();
-                if let (Some(limit), Some(s)) = (limit, snapshot)
-                    && !passes_limits(limit, s)
-                {
-                    return None;
-                }
-                Some(Candidate {
-                    node: &e.node,
-                    snapshot,
-                })
-            })
-            .collect();
+        let candidates = self.candidates(now, limit);
         if candidates.is_empty() {
             return None;
         }
         let i = placement.pick(&candidates, hint)?;
-        candidates.get(i).map(|c| c.node.clone())
+        candidates.get(i).map(|c| (*c.node).clone())
     }
 
     fn observed(&self, cluster_id: &str, now: Instant) -> Vec<ObservedNode> {
@@ -479,8 +528,7 @@ impl NodeRegistry for StaticRegistry {
                 {
                     return None;
                 }
-                let status = self.view(e, o, now).snapshot.map(|s| s.status);
-                if status != Some(NodeStatus::Ready as i32) {
+                if self.status(e, o, now) != NodeStatus::Ready {
                     return None;
                 }
                 let p2p = o.p2p.as_ref()?;
@@ -503,15 +551,7 @@ impl NodeRegistry for StaticRegistry {
         let mut c = StatusCounts::default();
         for e in &st.entries {
             let Some(o) = &e.observed else { continue };
-            let status = derive_status(
-                o.last_seen,
-                o.view.snapshot.as_ref().map_or(0, |s| s.status),
-                true,
-                e.lingering,
-                self.report_ttl,
-                now,
-            );
-            match status {
+            match self.status(e, o, now) {
                 NodeStatus::Ready => c.ready += 1,
                 NodeStatus::Connecting => c.connecting += 1,
                 NodeStatus::Unhealthy => c.unhealthy += 1,

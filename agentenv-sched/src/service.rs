@@ -9,6 +9,8 @@ use agentenv_core::metrics::grpc_status_label;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as SchedulerRpc;
 use agentenv_core::proto::scheduler_v1::*;
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
@@ -35,6 +37,38 @@ pub(crate) struct Inner {
     pub(crate) artifacts: Mutex<ArtifactStore>,
     pub(crate) limit: Option<NodeResourceLimit>,
     pub(crate) metrics: SchedulerMetrics,
+    pub(crate) schedule_handles: ScheduleHandles,
+}
+
+/// The Schedule metrics of this service's strategy, resolved once.
+pub(crate) struct ScheduleHandles {
+    ok: Histogram,
+    unavailable: Histogram,
+    assignments: Counter,
+}
+
+impl ScheduleHandles {
+    pub(crate) fn new(metrics: &SchedulerMetrics, strategy: &str) -> Self {
+        let duration = |status| {
+            metrics
+                .schedule_duration
+                .get_or_create(&ScheduleLabels {
+                    strategy: strategy.to_string(),
+                    status,
+                })
+                .clone()
+        };
+        Self {
+            ok: duration("ok"),
+            unavailable: duration("unavailable"),
+            assignments: metrics
+                .schedule_assignments
+                .get_or_create(&StrategyLabel {
+                    strategy: strategy.to_string(),
+                })
+                .clone(),
+        }
+    }
 }
 
 fn unix_ms() -> i64 {
@@ -101,33 +135,25 @@ impl SchedulerService {
     pub fn schedule_node(&self, hint: Option<&ScheduleRequestHint>) -> Result<Node, Status> {
         let registry = self.registry_or_unimplemented("Schedule")?;
         let started = std::time::Instant::now();
-        let strategy = self.inner.placement.name().to_string();
         let picked = registry.pick(
             Instant::now(),
             self.inner.limit.as_ref(),
             &*self.inner.placement,
             hint,
         );
-        let (status, result) = match picked {
-            Some(node) => ("ok", Ok(node)),
-            None => (
-                "unavailable",
-                Err(Status::unavailable("no nodes available")),
-            ),
-        };
-        let m = &self.inner.metrics;
-        m.schedule_duration
-            .get_or_create(&ScheduleLabels {
-                strategy: strategy.clone(),
-                status,
-            })
-            .observe(started.elapsed().as_secs_f64());
-        if result.is_ok() {
-            m.schedule_assignments
-                .get_or_create(&StrategyLabel { strategy })
-                .inc();
+        let h = &self.inner.schedule_handles;
+        let elapsed = started.elapsed().as_secs_f64();
+        match picked {
+            Some(node) => {
+                h.ok.observe(elapsed);
+                h.assignments.inc();
+                Ok(node)
+            }
+            None => {
+                h.unavailable.observe(elapsed);
+                Err(Status::unavailable("no nodes available"))
+            }
         }
-        result
     }
 
     async fn lookup(&self, req: LookupNodeRequest) -> Result<LookupNodeResponse, Status> {
@@ -211,13 +237,9 @@ impl SchedulerService {
         registry
             .unregister(node_id, instance)
             .map_err(|_| Status::failed_precondition("service instance mismatch"))?;
-        let node = registry.resolve(node_id).unwrap_or(Node {
-            node_id: node_id.to_string(),
-            endpoint: String::new(),
-        });
         self.inner
             .store
-            .reconcile_node(&node, &[], Instant::now())
+            .forget_node(node_id)
             .await
             .map_err(store_unavailable)?;
         self.inner.artifacts.lock().forget_node(node_id);

@@ -215,6 +215,9 @@ impl BindingStore for DownStore {
     async fn reconcile_node(&self, _: &Node, _: &[String], _: Instant) -> Result<(), StoreError> {
         Err(StoreError("connection refused".into()))
     }
+    async fn forget_node(&self, _: &str) -> Result<(), StoreError> {
+        Err(StoreError("connection refused".into()))
+    }
 }
 
 #[tokio::test(start_paused = true)]
