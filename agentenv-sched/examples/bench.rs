@@ -317,13 +317,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         results[1].0 / noop_rate,
         results[2].0 / noop_rate
     );
-    let bl = beat_lat.lock();
+    let (beat_p50, beat_p99) = {
+        let bl = beat_lat.lock();
+        (bl.value_at_quantile(0.5), bl.value_at_quantile(0.99))
+    };
     println!(
         "heartbeat (100 ids) latency: p50 {:.3} ms, p99 {:.3} ms",
-        ms(bl.value_at_quantile(0.5)),
-        ms(bl.value_at_quantile(0.99))
+        ms(beat_p50),
+        ms(beat_p99)
     );
-    drop(bl);
 
     // Memory: one million live bindings, reported through heartbeat rosters
     // (1,000 nodes x 1,000 sandboxes), held by the same scheduler.
