@@ -1,4 +1,5 @@
 //! The AgentENV runtime node as a library.
 
 pub mod backend;
+pub mod reporter;
 pub mod template;
