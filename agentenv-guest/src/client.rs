@@ -27,7 +27,6 @@ use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use crate::connect::{
@@ -114,6 +113,9 @@ impl GuestClient {
         let mut b = Client::builder(TokioExecutor::new());
         if h2 {
             b.http2_only(true);
+        } else {
+            // Large reads for file downloads.
+            b.http1_max_buf_size(1024 * 1024);
         }
         Ok(GuestClient {
             scheme_authority: format!("http://{authority}"),
@@ -398,16 +400,13 @@ impl GuestClient {
             path: local.display().to_string(),
             source,
         };
-        let mut stream = self.download(remote_path).await?;
-        let mut file = tokio::fs::File::create(local).await.map_err(io_err)?;
-        let mut n = 0u64;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk?;
-            n += chunk.len() as u64;
-            file.write_all(&chunk).await.map_err(io_err)?;
+        let stream = self.download(remote_path).await?;
+        let file = std::fs::File::create(local).map_err(io_err)?;
+        match crate::fileio::write_stream(file, stream).await {
+            Ok(n) => Ok(n),
+            Err(crate::fileio::WriteError::Io(e)) => Err(io_err(e)),
+            Err(crate::fileio::WriteError::Source(e)) => Err(e),
         }
-        file.flush().await.map_err(io_err)?;
-        Ok(n)
     }
 
     // ------------------------------------------------------------ process

@@ -10,7 +10,7 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body::Frame;
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use hyper::body::Incoming;
-use tokio::io::{AsyncRead, AsyncWriteExt};
+use tokio::io::AsyncRead;
 use tokio_util::io::{ReaderStream, StreamReader};
 
 use crate::connect::RespBody;
@@ -166,22 +166,23 @@ async fn download_inner(
     if md.is_dir() {
         return Err(FilesError::IsDirectory(path.display().to_string()));
     }
-    let file = tokio::fs::File::open(&path).await.map_err(io_err(&path))?;
+    let file = std::fs::File::open(&path).map_err(io_err(&path))?;
     let gzip = accepts_gzip(req.headers());
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().replace('"', "_"))
         .unwrap_or_default();
     let mut resp = if gzip {
-        let enc = async_compression::tokio::bufread::GzipEncoder::new(
-            tokio::io::BufReader::with_capacity(DOWNLOAD_CHUNK, file),
-        );
+        let enc = async_compression::tokio::bufread::GzipEncoder::new(StreamReader::new(
+            crate::fileio::read_stream(file),
+        ));
         let mut r = Response::new(reader_body(enc));
         r.headers_mut()
             .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
         r
     } else {
-        let mut r = Response::new(reader_body(file));
+        let body = StreamBody::new(crate::fileio::read_stream(file).map_ok(Frame::data));
+        let mut r = Response::new(body.boxed_unsync());
         r.headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(md.len()));
         r
@@ -235,7 +236,7 @@ fn set_metadata(path: &Path, meta: &[(String, String)]) {
 async fn write_stream<S, E>(path: &Path, user: &User, body: S) -> Result<(), FilesError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
-    E: std::fmt::Display,
+    E: std::fmt::Display + std::fmt::Debug,
 {
     if let Some(parent) = path.parent() {
         make_dirs(parent, user).map_err(io_err(parent))?;
@@ -273,18 +274,17 @@ where
     Ok(())
 }
 
-async fn write_to<S, E>(path: &Path, mut body: S) -> Result<(), FilesError>
+async fn write_to<S, E>(path: &Path, body: S) -> Result<(), FilesError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
-    E: std::fmt::Display,
+    E: std::fmt::Display + std::fmt::Debug,
 {
-    let mut file = tokio::fs::File::create(path).await.map_err(io_err(path))?;
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| FilesError::Body(e.to_string()))?;
-        file.write_all(&chunk).await.map_err(io_err(path))?;
+    let file = std::fs::File::create(path).map_err(io_err(path))?;
+    match crate::fileio::write_stream(file, body).await {
+        Ok(_) => Ok(()),
+        Err(crate::fileio::WriteError::Io(e)) => Err(io_err(path)(e)),
+        Err(crate::fileio::WriteError::Source(e)) => Err(FilesError::Body(e.to_string())),
     }
-    file.flush().await.map_err(io_err(path))?;
-    Ok(())
 }
 
 fn incoming_stream(body: Incoming) -> impl Stream<Item = Result<Bytes, hyper::Error>> + Unpin {

@@ -38,6 +38,7 @@
 
 pub mod client;
 pub mod connect;
+pub mod fileio;
 pub mod files;
 pub mod filesystem;
 pub mod paths;

@@ -109,10 +109,32 @@ impl AgentState {
             Some(n) if !n.is_empty() => n.to_string(),
             _ => self.default_user_name(),
         };
-        self.opts
-            .accounts
-            .lookup(&name)
-            .map_err(|e| ConnectError::new(Code::Unauthenticated, e.to_string()))
+        match self.opts.accounts.lookup(&name) {
+            Ok(u) => Ok(u),
+            // A root filesystem without an entry for the agent's own account
+            // (or without /etc/passwd): the agent's identity still works.
+            Err(e) => self
+                .own_account(&name)
+                .ok_or_else(|| ConnectError::new(Code::Unauthenticated, e.to_string())),
+        }
+    }
+
+    /// The account the agent runs as, when `name` names it (by the name
+    /// `root` for uid 0, or by number).
+    fn own_account(&self, name: &str) -> Option<User> {
+        // SAFETY: geteuid/getegid have no preconditions.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        let matches = name == uid.to_string() || (uid == 0 && name == "root");
+        matches.then(|| User {
+            name: name.to_string(),
+            uid,
+            gid,
+            home: std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(if uid == 0 { "/root" } else { "/" })),
+            shell: "/bin/sh".into(),
+            groups: vec![gid],
+        })
     }
 
     /// The user a request acts as: `Authorization: Basic base64("<user>:")`
@@ -381,7 +403,7 @@ pub async fn serve(
                 async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
             });
             let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder.http1().max_buf_size(256 * 1024);
+            builder.http1().max_buf_size(1024 * 1024);
             builder.http2().max_header_list_size(256 * 1024);
             if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");

@@ -160,7 +160,7 @@ async fn malformed_requests_get_connect_errors_and_nothing_leaks() {
     assert_eq!(status_of(&r), 400, "{r}");
 
     // Huge headers: 431, connection closed.
-    let big = "a".repeat(1 << 20);
+    let big = "a".repeat(2 << 20);
     let r = raw(
         a,
         format!("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\n\r\n").as_bytes(),

@@ -1,0 +1,90 @@
+//! Streaming file I/O on a blocking thread: large sequential reads and
+//! writes without a thread hop per chunk (what tokio's `File` would do).
+
+use std::io::{self, Read, Write};
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Size of each read.
+pub const CHUNK: usize = 1024 * 1024;
+/// Chunks in flight between the file thread and the network.
+const DEPTH: usize = 4;
+
+/// Errors of streamed writes.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError<E: std::fmt::Display + std::fmt::Debug> {
+    #[error("writing the file: {0}")]
+    Io(io::Error),
+    #[error("reading the data: {0}")]
+    Source(E),
+}
+
+/// The contents of `file` as a stream of chunks read on a blocking thread.
+pub fn read_stream(file: std::fs::File) -> impl Stream<Item = io::Result<Bytes>> + Send + 'static {
+    let (tx, rx) = mpsc::channel(DEPTH);
+    tokio::task::spawn_blocking(move || {
+        let mut file = file;
+        loop {
+            let mut buf = Vec::with_capacity(CHUNK);
+            match (&mut file).take(CHUNK as u64).read_to_end(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => {
+                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    break;
+                }
+            }
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// Writes every chunk of `data` to `file` on a blocking thread; returns the
+/// byte count.
+pub async fn write_stream<S, E>(file: std::fs::File, mut data: S) -> Result<u64, WriteError<E>>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display + std::fmt::Debug,
+{
+    let (tx, mut rx) = mpsc::channel::<Bytes>(DEPTH * 4);
+    let writer = tokio::task::spawn_blocking(move || -> io::Result<u64> {
+        let mut file = file;
+        let mut n = 0u64;
+        while let Some(b) = rx.blocking_recv() {
+            file.write_all(&b)?;
+            n += b.len() as u64;
+        }
+        file.flush()?;
+        Ok(n)
+    });
+    let mut source_err = None;
+    while let Some(chunk) = data.next().await {
+        match chunk {
+            Ok(b) => {
+                if tx.send(b).await.is_err() {
+                    break; // the writer failed; its error is returned below
+                }
+            }
+            Err(e) => {
+                source_err = Some(e);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let written = writer
+        .await
+        .map_err(|e| WriteError::Io(io::Error::other(e)))?
+        .map_err(WriteError::Io)?;
+    match source_err {
+        Some(e) => Err(WriteError::Source(e)),
+        None => Ok(written),
+    }
+}
