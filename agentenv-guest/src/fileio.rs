@@ -88,3 +88,16 @@ where
         None => Ok(written),
     }
 }
+
+/// A 64-bit value unique within this process and unpredictable across
+/// processes, for temporary names and ids. Never fails (no /dev/urandom
+/// needed: std seeds its hasher keys with the getrandom system call).
+pub fn unique_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.finish()
+}

@@ -100,8 +100,8 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// One query parameter.
-fn query_param(query: Option<&str>, key: &str) -> Option<String> {
+/// One query parameter, percent-decoded.
+pub fn query_param(query: Option<&str>, key: &str) -> Option<String> {
     query?.split('&').find_map(|kv| {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
         (percent_decode(k) == key).then(|| percent_decode(v))
@@ -246,12 +246,11 @@ where
         return Err(FilesError::IsDirectory(path.display().to_string()));
     }
     let tmp = {
-        use rand::Rng;
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let suffix: u64 = rand::rng().random();
+        let suffix = crate::fileio::unique_u64();
         path.with_file_name(format!(".{name}.upload-{suffix:016x}"))
     };
     let result = write_to(&tmp, body).await;

@@ -438,20 +438,62 @@ impl Watch {
     }
 }
 
+/// The kind of network filesystem `path` is on, if it is on one.
+fn network_fs_kind(path: &Path) -> Option<&'static str> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs is plain data; zeroed is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid out pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    match st.f_type as u32 {
+        0x6969 => Some("NFS"),
+        0xFF53_4D42 => Some("CIFS"),
+        0x517B => Some("SMB"),
+        0xFE53_4D42 => Some("SMB2"),
+        0x6573_5546 => Some("FUSE"),
+        _ => None,
+    }
+}
+
 /// Starts a watch; events go to `sink` until it returns false.
+/// What to watch.
+struct WatchSpec<'a> {
+    path: &'a str,
+    recursive: bool,
+    include_entry: bool,
+    allow_network_mounts: bool,
+}
+
 fn start_watch(
     state: &AgentState,
     user: &User,
-    path: &str,
-    recursive: bool,
-    include_entry: bool,
+    spec: WatchSpec<'_>,
     mut sink: impl FnMut(FilesystemEvent) -> bool + Send + 'static,
     closed: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<tokio::task::JoinHandle<()>, ConnectError> {
+    let WatchSpec {
+        path,
+        recursive,
+        include_entry,
+        allow_network_mounts,
+    } = spec;
     let root = crate::paths::resolve(path, &user.home);
     let md = std::fs::metadata(&root).map_err(io_err(&root))?;
     if !md.is_dir() {
         return Err(FsError::NotADirectory(root.display().to_string()).into());
+    }
+    if !allow_network_mounts && let Some(kind) = network_fs_kind(&root) {
+        return Err(ConnectError::new(
+            Code::FailedPrecondition,
+            format!(
+                "{} is on a {kind} network mount, where change events may be missed; \
+                 set allow_network_mounts to watch it anyway",
+                root.display()
+            ),
+        ));
     }
     let wrap = |source| FsError::Watch {
         path: root.display().to_string(),
@@ -509,9 +551,12 @@ async fn watch_dir(
     start_watch(
         &state,
         &user,
-        &req.path,
-        req.recursive,
-        req.include_entry,
+        WatchSpec {
+            path: &req.path,
+            recursive: req.recursive,
+            include_entry: req.include_entry,
+            allow_network_mounts: req.allow_network_mounts,
+        },
         move |fe| tx.send(fe).is_ok(),
         async move { closed_tx.closed().await },
     )?;
@@ -571,9 +616,12 @@ fn create_watcher(
     let task = start_watch(
         state,
         &user,
-        &req.path,
-        req.recursive,
-        req.include_entry,
+        WatchSpec {
+            path: &req.path,
+            recursive: req.recursive,
+            include_entry: req.include_entry,
+            allow_network_mounts: req.allow_network_mounts,
+        },
         move |fe| {
             let mut ev = sink_events.lock();
             if ev.len() >= MAX_PENDING_EVENTS {
@@ -584,13 +632,11 @@ fn create_watcher(
         },
         std::future::pending(),
     )?;
-    let id: String = {
-        use rand::Rng;
-        let mut rng = rand::rng();
-        (0..16)
-            .map(|_| format!("{:x}", rng.random_range(0..16u8)))
-            .collect()
-    };
+    let id = format!(
+        "{:016x}{:016x}",
+        crate::fileio::unique_u64(),
+        crate::fileio::unique_u64()
+    );
     state
         .watchers
         .map

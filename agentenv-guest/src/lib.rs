@@ -48,9 +48,10 @@ pub mod server;
 pub mod users;
 
 /// The envd version whose behaviour this agent implements; a control plane
-/// reports it as `envdVersion` so that SDKs enable the matching features
-/// (octet-stream uploads need at least 0.5.7).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// reports it as `envdVersion` so that SDKs enable the matching features:
+/// octet-stream and gzip uploads (0.5.7), file metadata (0.6.2), entries in
+/// watch events (0.6.3), the network-mount watch option (0.6.4).
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The port envd listens on, which SDKs assume.
 pub const DEFAULT_PORT: u16 = 49983;

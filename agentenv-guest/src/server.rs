@@ -172,6 +172,50 @@ impl AgentState {
     }
 }
 
+impl AgentState {
+    /// Checks a signed `/files` URL: `signature=v1_<b64(sha256(
+    /// "<path>:<read|write>:<username>:<token>[:<expiration>]"))>` and an
+    /// optional `signature_expiration` (Unix seconds) not in the past.
+    fn signed_url_ok(&self, req: &Request<Incoming>) -> bool {
+        use sha2::Digest;
+        let Some(token) = self.init.read().access_token.clone() else {
+            return true;
+        };
+        let q = req.uri().query();
+        let param = |k: &str| crate::files::query_param(q, k);
+        let Some(sig) = param("signature") else {
+            return false;
+        };
+        let op = if req.method() == Method::GET {
+            "read"
+        } else {
+            "write"
+        };
+        let path = param("path").unwrap_or_default();
+        let user = param("username").unwrap_or_default();
+        let mut raw = format!("{path}:{op}:{user}:{token}");
+        if let Some(exp) = param("signature_expiration") {
+            let Ok(exp) = exp.parse::<u64>() else {
+                return false;
+            };
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(u64::MAX);
+            if exp < now {
+                return false;
+            }
+            raw.push_str(&format!(":{exp}"));
+        }
+        let digest = sha2::Sha256::digest(raw.as_bytes());
+        let want = format!(
+            "v1_{}",
+            base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+        );
+        bool::from(sig.as_bytes().ct_eq(want.as_bytes()))
+    }
+}
+
 /// The user named by a Basic `Authorization` header, if any.
 fn basic_auth_user(headers: &HeaderMap) -> Result<Option<String>, ConnectError> {
     let Some(v) = headers.get(header::AUTHORIZATION) else {
@@ -346,7 +390,8 @@ pub async fn handle(state: Arc<AgentState>, req: Request<Incoming>) -> Response<
             _ => status_only(StatusCode::METHOD_NOT_ALLOWED),
         };
     }
-    if !state.authorized(req.headers()) {
+    let signed_files_url = path == "/files" && state.signed_url_ok(&req);
+    if !signed_files_url && !state.authorized(req.headers()) {
         let msg = "missing or wrong X-Access-Token: send the sandbox's envd access token";
         return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
             ConnectError::new(Code::Unauthenticated, msg).into_unary_response()

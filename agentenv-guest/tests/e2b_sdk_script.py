@@ -114,6 +114,11 @@ def sync_part():
     sbx.files.remove(f"{BASE}/f/b.txt")
     check("remove", not sbx.files.exists(f"{BASE}/f/b.txt"))
     check("get_info", sbx.files.get_info(f"{BASE}/f/blob.bin").size == len(blob))
+    sbx.files.write(f"{BASE}/f/meta.txt", "m", metadata={"owner": "team-a"})
+    meta = sbx.files.get_info(f"{BASE}/f/meta.txt").metadata
+    check("upload metadata kept as xattrs", meta == {"owner": "team-a"}, meta)
+    sbx.files.write(f"{BASE}/f/gz.txt", "zipped" * 1000, gzip=True)
+    check("gzip upload", sbx.files.read(f"{BASE}/f/gz.txt") == "zipped" * 1000)
 
     # watch_dir (sync SDK: CreateWatcher / GetWatcherEvents / RemoveWatcher)
     os.makedirs(f"{BASE}/w", exist_ok=True)
@@ -180,10 +185,12 @@ async def async_part():
         if e.name == "s.txt" and e.type == FilesystemEventType.CREATE:
             done.set()
 
-    wh = await sbx.files.watch_dir(f"{BASE}/aw", on_event=on_event, recursive=True)
+    wh = await sbx.files.watch_dir(f"{BASE}/aw", on_event=on_event, recursive=True, include_entry=True)
     await sbx.files.write(f"{BASE}/aw/s.txt", "1")
     await asyncio.wait_for(done.wait(), 10)
     check("async watch_dir stream event", True)
+    ev = [e for e in seen if e.name == "s.txt"][0]
+    check("watch event carries entry", ev.entry is not None and ev.entry.path == f"{BASE}/aw/s.txt", ev)
     await wh.stop()
 
     # StreamInput (client streaming) via the async SDK
@@ -198,6 +205,42 @@ async def async_part():
     check("async stream_input", r.stdout == "abc\n", repr(r.stdout))
 
 
+def signed_urls():
+    """Once /init sets a token, a URL signed the SDK's way works without the
+    X-Access-Token header, and an unsigned one does not."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from e2b.sandbox.signature import get_signature
+
+    token = "tok-" + str(os.getpid())
+    req = urllib.request.Request(
+        "http://localhost:49983/init",
+        data=json.dumps({"accessToken": token}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    urllib.request.urlopen(req).read()
+    path = f"{BASE}/signed.txt"
+    with open(path, "w") as f:
+        f.write("signed content")
+    sig = get_signature(path, "read", None, token, 60)
+    q = urllib.parse.urlencode(
+        {"path": path, "signature": sig["signature"], "signature_expiration": sig["expiration"]},
+        quote_via=urllib.parse.quote,
+    )
+    body = urllib.request.urlopen(f"http://localhost:49983/files?{q}").read()
+    check("signed download URL", body == b"signed content", body)
+    try:
+        urllib.request.urlopen(f"http://localhost:49983/files?path={urllib.parse.quote(path)}")
+        raise AssertionError("unsigned download succeeded")
+    except urllib.error.HTTPError as e:
+        check("unsigned download rejected", e.code == 401, e.code)
+
+
 sync_part()
 asyncio.run(async_part())
+signed_urls()
 print(f"{CHECKS} checks passed", flush=True)
