@@ -15,26 +15,45 @@
 //! # Running as PID 1 (jail backend)
 //!
 //! The jail backend starts the agent as the first process of a fresh PID and
-//! mount namespace whose root is the sandbox's overlay root:
+//! mount namespace (private mount propagation) whose root is the sandbox's
+//! overlay root, inside the sandbox's network namespace:
 //!
 //! ```text
-//! /path/to/agentenv-guest --init [--port 49983] [--default-user root] [--default-workdir /root]
+//! /path/to/agentenv-guest --init [--addr 0.0.0.0] [--port 49983] \
+//!     [--default-user root] [--default-workdir /root] [--access-token T]
 //! ```
 //!
-//! In init mode the process mounts `/proc`, `/sys`, `/dev` (devtmpfs, falling
-//! back to a tmpfs with the basic device nodes), `/dev/pts`, `/dev/shm` and
-//! `/tmp` when they are not mounted yet, then runs the agent as its child
-//! (the same binary without `--init`, with the remaining flags), reaps every
-//! orphaned process, forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to
-//! the agent, and restarts the agent (after 100 ms, at most every second) if
-//! it dies. SIGTERM makes init stop the agent and exit.
+//! In init mode the process, being PID 1, mounts a fresh `/proc`, then
+//! `/sys` (skipped with a warning when the kernel refuses it), `/dev`
+//! (devtmpfs, else a tmpfs with null, zero, full, random, urandom, tty),
+//! `/dev/pts` (a new devpts instance, `/dev/ptmx` linked to it), `/dev/shm`,
+//! and a tmpfs on `/tmp` if `/tmp` is not writable; whatever is already
+//! mounted is left alone. It then runs the agent as its child (the same
+//! binary, the same flags without `--init`, plus `--set-clock` so `/init`
+//! can set the clock), reaps every orphan, forwards SIGTERM, SIGINT, SIGHUP,
+//! SIGUSR1 and SIGUSR2 to the agent, and restarts the agent (after 100 ms,
+//! at most once a second) if it dies. SIGTERM or SIGINT makes init stop the
+//! agent (SIGKILL after 5 s) and exit with 0.
 //!
-//! Environment read by the agent: `AGENTENV_GUEST_PORT` (same as `--port`),
-//! `AGENTENV_GUEST_ACCESS_TOKEN` (an access token enforced before any
-//! `/init`), `AGENTENV_GUEST_DEFAULT_USER`, `AGENTENV_GUEST_DEFAULT_WORKDIR`,
-//! `RUST_LOG` (log filter). The environment the agent itself gets is the base
-//! environment of every process it starts (plus what `/init` adds). `PATH`
-//! should be set; when it is not, a standard one is used.
+//! The binary is statically linked (`build-static.sh`) and never calls NSS:
+//! users and groups come from the root's `/etc/passwd` and `/etc/group`; a
+//! root without them still works for the agent's own account.
+//!
+//! Environment read by the agent: `AGENTENV_GUEST_PORT`, `AGENTENV_GUEST_ADDR`,
+//! `AGENTENV_GUEST_ACCESS_TOKEN` (a token enforced before any `/init`),
+//! `AGENTENV_GUEST_DEFAULT_USER`, `AGENTENV_GUEST_DEFAULT_WORKDIR` (the same
+//! as the flags), `RUST_LOG` (log filter, default `info`, logs on stderr).
+//! The agent's own environment is the base environment of every process it
+//! starts, with `/init`'s `envVars`, then the request's `envs` on top; `PATH`
+//! falls back to a standard one when unset.
+//!
+//! # Access token and `/init`
+//!
+//! `POST /init` takes `{envVars?, accessToken?, defaultUser?, defaultWorkdir?,
+//! timestamp?}` (other keys ignored) and answers 204. Once a token is set,
+//! every request but `GET /health` needs `X-Access-Token` (compared in
+//! constant time) — `/init` itself included — or, for `/files`, a signed URL
+//! (`signature=v1_…`, optional `signature_expiration`) as the E2B SDKs make.
 
 pub mod client;
 pub mod connect;

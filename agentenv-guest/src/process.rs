@@ -492,6 +492,13 @@ pub async fn start(
         Some(c) => crate::paths::resolve(c, &user.home),
         None => state.default_workdir().unwrap_or_else(|| user.home.clone()),
     };
+    // An account whose home does not exist (e.g. `nobody`) starts in `/`;
+    // a directory the client asked for must exist.
+    let cwd = if config.cwd.as_deref().is_none_or(str::is_empty) && !cwd.is_dir() {
+        PathBuf::from("/")
+    } else {
+        cwd
+    };
     if !cwd.is_dir() {
         return Err(ConnectError::invalid_argument(format!(
             "working directory {} does not exist or is not a directory",

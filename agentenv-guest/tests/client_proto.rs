@@ -298,6 +298,39 @@ async fn access_token_is_enforced_once_init_sets_it() {
     agent.stop().await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn start_stream_sends_keepalives_at_the_requested_interval() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url())
+        .unwrap()
+        .with_header("keepalive-ping-interval", "1")
+        .unwrap();
+    let t0 = tokio::time::Instant::now();
+    let mut stream = c
+        .start(&start_req("/bin/sleep", &["0.5"], false))
+        .await
+        .unwrap();
+    let mut keepalives = 0;
+    let mut ended = false;
+    while let Some(m) = stream.next().await {
+        match m.unwrap().event.and_then(|e| e.event) {
+            Some(pr::process_event::Event::Keepalive(_)) => keepalives += 1,
+            Some(pr::process_event::Event::End(_)) => ended = true,
+            _ => {}
+        }
+    }
+    assert!(ended);
+    // The paused clock jumps ahead while the runtime waits for the process:
+    // one keepalive per (virtual) second of the stream's life.
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(keepalives >= 1, "no keepalive while the process ran");
+    assert!(
+        (keepalives as f64 - secs).abs() <= 1.5,
+        "{keepalives} keepalives in {secs:.1} s at a 1 s interval"
+    );
+    agent.stop().await;
+}
+
 #[tokio::test]
 async fn connect_timeout_ms_ends_a_start_stream_and_the_process() {
     let agent = TestAgent::start(AgentOptions::default()).await;
@@ -418,5 +451,66 @@ async fn gzip_upload_and_download_round_trip() {
         .await
         .unwrap();
     assert_eq!(plain, data);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn processes_and_files_run_as_the_requested_user() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "SKIPPED processes_and_files_run_as_the_requested_user: needs root to switch users"
+        );
+        return;
+    }
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let root = GuestClient::new(&agent.url()).unwrap();
+    assert_eq!(
+        root.run("/bin/sh", &["-c", "id -u"]).await.unwrap().stdout,
+        b"0\n"
+    );
+    // Basic authorization names the user.
+    let nobody = GuestClient::new(&agent.url()).unwrap().with_user("nobody");
+    let out = nobody
+        .run("/bin/sh", &["-c", "id -u; id -g; pwd; echo $USER $HOME"])
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "65534\n65534\n/\nnobody /nonexistent\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let f = dir.path().join("sub/owned.txt");
+    nobody
+        .upload(
+            f.to_str().unwrap(),
+            futures::stream::iter([Ok(bytes::Bytes::from_static(b"x"))]),
+        )
+        .await
+        .unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&f).unwrap().uid(), 65534);
+    assert_eq!(std::fs::metadata(f.parent().unwrap()).unwrap().uid(), 65534);
+    let unknown = GuestClient::new(&agent.url())
+        .unwrap()
+        .with_user("no-such-user-x");
+    let err = unknown.run("/bin/true", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+    // /init changes the default user and the default working directory.
+    root.init(&serde_json::json!({"defaultUser": "nobody", "defaultWorkdir": "/tmp"}))
+        .await
+        .unwrap();
+    let out = root.run("/bin/sh", &["-c", "id -u; pwd"]).await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "65534\n/tmp\n");
+    let err = root
+        .init(&serde_json::json!({"defaultUser": "no-such-user-x"}))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no-such-user-x"), "{err}");
     agent.stop().await;
 }
