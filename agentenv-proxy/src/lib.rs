@@ -19,4 +19,4 @@ pub mod server;
 
 pub use client::{ClientError, GrpcSchedulerClient, InProcessScheduler, SchedulerClient};
 pub use metrics::GatewayMetrics;
-pub use server::{Gateway, GatewayError, GatewayOptions, GatewayService};
+pub use server::{Gateway, GatewayError, GatewayOptions, GatewayService, ServeHandle};

@@ -96,13 +96,13 @@ impl GatewayOptions {
 #[derive(Clone)]
 pub struct Gateway {
     inner: Arc<Inner>,
+    client: UpstreamClient,
 }
 
 struct Inner {
     scheduler: Arc<dyn SchedulerClient>,
     opts: GatewayOptions,
     hosts: HostRouter,
-    client: UpstreamClient,
     metrics: GatewayMetrics,
 }
 
@@ -166,21 +166,26 @@ impl Gateway {
             return Err(GatewayError::EmptyApiKey);
         }
         let hosts = HostRouter::new(&opts.sandbox_proxy_domains)?;
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(opts.request_timeout.max(Duration::from_secs(1))));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(http);
+        let client = upstream_client(opts.request_timeout);
         Ok(Self {
             inner: Arc::new(Inner {
                 scheduler: Arc::new(scheduler),
                 opts,
                 hosts,
-                client,
                 metrics,
             }),
+            client,
         })
+    }
+
+    /// The same gateway with a connection pool of its own. A server that
+    /// runs one single-threaded runtime per core gives each its own pool, so
+    /// a request never waits on a connection driven by another thread.
+    pub fn with_own_pool(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            client: upstream_client(self.inner.opts.request_timeout),
+        }
     }
 
     /// The gateway's metrics (expose `metrics().registry()`).
@@ -237,6 +242,88 @@ impl Gateway {
                 tracing::warn!("shutdown grace period over; closing remaining connections");
             }
         }
+    }
+
+    /// Serves on `addr` from `threads` OS threads, each running a
+    /// single-threaded runtime with its own `SO_REUSEPORT` listener and its
+    /// own upstream pool, so a request is handled start to finish on one
+    /// thread without cross-thread wake-ups. `shutdown` is awaited on the
+    /// caller's runtime; then every thread drains as in [`Gateway::serve`].
+    /// Must be called from within a tokio runtime.
+    pub fn serve_threads(
+        &self,
+        addr: SocketAddr,
+        threads: usize,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<ServeHandle> {
+        let threads = threads.max(1);
+        let socket = |bind: SocketAddr| -> std::io::Result<tokio::net::TcpSocket> {
+            let s = if bind.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            s.set_reuseaddr(true)?;
+            s.set_reuseport(true)?;
+            s.set_nodelay(true)?;
+            s.bind(bind)?;
+            Ok(s)
+        };
+        let first = socket(addr)?;
+        let local_addr = first.local_addr()?;
+        let mut sockets = vec![first];
+        for _ in 1..threads {
+            sockets.push(socket(local_addr)?);
+        }
+        // Listen now, so the address accepts connections when this returns;
+        // each thread then drives its listener on its own runtime.
+        let listeners = sockets
+            .into_iter()
+            .map(|s| s.listen(4096).and_then(|l| l.into_std()))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let mut handles = Vec::with_capacity(threads);
+        for (i, listener) in listeners.into_iter().enumerate() {
+            let gateway = self.with_own_pool();
+            let mut stop = stop_rx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("gateway-{i}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot start a gateway runtime thread");
+                            return;
+                        }
+                    };
+                    rt.block_on(async move {
+                        let listener = match TcpListener::from_std(listener) {
+                            Ok(l) => l,
+                            Err(e) => {
+                                tracing::error!(error = %e, "cannot listen");
+                                return;
+                            }
+                        };
+                        gateway
+                            .serve(listener, async move {
+                                let _ = stop.wait_for(|s| *s).await;
+                            })
+                            .await;
+                    });
+                })?;
+            handles.push(handle);
+        }
+        Ok(ServeHandle {
+            local_addr,
+            handles,
+        })
     }
 
     /// Handles one request from `remote`. Never fails: errors are responses.
@@ -530,7 +617,7 @@ impl Gateway {
         let upstream_req = Request::from_parts(parts, body);
 
         let start = Instant::now();
-        let sent = self.inner.client.request(upstream_req);
+        let sent = self.client.request(upstream_req);
         let result = match plan.deadline {
             Some(d) => match tokio::time::timeout_at(d, sent).await {
                 Ok(r) => r.map_err(Some),
@@ -800,7 +887,7 @@ impl Gateway {
                 let mut up = Request::new(empty());
                 *up.uri_mut() = uri;
                 *up.headers_mut() = headers;
-                let resp = self.inner.client.request(up).await.map_err(|e| {
+                let resp = self.client.request(up).await.map_err(|e| {
                     tracing::warn!(node_id = %node.node_id, error = ?e, "cluster list: node unreachable");
                     None
                 })?;
@@ -856,6 +943,15 @@ impl Gateway {
         }
         resp
     }
+}
+
+fn upstream_client(request_timeout: Duration) -> UpstreamClient {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(request_timeout.max(Duration::from_secs(1))));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(http)
 }
 
 /// A scheduler error as an HTTP response.
@@ -945,6 +1041,29 @@ fn query_value(query: Option<&str>, key: &str) -> Option<String> {
         .into_iter()
         .find(|(k, _)| k == key)
         .map(|(_, v)| v)
+}
+
+/// The threads started by [`Gateway::serve_threads`].
+pub struct ServeHandle {
+    local_addr: SocketAddr,
+    handles: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl ServeHandle {
+    /// The address the gateway listens on (useful after binding port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Waits until every serving thread has drained and stopped.
+    pub async fn wait(self) {
+        let _ = tokio::task::spawn_blocking(move || {
+            for h in self.handles {
+                let _ = h.join();
+            }
+        })
+        .await;
+    }
 }
 
 /// A [`Gateway`] bound to one client connection, as a hyper service.

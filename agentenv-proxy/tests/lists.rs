@@ -328,7 +328,11 @@ async fn a_scheduler_that_is_down_gives_503() {
     let (addr, _stop, _task) = serve_gateway(gateway).await;
     let (status, _, body) = get(&format!("http://{addr}/sandboxes/sbx-1")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(message(&body).starts_with("scheduler unreachable: "), "{}", message(&body));
+    assert!(
+        message(&body).starts_with("scheduler unreachable: "),
+        "{}",
+        message(&body)
+    );
     let (status, _, _) = send(
         Request::get(format!("http://{addr}/health"))
             .body(Full::default())

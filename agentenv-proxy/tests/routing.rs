@@ -601,3 +601,40 @@ async fn invalid_percent_encoding_is_400() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message(&body).contains("percent-encoding"));
 }
+
+#[tokio::test]
+async fn per_thread_serving_routes_on_every_thread_and_drains_on_shutdown() {
+    let (node, log) = FakeNode::echo().await;
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
+    c.heartbeat("node-a", &["sbx-1"]).await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = c
+        .gateway
+        .serve_threads("127.0.0.1:0".parse().unwrap(), 3, async move {
+            let _ = stopped.await;
+        })
+        .unwrap();
+    let addr = handle.local_addr();
+    // Fresh connections are spread over the threads by the kernel; each
+    // thread has its own upstream pool and must route correctly.
+    for i in 0..30 {
+        let (status, _, body) = send(
+            req("GET", &format!("http://{addr}/item/{i}"))
+                .header("e2b-sandbox-id", "sbx-1")
+                .header("e2b-sandbox-port", "49983")
+                .header("connection", "close")
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(json(&body)["uri"], format!("/proxy/item/{i}"));
+    }
+    assert_eq!(log.lock().len(), 30);
+    stop.send(()).unwrap();
+    handle.wait().await;
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "listeners are closed after shutdown"
+    );
+}

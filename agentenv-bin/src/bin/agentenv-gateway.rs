@@ -72,14 +72,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let gateway = Gateway::new(scheduler, GatewayOptions::from_config(&g, api_key))
         .context("init gateway server failed")?;
 
-    let http = tokio::net::TcpListener::bind(http_addr)
-        .await
-        .with_context(|| format!("cannot listen on gateway.http_listen_addr {http_addr}"))?;
     let metrics = tokio::net::TcpListener::bind(metrics_addr)
         .await
         .with_context(|| format!("cannot listen on gateway.metrics_listen_addr {metrics_addr}"))?;
-    let http_local = http.local_addr()?;
     let metrics_local = metrics.local_addr()?;
+    // One single-threaded runtime per core, each with its own listener
+    // (SO_REUSEPORT) and upstream pool.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let server = gateway
+        .serve_threads(http_addr, threads, agentenv_bin::shutdown_signal())
+        .with_context(|| format!("cannot listen on gateway.http_listen_addr {http_addr}"))?;
+    let http_local = server.local_addr();
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let metrics_task = tokio::spawn(agentenv_core::metrics::serve(
@@ -95,9 +98,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         scheduler_addr = %g.scheduler_addr,
         query_only_scheduler_addr = %g.query_only_scheduler_addr,
         proxy_domains = ?g.sandbox_proxy_domains,
+        threads,
         "gateway listening"
     );
-    gateway.serve(http, agentenv_bin::shutdown_signal()).await;
+    server.wait().await;
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), metrics_task).await;
     tracing::info!("gateway stopped");

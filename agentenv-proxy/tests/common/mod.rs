@@ -15,8 +15,7 @@ use agentenv_core::proto::scheduler_v1 as pb;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
 use agentenv_proxy::body::{GatewayBody, full};
 use agentenv_proxy::{Gateway, GatewayOptions, InProcessScheduler, SchedulerClient};
-use agentenv_sched::placement::RoundRobin;
-use agentenv_sched::{Candidate, Placement, Scheduler, SchedulerService};
+use agentenv_sched::{Scheduler, SchedulerService};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -212,33 +211,17 @@ pub fn echo_json(seen: &Seen) -> String {
     .to_string()
 }
 
-/// Round robin that also keeps every hint it was given.
+/// Every hint the gateway passed to `Schedule`, in order.
 #[derive(Default)]
 pub struct HintLog {
     pub hints: Mutex<Vec<Option<pb::ScheduleRequestHint>>>,
-    rr: RoundRobin,
-}
-
-pub struct RecordingPlacement(pub Arc<HintLog>);
-
-impl Placement for RecordingPlacement {
-    fn name(&self) -> &str {
-        "recording"
-    }
-    fn pick(
-        &self,
-        candidates: &[Candidate<'_>],
-        hint: Option<&pb::ScheduleRequestHint>,
-    ) -> Option<usize> {
-        self.0.hints.lock().push(hint.cloned());
-        self.0.rr.pick(candidates, hint)
-    }
 }
 
 /// Counts the calls the gateway makes, then asks the real scheduler.
 pub struct Counting<C> {
     pub inner: C,
     pub counts: Arc<Mutex<HashMap<&'static str, usize>>>,
+    pub hints: Arc<HintLog>,
 }
 
 impl<C> Counting<C> {
@@ -254,6 +237,7 @@ impl<C: SchedulerClient> SchedulerClient for Counting<C> {
         hint: Option<pb::ScheduleRequestHint>,
     ) -> Result<pb::Node, tonic::Status> {
         self.bump("Schedule");
+        self.hints.hints.lock().push(hint.clone());
         self.inner.schedule(hint).await
     }
     async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, tonic::Status> {
@@ -325,15 +309,13 @@ impl Cluster {
             ..SchedulerConfig::default()
         };
         let hints = Arc::new(HintLog::default());
-        let sched = Scheduler::builder(config)
-            .placement(RecordingPlacement(hints.clone()))
-            .build()
-            .unwrap();
+        let sched = Scheduler::builder(config).build().unwrap();
         let scheduler = sched.service();
         let counts: Arc<Mutex<HashMap<&'static str, usize>>> = Arc::default();
         let client = Counting {
             inner: InProcessScheduler::new(Arc::new(scheduler.clone())),
             counts: counts.clone(),
+            hints: hints.clone(),
         };
         let gateway = Gateway::new(client, opts).unwrap();
         let (addr, stop, task) = serve_gateway(gateway.clone()).await;

@@ -1,0 +1,376 @@
+//! Throughput and latency of the gateway against nginx, in one run.
+//!
+//! Starts a small upstream HTTP server, the gateway in front of it (routing
+//! by `e2b-sandbox-id`, answered by an in-process scheduler), and nginx as a
+//! plain keep-alive reverse proxy in front of the same upstream. Drives all
+//! three with wrk (64 connections, then 1 connection for the added latency)
+//! and prints requests/s, p50/p99 and the ratios.
+//!
+//! `cargo run --release -p agentenv-proxy --example bench [-- SECONDS]`
+//! needs the Debian packages `nginx` and `wrk`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentenv_core::config::{NodeConfig, SchedulerConfig};
+use agentenv_core::proto::scheduler_v1 as pb;
+use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
+use agentenv_proxy::{Gateway, GatewayOptions, InProcessScheduler};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+const BODY: &[u8] =
+    br#"{"sandboxID":"sbx-bench","state":"running","envdVersion":"0.2.0","ok":true}"#;
+const API_KEY: &str = "bench_0123456789abcdef0123456789abcdef";
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+fn main() {
+    let secs: u64 = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    for tool in ["nginx", "wrk"] {
+        if which(tool).is_none() {
+            eprintln!(
+                "bench: `{tool}` is not installed; install the Debian package `{tool}` (see scripts/apt-packages.txt)"
+            );
+            std::process::exit(2);
+        }
+    }
+    // The upstream and the gateway run on runtimes of their own, so the
+    // gateway gets its own threads just as nginx gets its own processes.
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    };
+    let upstream_rt = runtime();
+    let rt = runtime();
+    let upstream = upstream_rt.block_on(start_upstream());
+    let gateway = rt.block_on(start_gateway(upstream));
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let (mut nginx, nginx_addr) = start_nginx(tmp.path(), upstream);
+    rt.block_on(wait_listening(nginx_addr));
+
+    // BENCH_PROFILE=1 runs only the gateway at 64 connections (for perf).
+    if std::env::var_os("BENCH_PROFILE").is_some() {
+        let r = wrk(gateway, 64, secs);
+        println!(
+            "gateway {:.0} req/s p50 {:.1} µs p99 {:.1} µs",
+            r.rps, r.p50_us, r.p99_us
+        );
+        stop(&mut nginx);
+        return;
+    }
+    let targets = [
+        ("direct", upstream),
+        ("nginx", nginx_addr),
+        ("gateway", gateway),
+    ];
+    println!("upstream {upstream}, nginx {nginx_addr}, gateway {gateway}; {secs}s per run\n");
+    let mut results = Vec::new();
+    for conns in [64usize, 1] {
+        let mut row = Vec::new();
+        for (name, addr) in targets {
+            // Warm up pools and caches, then measure.
+            wrk(addr, conns, 1);
+            let r = wrk(addr, conns, secs);
+            println!(
+                "{conns:>3} conns  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs",
+                r.rps, r.p50_us, r.p99_us
+            );
+            row.push(r);
+        }
+        results.push((conns, row));
+        println!();
+    }
+    for (conns, row) in &results {
+        let (direct, nginx_r, gw) = (row[0], row[1], row[2]);
+        println!("{conns} connection(s):");
+        println!(
+            "  throughput gateway/nginx = {:.2}   gateway/direct = {:.2}   nginx/direct = {:.2}",
+            gw.rps / nginx_r.rps,
+            gw.rps / direct.rps,
+            nginx_r.rps / direct.rps
+        );
+        println!(
+            "  added p50 over direct: gateway {:+.1} µs, nginx {:+.1} µs;  added p99: gateway {:+.1} µs, nginx {:+.1} µs",
+            gw.p50_us - direct.p50_us,
+            nginx_r.p50_us - direct.p50_us,
+            gw.p99_us - direct.p99_us,
+            nginx_r.p99_us - direct.p99_us
+        );
+    }
+    stop(&mut nginx);
+}
+
+fn which(tool: &str) -> Option<String> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+async fn start_upstream() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|_req| async {
+                    let mut resp = hyper::Response::new(Full::new(Bytes::from_static(BODY)));
+                    resp.headers_mut()
+                        .insert("content-type", "application/json".parse().unwrap());
+                    Ok::<_, Infallible>(resp)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
+    let config = SchedulerConfig {
+        nodes: vec![NodeConfig {
+            id: "node-bench".into(),
+            endpoint: format!("http://{upstream}"),
+        }],
+        ..SchedulerConfig::default()
+    };
+    let scheduler = agentenv_sched::Scheduler::builder(config)
+        .build()
+        .expect("scheduler");
+    let service = scheduler.service();
+    service
+        .heartbeat(tonic::Request::new(pb::HeartbeatRequest {
+            node_id: "node-bench".into(),
+            service_instance_id: "bench".into(),
+            snapshot: Some(pb::NodeSnapshot {
+                status: pb::NodeStatus::Ready as i32,
+                ..Default::default()
+            }),
+            sandbox_ids: vec!["sbx-bench".into()],
+            ..Default::default()
+        }))
+        .await
+        .expect("heartbeat");
+    // Bindings are refreshed by heartbeats; keep one going for long runs.
+    let hb = service.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            let _ = hb
+                .heartbeat(tonic::Request::new(pb::HeartbeatRequest {
+                    node_id: "node-bench".into(),
+                    service_instance_id: "bench".into(),
+                    snapshot: Some(pb::NodeSnapshot {
+                        status: pb::NodeStatus::Ready as i32,
+                        ..Default::default()
+                    }),
+                    sandbox_ids: vec!["sbx-bench".into()],
+                    ..Default::default()
+                }))
+                .await;
+        }
+    });
+    let gateway = Gateway::new(
+        InProcessScheduler::new(Arc::new(service)),
+        GatewayOptions {
+            api_key: API_KEY.into(),
+            request_timeout: Duration::from_secs(30),
+            forward_response_size: 4 << 20,
+            sandbox_proxy_domains: Vec::new(),
+            debug_mode: false,
+        },
+    )
+    .expect("gateway");
+    // One single-threaded runtime per core, like nginx's worker processes;
+    // BENCH_THREADS=0 serves from one multi-threaded runtime instead.
+    let threads = std::env::var("BENCH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    if threads == 0 {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind gateway");
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { gateway.serve(listener, std::future::pending()).await });
+        return addr;
+    }
+    let handle = gateway
+        .serve_threads(
+            "127.0.0.1:0".parse().unwrap(),
+            threads,
+            std::future::pending(),
+        )
+        .expect("serve gateway");
+    handle.local_addr()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start_nginx(dir: &Path, upstream: SocketAddr) -> (Child, SocketAddr) {
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    let d = dir.display();
+    let conf = format!(
+        r#"{user}
+worker_processes auto;
+daemon off;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/client_body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    upstream backend {{
+        server {upstream};
+        keepalive 128;
+    }}
+    server {{
+        listen {addr};
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $http_host;
+        }}
+    }}
+}}
+"#,
+        user = if is_root { "user root;" } else { "" },
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).expect("write nginx.conf");
+    let child = Command::new("nginx")
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start nginx");
+    (child, addr)
+}
+
+async fn wait_listening(addr: SocketAddr) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nginx did not start listening on {addr}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn stop(child: &mut Child) {
+    // SIGQUIT: nginx's graceful stop, which also ends its workers.
+    let _ = Command::new("kill")
+        .arg("-QUIT")
+        .arg(child.id().to_string())
+        .status();
+    let _ = child.wait();
+}
+
+fn wrk(addr: SocketAddr, conns: usize, secs: u64) -> Run {
+    let threads = conns.min(2);
+    let out = Command::new("wrk")
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-c",
+            &conns.to_string(),
+            "-d",
+            &format!("{secs}s"),
+            "--latency",
+        ])
+        .args([
+            "-H",
+            "e2b-sandbox-id: sbx-bench",
+            "-H",
+            "e2b-sandbox-port: 49983",
+        ])
+        .arg(format!("http://{addr}/hello"))
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |prefix: &str| -> Option<&str> {
+        text.lines()
+            .map(str::trim)
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l[prefix.len()..].split_whitespace().next())
+    };
+    let rps: f64 = field("Requests/sec:")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("wrk output:\n{text}"));
+    if let Some(errors) = text
+        .lines()
+        .find(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
+    {
+        eprintln!("bench: wrk against {addr} reported: {}", errors.trim());
+    }
+    Run {
+        rps,
+        p50_us: field("50%").map(micros).expect("p50"),
+        p99_us: field("99%").map(micros).expect("p99"),
+    }
+}
+
+fn micros(v: &str) -> f64 {
+    let split = v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len());
+    let (n, unit) = v.split_at(split);
+    let n: f64 = n.parse().unwrap_or(f64::NAN);
+    match unit {
+        "us" => n,
+        "ms" => n * 1e3,
+        "s" => n * 1e6,
+        "m" => n * 60e6,
+        _ => f64::NAN,
+    }
+}
