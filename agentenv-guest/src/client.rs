@@ -343,8 +343,12 @@ impl GuestClient {
     where
         S: Stream<Item = io::Result<Bytes>> + Send + 'static,
     {
-        let pq = format!("/files?path={}", encode_query(remote_path));
         let body = StreamBody::new(data.map_ok(Frame::data)).boxed_unsync();
+        self.upload_body(remote_path, body).await
+    }
+
+    async fn upload_body(&self, remote_path: &str, body: ReqBody) -> Result<(), ClientError> {
+        let pq = format!("/files?path={}", encode_query(remote_path));
         let mut req = self.request(Method::POST, &pq, body);
         req.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -360,14 +364,18 @@ impl GuestClient {
 
     /// Uploads a local file, streamed.
     pub async fn upload_file(&self, local: &Path, remote_path: &str) -> Result<(), ClientError> {
-        let file = tokio::fs::File::open(local)
-            .await
-            .map_err(|source| ClientError::Io {
-                path: local.display().to_string(),
-                source,
-            })?;
-        let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024);
-        self.upload(remote_path, stream).await
+        let io_err = |source| ClientError::Io {
+            path: local.display().to_string(),
+            source,
+        };
+        let file = std::fs::File::open(local).map_err(io_err)?;
+        let len = file.metadata().map_err(io_err)?.len();
+        // A known length goes out as Content-Length instead of chunks.
+        let body = SizedBody {
+            inner: StreamBody::new(crate::fileio::read_stream(file).map_ok(Frame::data)),
+            len,
+        };
+        self.upload_body(remote_path, body.boxed_unsync()).await
     }
 
     /// Downloads `remote_path` as a byte stream.
@@ -744,6 +752,31 @@ fn parse_end_stream(payload: &[u8]) -> Result<Option<ConnectError>, String> {
             let message = e.get("message").and_then(|m| m.as_str()).unwrap_or("");
             Ok(Some(ConnectError::new(Code::parse(code), message)))
         }
+    }
+}
+
+/// A body whose exact length is known up front.
+struct SizedBody<B> {
+    inner: B,
+    len: u64,
+}
+
+impl<B> http_body::Body for SizedBody<B>
+where
+    B: http_body::Body<Data = Bytes, Error = io::Error> + Unpin,
+{
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.len)
     }
 }
 
