@@ -20,11 +20,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     prost_build::Config::new()
         .compile_well_known_types()
+        .extern_path(".google.protobuf.Timestamp", "crate::wkt::Timestamp")
         .extern_path(".google.protobuf", "::pbjson_types")
         .compile_fds(fds)?;
 
     pbjson_build::Builder::new()
         .register_descriptors(&descriptor_bytes)?
+        .extern_path(".google.protobuf.Timestamp", "crate::wkt::Timestamp")
         .ignore_unknown_fields()
         .build(&[".process", ".filesystem"])?;
     Ok(())

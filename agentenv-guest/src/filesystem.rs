@@ -194,7 +194,7 @@ pub fn entry_info(path: &Path, names: &IdNames) -> Result<EntryInfo, FsError> {
         permissions: mode_string(lmd.mode()),
         owner: names.user(lmd.uid()),
         group: names.group(lmd.gid()),
-        modified_time: Some(pbjson_types::Timestamp {
+        modified_time: Some(crate::wkt::Timestamp {
             seconds: lmd.mtime(),
             nanos: lmd.mtime_nsec() as i32,
         }),

@@ -65,6 +65,7 @@ pub mod pid1;
 pub mod process;
 pub mod server;
 pub mod users;
+pub mod wkt;
 
 /// The envd version whose behaviour this agent implements; a control plane
 /// reports it as `envdVersion` so that SDKs enable the matching features:
