@@ -1,5 +1,11 @@
 //! The AgentENV runtime node as a library.
 
+pub mod access;
+pub mod api;
 pub mod backend;
+pub mod config;
+pub mod daemon;
+pub mod dataplane;
+pub mod lifecycle;
 pub mod reporter;
 pub mod template;

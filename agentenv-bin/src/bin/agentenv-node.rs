@@ -1,0 +1,64 @@
+//! `agentenv-node`: the runtime node daemon (the `aenv` service).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use agentenv_node::config::NodeConfig;
+use agentenv_node::daemon::Daemon;
+use anyhow::Context;
+use clap::Parser;
+
+/// Runs agent sandboxes on this host and serves the E2B-compatible REST API and the
+/// sandbox data plane on one address (API_ADDR).
+#[derive(Parser)]
+#[command(
+    name = "agentenv-node",
+    version,
+    after_help = "Configuration comes from the environment (as in /etc/default/aenv): API_ADDR, AENV_NODE_ID, AENV_API_KEY, AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED, AENV_HOME_PATH, AENV_BACKEND=auto|jail|microvm, AENV_GUEST_BINARY_PATH, AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED, AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=http://host:port, AENV_OBSERVABILITY_REPORT_INTERVAL_SECS; environment values override the TOML file.\n\nFlags may be written with one dash (-config) or two (--config)."
+)]
+struct Args {
+    /// A TOML config file (also AENV_CONFIG_PATH).
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse_from(agentenv_bin::go_style_args(std::env::args()));
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agentenv-node: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentenv-node: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let level = "info";
+    let format = std::env::var("AENV_LOG_FORMAT")
+        .or_else(|_| std::env::var("LOG_FORMAT"))
+        .unwrap_or_else(|_| "auto".into());
+    let format = if format == "compact" || format == "pretty" {
+        "console".to_string()
+    } else {
+        format
+    };
+    agentenv_core::logging::init(level, &format).map_err(anyhow::Error::msg)?;
+    let cfg = NodeConfig::from_env(args.config.as_deref()).context("invalid configuration")?;
+    let node_id = cfg.node_id.clone();
+    let daemon = Daemon::start(cfg).await.context("node start failed")?;
+    tracing::info!(
+        api_addr = %daemon.local_addr(),
+        node_id = %node_id,
+        "node listening"
+    );
+    daemon.run(agentenv_bin::shutdown_signal()).await;
+    Ok(())
+}

@@ -1,0 +1,301 @@
+//! JSON shapes of the REST API (camelCase on the wire) and list queries.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use base64::Engine;
+use http::StatusCode;
+use serde::{Deserialize, Serialize};
+
+use crate::dataplane::{Body, json_error};
+use crate::lifecycle::{CreateRequest, OnTimeout, SandboxRecord};
+
+/// `POST /sandboxes` and `POST /v2/sandboxes`. Unknown fields are ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: Option<String>,
+    pub timeout: Option<u64>,
+    pub auto_pause: Option<bool>,
+    pub auto_resume: Option<AutoResume>,
+    pub secure: Option<bool>,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    pub network: Option<Network>,
+    pub metadata: Option<BTreeMap<String, String>>,
+    pub env_vars: Option<BTreeMap<String, String>>,
+    pub cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct AutoResume {
+    #[serde(default)]
+    pub enabled: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Network {
+    pub allow_public_traffic: Option<bool>,
+}
+
+impl NewSandbox {
+    /// Checks the fields the type system cannot and builds the lifecycle request.
+    pub fn into_request(self) -> Result<CreateRequest, Box<http::Response<Body>>> {
+        let bad = |m: String| Box::new(json_error(StatusCode::BAD_REQUEST, m));
+        let template = match self.template_id.as_deref().map(str::trim) {
+            Some(t) if !t.is_empty() => t.to_string(),
+            _ => return Err(bad("templateID is required, e.g. \"base\"".into())),
+        };
+        if let Some(c) = self.cpu_count
+            && c == 0
+        {
+            return Err(bad("cpuCount must be at least 1".into()));
+        }
+        let mut r = CreateRequest::new(template);
+        r.timeout = self.timeout.map(Duration::from_secs);
+        r.on_timeout = if self.auto_pause == Some(false) {
+            OnTimeout::Kill
+        } else {
+            OnTimeout::Pause
+        };
+        r.auto_resume = self.auto_resume.is_some_and(|a| a.enabled);
+        r.secure = self.secure.unwrap_or(false);
+        r.allow_internet_access = self.allow_internet_access;
+        r.allow_public_traffic = self
+            .network
+            .and_then(|n| n.allow_public_traffic)
+            .unwrap_or(true);
+        r.metadata = self.metadata.unwrap_or_default();
+        r.env_vars = self.env_vars.unwrap_or_default();
+        r.cpu_count = self.cpu_count;
+        r.memory_mb = self.memory_mb;
+        Ok(r)
+    }
+}
+
+/// Bodies with an optional `timeout` (connect, resume, timeout).
+#[derive(Debug, Default, Deserialize)]
+pub struct TimeoutBody {
+    pub timeout: Option<u64>,
+}
+
+/// `POST /refreshes`.
+#[derive(Debug, Default, Deserialize)]
+pub struct RefreshBody {
+    pub duration: Option<u64>,
+}
+
+/// The `Sandbox` model.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxJson {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub envd_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+    pub traffic_access_token: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+}
+
+/// The `ListedSandbox` model.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedSandboxJson {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub started_at: String,
+    pub end_at: String,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub metadata: BTreeMap<String, String>,
+    pub state: String,
+    pub envd_version: String,
+}
+
+/// `lifecycle` of `SandboxDetail`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LifecycleJson {
+    pub auto_resume: bool,
+    pub on_timeout: String,
+}
+
+/// The `SandboxDetail` model.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxDetailJson {
+    #[serde(flatten)]
+    pub listed: ListedSandboxJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    pub allow_internet_access: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<serde_json::Value>,
+    pub lifecycle: LifecycleJson,
+}
+
+/// `GET /v2/sandboxes` query: `state`, `metadata`, `limit`, `nextToken`.
+#[derive(Debug, Default)]
+pub struct ListQuery {
+    pub state: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub limit: usize,
+    /// (created ms, id) of the last item of the previous page.
+    pub after: Option<(u64, String)>,
+}
+
+/// Encodes a page cursor.
+pub fn encode_token(created_ms: u64, id: &str) -> String {
+    let s = format!("{}__{id}", crate::lifecycle::ms_rfc3339(created_ms));
+    base64::engine::general_purpose::URL_SAFE.encode(s)
+}
+
+fn decode_token(t: &str) -> Option<(u64, String)> {
+    let raw = base64::engine::general_purpose::URL_SAFE.decode(t).ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    let (ts, id) = s.split_once("__")?;
+    let dt =
+        time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()?;
+    let ms = (dt.unix_timestamp_nanos() / 1_000_000) as u64;
+    Some((ms, id.to_string()))
+}
+
+impl ListQuery {
+    /// Parses the query string; errors are messages for a 400.
+    pub fn parse(q: &str) -> Result<Self, String> {
+        let pairs = super::query_pairs(q);
+        let mut out = ListQuery {
+            limit: 100,
+            ..Default::default()
+        };
+        if let Some(s) = pairs.get("state") {
+            let states: Vec<&str> = s
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect();
+            for st in &states {
+                if *st != "running" && *st != "paused" {
+                    return Err(format!("invalid state {st:?}: use running, paused or both"));
+                }
+            }
+            if states.len() == 1 {
+                out.state = Some(states[0].to_string());
+            }
+        }
+        if let Some(m) = pairs.get("metadata") {
+            for (k, v) in super::query_pairs(m) {
+                if !k.is_empty() && !v.is_empty() {
+                    out.metadata.insert(k, v);
+                }
+            }
+        }
+        if let Some(l) = pairs.get("limit") {
+            let n: usize = l
+                .parse()
+                .map_err(|_| format!("invalid limit {l:?}: use 0..100"))?;
+            if n > 100 {
+                return Err(format!("invalid limit {n}: use 0..100"));
+            }
+            out.limit = n;
+        }
+        if let Some(t) = pairs.get("nextToken").filter(|t| !t.is_empty()) {
+            out.after = Some(decode_token(t).ok_or_else(|| format!("invalid nextToken {t:?}"))?);
+        }
+        Ok(out)
+    }
+
+    /// Filters and pages `items` (sorted newest first, ties by id); returns the page and
+    /// the next token when more items exist.
+    pub fn apply(&self, items: Vec<SandboxRecord>) -> (Vec<SandboxRecord>, Option<String>) {
+        let mut matching: Vec<SandboxRecord> = items
+            .into_iter()
+            .filter(|r| {
+                self.state
+                    .as_deref()
+                    .is_none_or(|s| r.state.api_name() == s)
+            })
+            .filter(|r| {
+                self.metadata
+                    .iter()
+                    .all(|(k, v)| r.metadata.get(k) == Some(v))
+            })
+            .filter(|r| match &self.after {
+                None => true,
+                Some((ms, id)) => {
+                    r.created_at_ms < *ms || (r.created_at_ms == *ms && r.id.as_str() > id.as_str())
+                }
+            })
+            .collect();
+        let more = matching.len() > self.limit;
+        matching.truncate(self.limit);
+        let next = if more {
+            matching
+                .last()
+                .map(|r| encode_token(r.created_at_ms, &r.id))
+        } else {
+            None
+        };
+        (matching, next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_body_ignores_unknown_fields_and_checks_types() {
+        let b: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"base","autoPauseMemory":true,"iam":{},"volumeMounts":[],"timeout":5,"autoPause":false,"autoResume":{"enabled":true},"network":{"allowPublicTraffic":false}}"#,
+        )
+        .unwrap();
+        let r = b.into_request().unwrap();
+        assert_eq!(r.template, "base");
+        assert_eq!(r.on_timeout, OnTimeout::Kill);
+        assert!(r.auto_resume && !r.allow_public_traffic);
+        assert!(
+            serde_json::from_str::<NewSandbox>(r#"{"templateID":"base","timeout":"x"}"#).is_err()
+        );
+        assert!(
+            serde_json::from_str::<NewSandbox>(r#"{"templateID":"base","timeout":-1}"#).is_err()
+        );
+        let missing: NewSandbox = serde_json::from_str("{}").unwrap();
+        assert!(missing.into_request().is_err());
+    }
+
+    #[test]
+    fn list_tokens_round_trip_and_page() {
+        let t = encode_token(1_700_000_000_123, "abc");
+        assert_eq!(decode_token(&t), Some((1_700_000_000_123, "abc".into())));
+        assert!(ListQuery::parse("nextToken=@@").is_err());
+        assert!(ListQuery::parse("limit=101").is_err());
+        assert!(ListQuery::parse("state=weird").is_err());
+        let q = ListQuery::parse("state=running,paused&metadata=a%3D1%26b%3D2&limit=5").unwrap();
+        assert_eq!(q.state, None);
+        assert_eq!(q.metadata.len(), 2);
+    }
+}

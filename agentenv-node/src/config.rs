@@ -1,0 +1,473 @@
+//! Node configuration: an optional TOML file, overridden by environment variables as the
+//! deployment writes them into `/etc/default/aenv`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Errors while loading the configuration. Each names the key and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {}: {message}", path.display())]
+    Toml { path: PathBuf, message: String },
+    #[error("{key}={value:?} is invalid: {fix}")]
+    Invalid {
+        key: &'static str,
+        value: String,
+        fix: String,
+    },
+}
+
+fn invalid(key: &'static str, value: impl Into<String>, fix: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        value: value.into(),
+        fix: fix.into(),
+    }
+}
+
+/// Which backend runs sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Pick the best one available (only `jail` exists in this build).
+    Auto,
+    Jail,
+    Microvm,
+}
+
+/// The node's configuration.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Where the REST API and the data plane listen (`API_ADDR`).
+    pub api_addr: SocketAddr,
+    pub node_id: String,
+    pub cluster_id: String,
+    pub service_instance_id: String,
+    /// `AENV_API_KEY`; `None` reads or generates the managed key.
+    pub api_key: Option<String>,
+    /// The secret file read when `AENV_API_KEY` is unset.
+    pub api_key_file: PathBuf,
+    /// `AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED`; `None` reads or generates the managed seed.
+    pub token_seed: Option<String>,
+    pub report_enabled: bool,
+    pub scheduler_endpoint: Option<String>,
+    pub report_interval: Duration,
+    /// Data directory (`AENV_HOME_PATH`).
+    pub home: PathBuf,
+    /// Host-wide runtime directory shared by node processes (`AENV_RUNTIME_PATH`).
+    pub runtime_path: PathBuf,
+    pub backend: BackendKind,
+    /// The static guest agent binary (`AENV_GUEST_BINARY_PATH`).
+    pub guest_binary: PathBuf,
+    /// Run the agent in init mode (`--init`) as PID 1 (`AENV_GUEST_INIT_MODE`); off by
+    /// default because a jail sandbox may not mount its own /proc.
+    pub guest_init_mode: bool,
+    /// Template store root (`AENV_TEMPLATE_PATH`), default `<home>/templates`.
+    pub template_path: PathBuf,
+    /// Jail sandbox address pool (`AENV_JAIL_ADDRESS_POOL`), e.g. `10.12.0.0/16`.
+    pub jail_address_pool: String,
+    /// Jail host interface prefix (`AENV_JAIL_IFACE_PREFIX`), 1–6 lowercase letters.
+    pub jail_iface_prefix: String,
+    /// Jail cgroup parent (`AENV_JAIL_CGROUP_PARENT`).
+    pub jail_cgroup_parent: String,
+    /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
+    pub proxy_domains: Vec<String>,
+    pub default_timeout: Duration,
+    pub auto_evict_interval: Duration,
+    pub auto_resume_min_timeout: Duration,
+    pub default_cpu_count: u32,
+    pub default_memory_mb: u64,
+    /// How long a new sandbox's agent may take to answer `/health`.
+    pub agent_ready_timeout: Duration,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    api_addr: Option<String>,
+    home_path: Option<PathBuf>,
+    runtime_path: Option<PathBuf>,
+    backend: Option<String>,
+    guest_binary_path: Option<PathBuf>,
+    guest_init_mode: Option<bool>,
+    template_path: Option<PathBuf>,
+    #[serde(default)]
+    node_identity: FileIdentity,
+    #[serde(default)]
+    cluster: FileCluster,
+    #[serde(default)]
+    observability: FileObservability,
+    #[serde(default)]
+    sandbox: FileSandbox,
+    #[serde(default)]
+    sandbox_proxy: FileProxy,
+    #[serde(default)]
+    orchestrator: FileOrchestrator,
+    #[serde(default)]
+    machine: FileMachine,
+    #[serde(default)]
+    jail: FileJail,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileIdentity {
+    node_id: Option<String>,
+    cluster_id: Option<String>,
+    service_instance_id: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileCluster {
+    scheduler_endpoint: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileObservability {
+    #[serde(default)]
+    scheduler_report: FileReport,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileReport {
+    enabled: Option<bool>,
+    interval_secs: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSandbox {
+    access_token_hash_seed: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileProxy {
+    domains: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileOrchestrator {
+    auto_evict_interval_ms: Option<u64>,
+    default_sandbox_timeout_secs: Option<u64>,
+    auto_resume_min_sandbox_timeout_secs: Option<u64>,
+    agent_ready_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileMachine {
+    vcpu_count: Option<u32>,
+    mem_size_mib: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileJail {
+    address_pool: Option<String>,
+    iface_prefix: Option<String>,
+    cgroup_parent: Option<String>,
+}
+
+fn parse_bool(key: &'static str, v: &str) -> Result<bool, ConfigError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(invalid(key, v, "use true or false")),
+    }
+}
+
+fn parse_u64(key: &'static str, v: &str) -> Result<u64, ConfigError> {
+    v.trim()
+        .parse()
+        .map_err(|_| invalid(key, v, "use a whole number"))
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "node".into())
+}
+
+impl NodeConfig {
+    /// Loads the config from the process environment and, when given (or named by
+    /// `AENV_CONFIG_PATH`), a TOML file.
+    pub fn from_env(config_path: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load(config_path, &|k| std::env::var(k).ok())
+    }
+
+    /// Loads the config from `env` (a lookup of environment variables) and the TOML file.
+    pub fn load(
+        config_path: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let path = config_path
+            .map(Path::to_path_buf)
+            .or_else(|| env("AENV_CONFIG_PATH").map(PathBuf::from));
+        let (file, base) = match &path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.clone(),
+                    source,
+                })?;
+                let f: FileConfig = toml::from_str(&text).map_err(|e| ConfigError::Toml {
+                    path: p.clone(),
+                    message: e.to_string(),
+                })?;
+                (
+                    f,
+                    p.parent()
+                        .map(Path::to_path_buf)
+                        .unwrap_or_else(|| PathBuf::from(".")),
+                )
+            }
+            None => (FileConfig::default(), PathBuf::from(".")),
+        };
+        let rel = |p: PathBuf| if p.is_relative() { base.join(p) } else { p };
+        let env = |k: &str| env(k).filter(|v| !v.is_empty());
+
+        let api_addr_s = env("API_ADDR")
+            .or(file.api_addr)
+            .unwrap_or_else(|| "0.0.0.0:8000".into());
+        let api_addr: SocketAddr = api_addr_s.parse().map_err(|_| {
+            invalid(
+                "API_ADDR",
+                &api_addr_s,
+                "use an IP address and port, e.g. 0.0.0.0:8000",
+            )
+        })?;
+        let home = env("AENV_HOME_PATH")
+            .map(PathBuf::from)
+            .or(file.home_path.map(&rel))
+            .unwrap_or_else(|| PathBuf::from("/var/lib/aenv"));
+        let runtime_path = env("AENV_RUNTIME_PATH")
+            .map(PathBuf::from)
+            .or(file.runtime_path.map(&rel))
+            .unwrap_or_else(|| PathBuf::from("/run/aenv"));
+        let backend_s = env("AENV_BACKEND")
+            .or(file.backend)
+            .unwrap_or_else(|| "auto".into());
+        let backend = match backend_s.trim().to_ascii_lowercase().as_str() {
+            "auto" => BackendKind::Auto,
+            "jail" => BackendKind::Jail,
+            "microvm" => BackendKind::Microvm,
+            _ => {
+                return Err(invalid(
+                    "AENV_BACKEND",
+                    backend_s,
+                    "use auto, jail or microvm",
+                ));
+            }
+        };
+        let guest_binary = env("AENV_GUEST_BINARY_PATH")
+            .map(PathBuf::from)
+            .or(file.guest_binary_path.map(&rel))
+            .unwrap_or_else(|| home.join("bin").join("agentenv-guest"));
+        let guest_init_mode = match env("AENV_GUEST_INIT_MODE") {
+            Some(v) => parse_bool("AENV_GUEST_INIT_MODE", &v)?,
+            None => file.guest_init_mode.unwrap_or(false),
+        };
+        let template_path = env("AENV_TEMPLATE_PATH")
+            .map(PathBuf::from)
+            .or(file.template_path.map(&rel))
+            .unwrap_or_else(|| home.join("templates"));
+        let node_id = env("AENV_NODE_ID")
+            .or(file.node_identity.node_id)
+            .unwrap_or_else(hostname);
+        let cluster_id = env("AENV_CLUSTER_ID")
+            .or(file.node_identity.cluster_id)
+            .unwrap_or_else(|| "00000000-0000-0000-0000-000000000000".into());
+        let service_instance_id = env("AENV_SERVICE_INSTANCE_ID")
+            .or(file.node_identity.service_instance_id)
+            .unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+        let report_enabled = match env("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED") {
+            Some(v) => parse_bool("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", &v)?,
+            None => file.observability.scheduler_report.enabled.unwrap_or(false),
+        };
+        let scheduler_endpoint = env("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT")
+            .or(file.cluster.scheduler_endpoint)
+            .map(|s| s.trim().to_string());
+        if let Some(ep) = &scheduler_endpoint
+            && !(ep.starts_with("http://") || ep.starts_with("https://"))
+        {
+            return Err(invalid(
+                "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
+                ep,
+                "write it as a URL with a scheme, e.g. http://10.0.0.5:9090",
+            ));
+        }
+        if report_enabled && scheduler_endpoint.is_none() {
+            return Err(invalid(
+                "AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED",
+                "true",
+                "heartbeats need AENV_OBSERVABILITY_SCHEDULER_ENDPOINT (e.g. http://10.0.0.5:9090); set it or disable reporting",
+            ));
+        }
+        let interval_secs = match env("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS") {
+            Some(v) => parse_u64("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", &v)?,
+            None => file
+                .observability
+                .scheduler_report
+                .interval_secs
+                .unwrap_or(5),
+        };
+        if interval_secs == 0 {
+            return Err(invalid(
+                "AENV_OBSERVABILITY_REPORT_INTERVAL_SECS",
+                "0",
+                "use at least 1 second",
+            ));
+        }
+        let proxy_domains = env("AENV_SANDBOX_PROXY_DOMAINS")
+            .map(|s| s.split(',').map(str::to_string).collect::<Vec<_>>())
+            .or(file.sandbox_proxy.domains)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|d| d.trim().trim_end_matches('.').to_ascii_lowercase())
+            .filter(|d| !d.is_empty())
+            .collect();
+        let o = file.orchestrator;
+        let evict_ms = match env("AENV_AUTO_EVICT_INTERVAL_MS") {
+            Some(v) => parse_u64("AENV_AUTO_EVICT_INTERVAL_MS", &v)?,
+            None => o.auto_evict_interval_ms.unwrap_or(1000),
+        };
+        if evict_ms == 0 {
+            return Err(invalid(
+                "orchestrator.auto_evict_interval_ms",
+                "0",
+                "use at least 1",
+            ));
+        }
+        let default_cpu_count = file.machine.vcpu_count.unwrap_or(2);
+        let default_memory_mb = file.machine.mem_size_mib.unwrap_or(512);
+        if default_cpu_count == 0 {
+            return Err(invalid("machine.vcpu_count", "0", "use at least 1"));
+        }
+        Ok(Self {
+            api_addr,
+            node_id,
+            cluster_id,
+            service_instance_id,
+            api_key: env("AENV_API_KEY"),
+            api_key_file: PathBuf::from(agentenv_core::api_key::DEFAULT_SECRET_PATH),
+            token_seed: env("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED")
+                .or(file.sandbox.access_token_hash_seed),
+            report_enabled,
+            scheduler_endpoint,
+            report_interval: Duration::from_secs(interval_secs),
+            home,
+            runtime_path,
+            backend,
+            guest_binary,
+            guest_init_mode,
+            template_path,
+            jail_address_pool: env("AENV_JAIL_ADDRESS_POOL")
+                .or(file.jail.address_pool)
+                .unwrap_or_else(|| "10.12.0.0/16".into()),
+            jail_iface_prefix: env("AENV_JAIL_IFACE_PREFIX")
+                .or(file.jail.iface_prefix)
+                .unwrap_or_else(|| "ae".into()),
+            jail_cgroup_parent: env("AENV_JAIL_CGROUP_PARENT")
+                .or(file.jail.cgroup_parent)
+                .unwrap_or_else(|| "agentenv".into()),
+            proxy_domains,
+            default_timeout: Duration::from_secs(o.default_sandbox_timeout_secs.unwrap_or(15)),
+            auto_evict_interval: Duration::from_millis(evict_ms),
+            auto_resume_min_timeout: Duration::from_secs(
+                o.auto_resume_min_sandbox_timeout_secs.unwrap_or(300),
+            ),
+            default_cpu_count,
+            default_memory_mb,
+            agent_ready_timeout: Duration::from_secs(o.agent_ready_timeout_secs.unwrap_or(30)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(vars: &[(&str, &str)], file: Option<&str>) -> Result<NodeConfig, ConfigError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = file.map(|text| {
+            let p = dir.path().join("aenv.toml");
+            std::fs::write(&p, text).unwrap();
+            p
+        });
+        NodeConfig::load(path.as_deref(), &|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn env_overrides_file_and_defaults_apply() {
+        let c = load(
+            &[("API_ADDR", "127.0.0.1:9000"), ("AENV_NODE_ID", "n1")],
+            Some("api_addr = \"0.0.0.0:1\"\n[node_identity]\nnode_id = \"f\"\n[orchestrator]\nauto_evict_interval_ms = 50\n"),
+        )
+        .unwrap();
+        assert_eq!(c.api_addr.to_string(), "127.0.0.1:9000");
+        assert_eq!(c.node_id, "n1");
+        assert_eq!(c.auto_evict_interval, Duration::from_millis(50));
+        assert_eq!(c.backend, BackendKind::Auto);
+        assert_eq!(c.home, PathBuf::from("/var/lib/aenv"));
+        assert!(!c.report_enabled);
+    }
+
+    #[test]
+    fn scheduler_endpoint_needs_a_scheme_and_reporting_needs_an_endpoint() {
+        let e = load(
+            &[("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT", "10.0.0.5:9090")],
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("http://"), "{e}");
+        let e = load(
+            &[("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true")],
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT"),
+            "{e}"
+        );
+        let c = load(
+            &[
+                ("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "1"),
+                ("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT", "http://s:9090"),
+                ("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "2"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert!(c.report_enabled);
+        assert_eq!(c.report_interval, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn bad_values_and_unknown_file_keys_are_named() {
+        let e = load(&[("AENV_BACKEND", "qemu")], None).unwrap_err();
+        assert!(e.to_string().contains("AENV_BACKEND"), "{e}");
+        let e = load(&[("API_ADDR", "nope")], None).unwrap_err();
+        assert!(e.to_string().contains("API_ADDR"), "{e}");
+        let e = load(&[], Some("[orchestrator]\nbogus = 1\n")).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+    }
+}

@@ -1,0 +1,213 @@
+//! The node daemon: builds the backend, the lifecycle engine, the API and the heartbeat
+//! reporter from a [`NodeConfig`], serves, and shuts down gracefully.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+
+use crate::access::{self, KeyOrigin, TokenIssuer};
+use crate::api::{self, ApiState, NodeIdentity};
+use crate::backend::jail::{JailBackend, JailConfig, net::Ipv4Net};
+use crate::backend::{BackendError, SandboxBackend};
+use crate::config::{BackendKind, NodeConfig};
+use crate::lifecycle::{
+    LifecycleConfig, LifecycleError, Orchestrator, PausedStore, ReporterSource,
+};
+use crate::reporter::{ReporterConfig, ReporterHandle};
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("credentials: {0}")]
+    Access(#[from] access::AccessError),
+    #[error("backend: {0}")]
+    Backend(#[from] BackendError),
+    #[error("AENV_BACKEND=microvm is not available in this build: use AENV_BACKEND=jail (or auto)")]
+    MicrovmUnavailable,
+    #[error("invalid AENV_JAIL_ADDRESS_POOL {0:?}: use a CIDR such as 10.12.0.0/16")]
+    AddressPool(String),
+    #[error("paused-sandbox store: {0}")]
+    Lifecycle(#[from] LifecycleError),
+    #[error("cannot listen on API_ADDR {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("heartbeat reporter: {0}")]
+    Reporter(#[from] crate::reporter::ReporterError),
+}
+
+/// A started node.
+pub struct Daemon {
+    state: Arc<ApiState>,
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    reporter: Option<ReporterHandle>,
+    event_task: Option<tokio::task::JoinHandle<ReporterHandle>>,
+    ticker: tokio::task::JoinHandle<()>,
+}
+
+/// Builds the jail backend of `cfg`.
+pub async fn jail_backend(cfg: &NodeConfig) -> Result<JailBackend, DaemonError> {
+    let mut j = JailConfig::new(&cfg.home, &cfg.guest_binary);
+    j.runtime_dir = cfg.runtime_path.clone();
+    if !cfg.guest_init_mode {
+        j.agent_args = Vec::new();
+    }
+    j.templates.root = cfg.template_path.clone();
+    j.address_pool = cfg
+        .jail_address_pool
+        .parse::<Ipv4Net>()
+        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
+    j.iface_prefix = cfg.jail_iface_prefix.clone();
+    j.cgroup_parent = cfg.jail_cgroup_parent.clone();
+    let b = JailBackend::new(j).await?;
+    let report = b.reconcile().await?;
+    if !report.removed_sandboxes.is_empty() {
+        tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
+    }
+    Ok(b)
+}
+
+impl Daemon {
+    /// Resolves credentials, starts the backend and binds `API_ADDR`.
+    pub async fn start(cfg: NodeConfig) -> Result<Self, DaemonError> {
+        let (api_key, origin) =
+            access::resolve_api_key(cfg.api_key.clone(), &cfg.api_key_file, &cfg.home)?;
+        match origin {
+            KeyOrigin::Generated => tracing::info!(
+                path = %cfg.home.join("secrets").join(access::API_KEY_FILE).display(),
+                "generated a new API key"
+            ),
+            o => tracing::info!(origin = ?o, "API key loaded"),
+        }
+        let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
+        let backend: Arc<dyn SandboxBackend> = match cfg.backend {
+            BackendKind::Microvm => return Err(DaemonError::MicrovmUnavailable),
+            BackendKind::Auto => {
+                tracing::info!(
+                    "AENV_BACKEND=auto: using the jail backend (the microvm backend is not part of this build)"
+                );
+                Arc::new(jail_backend(&cfg).await?)
+            }
+            BackendKind::Jail => Arc::new(jail_backend(&cfg).await?),
+        };
+        let store = PausedStore::open(cfg.home.join("persisted-sandboxes"))
+            .map_err(LifecycleError::from)?;
+        let lc = LifecycleConfig {
+            default_timeout: cfg.default_timeout,
+            auto_evict_interval: cfg.auto_evict_interval,
+            auto_resume_min_timeout: cfg.auto_resume_min_timeout,
+            default_cpu_count: cfg.default_cpu_count,
+            default_memory_mb: cfg.default_memory_mb,
+            agent_ready_timeout: cfg.agent_ready_timeout,
+            ..LifecycleConfig::default()
+        };
+        let orch = Orchestrator::new(backend, lc, TokenIssuer::new(&seed), store)?;
+        let identity = NodeIdentity {
+            node_id: cfg.node_id.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            service_instance_id: cfg.service_instance_id.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: option_env!("AENV_GIT_COMMIT").unwrap_or("unknown").into(),
+        };
+        let state = ApiState::new(orch.clone(), api_key, identity, cfg.proxy_domains.clone());
+        let listener =
+            TcpListener::bind(cfg.api_addr)
+                .await
+                .map_err(|source| DaemonError::Listen {
+                    addr: cfg.api_addr,
+                    source,
+                })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| DaemonError::Listen {
+                addr: cfg.api_addr,
+                source,
+            })?;
+        let (reporter, event_task) = match (&cfg.scheduler_endpoint, cfg.report_enabled) {
+            (Some(ep), true) => {
+                let mut rc =
+                    ReporterConfig::new(ep.clone(), cfg.node_id.clone(), cfg.report_interval);
+                rc.cluster_id = cfg.cluster_id.clone();
+                rc.service_instance_id = cfg.service_instance_id.clone();
+                rc.disk_paths = vec![cfg.home.clone()];
+                let handle = ReporterHandle::start(rc, Arc::new(ReporterSource(orch.clone())))?;
+                let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+                orch.set_event_sink(tx);
+                let task = tokio::spawn(async move {
+                    while let Some(ev) = rx.recv().await {
+                        handle.report_event(ev);
+                    }
+                    handle
+                });
+                tracing::info!(endpoint = %ep, interval = ?cfg.report_interval, "scheduler heartbeats on");
+                (None, Some(task))
+            }
+            _ => {
+                tracing::info!(
+                    "scheduler heartbeats off (set AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED=true and AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=http://host:port)"
+                );
+                (None, None)
+            }
+        };
+        let ticker = orch.start_ticker();
+        Ok(Self {
+            state,
+            listener,
+            local_addr,
+            reporter,
+            event_task,
+            ticker,
+        })
+    }
+
+    /// The address the API listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The platform API key in use.
+    pub fn api_key(&self) -> &str {
+        &self.state.api_key
+    }
+
+    /// The lifecycle engine.
+    pub fn orchestrator(&self) -> Arc<Orchestrator> {
+        self.state.orch.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then: stops accepting, unregisters from the
+    /// scheduler, pauses every running sandbox (recorded for the next start).
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()>) {
+        let orch = self.state.orch.clone();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let state = self.state.clone();
+        let server = tokio::spawn(api::serve(
+            state,
+            self.listener,
+            async move {
+                let _ = stop_rx.await;
+            },
+            Duration::from_secs(5),
+        ));
+        shutdown.await;
+        tracing::info!("shutting down");
+        // New lifecycle requests on open connections get 503 while sandboxes are paused.
+        orch.begin_shutdown();
+        let _ = stop_tx.send(());
+        self.ticker.abort();
+        let (_, ()) = tokio::join!(server, orch.shutdown());
+        let reporter = match self.event_task {
+            Some(t) => t.await.ok(),
+            None => self.reporter,
+        };
+        if let Some(r) = reporter {
+            r.shutdown().await;
+        }
+        tracing::info!("node stopped");
+    }
+}

@@ -1,0 +1,278 @@
+//! Helpers of the node daemon tests: an in-process node on loopback with the jail backend,
+//! the shared `base` template and the real guest agent, and a small HTTP client.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use agentenv_node::config::NodeConfig;
+use agentenv_node::daemon::Daemon;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+/// Templates shared by every test run on this machine (built once, under a lock).
+pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
+pub const API_KEY: &str = "test-api-key-0123456789abcdef0123456789";
+
+/// Why these tests cannot run here, if they cannot.
+pub fn skip_reason() -> Option<String> {
+    if !nix::unistd::Uid::effective().is_root() {
+        return Some("the jail backend needs root (namespaces, cgroups, veth, iptables)".into());
+    }
+    if guest_binary().is_none() {
+        return Some(
+            "no agentenv-guest binary: run agentenv-guest/build-static.sh and set AGENTENV_GUEST_BIN"
+                .into(),
+        );
+    }
+    None
+}
+
+#[macro_export]
+macro_rules! require_node {
+    () => {
+        if let Some(reason) = node_common::skip_reason() {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+}
+
+/// The agent binary: `AGENTENV_GUEST_BIN`, else the static build in the target directory.
+pub fn guest_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    [
+        target.join("x86_64-unknown-linux-gnu/release/agentenv-guest"),
+        target.join("x86_64-unknown-linux-musl/release/agentenv-guest"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "agentenv_node=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A config for a node on loopback with data under `home`; `slot` (0..64) keeps the
+/// address pools and interface names of concurrent test nodes apart.
+pub fn config(home: &Path, slot: u8) -> NodeConfig {
+    let mut env = std::collections::HashMap::new();
+    env.insert("API_ADDR", "127.0.0.1:0".to_string());
+    env.insert("AENV_NODE_ID", format!("test-node-{slot}"));
+    env.insert("AENV_API_KEY", API_KEY.to_string());
+    env.insert("AENV_HOME_PATH", home.display().to_string());
+    env.insert("AENV_BACKEND", "jail".to_string());
+    env.insert(
+        "AENV_GUEST_BINARY_PATH",
+        guest_binary().unwrap().display().to_string(),
+    );
+    env.insert("AENV_TEMPLATE_PATH", TEMPLATE_CACHE.to_string());
+    env.insert("AENV_RUNTIME_PATH", "/run/agentenv".to_string());
+    env.insert("AENV_JAIL_ADDRESS_POOL", format!("10.14.{}.0/26", slot * 4));
+    env.insert("AENV_JAIL_IFACE_PREFIX", iface_prefix(slot));
+    env.insert(
+        "AENV_JAIL_CGROUP_PARENT",
+        format!("agentenv-nodetest-{slot}"),
+    );
+    env.insert("AENV_AUTO_EVICT_INTERVAL_MS", "50".to_string());
+    let mut c = NodeConfig::load(None, &|k| env.get(k).cloned()).expect("config");
+    c.default_cpu_count = 1;
+    c.default_memory_mb = 256;
+    c.default_timeout = Duration::from_secs(300);
+    c
+}
+
+/// `t` + two letters from `slot`.
+pub fn iface_prefix(slot: u8) -> String {
+    let a = (b'a' + slot / 26) as char;
+    let b = (b'a' + slot % 26) as char;
+    format!("t{a}{b}")
+}
+
+/// Makes sure the `base` template exists in the shared cache (built once).
+pub async fn ensure_base() {
+    let mut cfg = agentenv_node::template::TemplateStoreConfig::new(TEMPLATE_CACHE);
+    cfg.root = PathBuf::from(TEMPLATE_CACHE);
+    let store = agentenv_node::template::TemplateStore::new(cfg);
+    store
+        .ensure(
+            agentenv_node::template::BASE_TEMPLATE,
+            std::sync::Arc::new(|l: &str| eprintln!("[template base] {l}")),
+        )
+        .await
+        .expect("template base");
+}
+
+/// A node serving in this process until the returned sender fires.
+pub struct Node {
+    pub addr: std::net::SocketAddr,
+    pub orch: std::sync::Arc<agentenv_node::lifecycle::Orchestrator>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Node {
+    pub async fn start(cfg: NodeConfig) -> Node {
+        init_tracing();
+        ensure_base().await;
+        let d = Daemon::start(cfg).await.expect("daemon start");
+        let addr = d.local_addr();
+        let orch = d.orchestrator();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(d.run(async move {
+            let _ = rx.await;
+        }));
+        Node {
+            addr,
+            orch,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Graceful shutdown; returns when the node has stopped.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+/// A response: status, headers, body.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+pub async fn request(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Resp {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    stream.set_nodelay(true).unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let mut b = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(Full::new(body.into())).unwrap();
+    let resp = sender.send_request(req).await.expect("response");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// A control-plane call with the API key.
+pub async fn api(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> Resp {
+    request(
+        addr,
+        method,
+        path,
+        &[("x-api-key", API_KEY), ("content-type", "application/json")],
+        body.to_string(),
+    )
+    .await
+}
+
+/// Creates a sandbox with `body` and returns its id.
+pub async fn create(addr: std::net::SocketAddr, body: &str) -> String {
+    let r = api(addr, "POST", "/v2/sandboxes", body).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(
+        r.headers
+            .get("x-agentenv-sandbox-id")
+            .unwrap()
+            .to_str()
+            .unwrap(),
+        id
+    );
+    id
+}
+
+/// Runs a shell command in a sandbox through the node's data plane.
+pub async fn run(
+    addr: std::net::SocketAddr,
+    id: &str,
+    token: Option<&str>,
+    script: &str,
+) -> Result<agentenv_guest::client::ProcessOutput, agentenv_guest::client::ClientError> {
+    let mut c = agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
+        .unwrap()
+        .with_header("e2b-sandbox-id", id)
+        .unwrap()
+        .with_header("e2b-sandbox-port", "49983")
+        .unwrap();
+    if let Some(t) = token {
+        c = c.with_access_token(t);
+    }
+    c.run("/bin/sh", &["-c", script]).await
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
+pub async fn until<T, F, Fut>(limit: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,1 @@
+//! Helpers of the cross-process tests: start the real binaries on loopback.
