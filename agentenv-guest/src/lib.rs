@@ -6,7 +6,8 @@
 //! * Connect RPC (`process.Process`, `filesystem.Filesystem`) over HTTP/1.1
 //!   and HTTP/2 without TLS (h2c), with the JSON and the binary protobuf
 //!   codecs ([`connect`], [`process`], [`filesystem`]);
-//! * plain HTTP: `GET /health`, `POST /init`, `GET /envs`, `GET`/`POST /files`
+//! * plain HTTP: `GET /health`, `POST /init`, `GET /envs`, `GET /metrics`,
+//!   `GET`/`POST /files`
 //!   ([`server`], [`files`]);
 //! * a Connect client with the binary codec for the node and the CLI
 //!   ([`client`]);
@@ -60,6 +61,7 @@ pub mod connect;
 pub mod fileio;
 pub mod files;
 pub mod filesystem;
+pub mod metrics;
 pub mod paths;
 pub mod pid1;
 pub mod process;

@@ -67,6 +67,7 @@ pub struct AgentState {
     pub processes: process::ProcessTable,
     /// Polling watchers (CreateWatcher).
     pub watchers: filesystem::Watchers,
+    metrics: crate::metrics::MetricsSampler,
 }
 
 impl AgentState {
@@ -82,6 +83,7 @@ impl AgentState {
             init: RwLock::new(init),
             processes: process::ProcessTable::default(),
             watchers: filesystem::Watchers::default(),
+            metrics: Default::default(),
         })
     }
 
@@ -402,9 +404,18 @@ pub async fn handle(state: Arc<AgentState>, req: Request<Incoming>) -> Response<
     match (req.method().clone(), path.as_str()) {
         (Method::POST, "/init") => handle_init(&state, req).await,
         (Method::GET, "/envs") => handle_envs(&state),
+        (Method::GET, "/metrics") => {
+            let m = state.metrics.sample();
+            let mut r = Response::new(connect::full(serde_json::to_vec(&m).unwrap_or_default()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
         (Method::GET, "/files") => crate::files::download(&state, req).await,
         (Method::POST, "/files") => crate::files::upload(&state, req).await,
-        (_, "/init" | "/envs" | "/files") => json_error(
+        (_, "/init" | "/envs" | "/metrics" | "/files") => json_error(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{} is not allowed on {path}", req.method()),
         ),

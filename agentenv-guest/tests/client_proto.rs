@@ -514,3 +514,43 @@ async fn processes_and_files_run_as_the_requested_user() {
     assert!(err.to_string().contains("no-such-user-x"), "{err}");
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn metrics_and_envs_report_the_sandbox() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    c.init(&serde_json::json!({"envVars": {"FROM_INIT": "1"}}))
+        .await
+        .unwrap();
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let get = |path: &str| {
+        http.request(
+            http::Request::get(format!("{}{path}", agent.url()))
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+    };
+    let body = http_body_util::BodyExt::collect(get("/metrics").await.unwrap().into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let m: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let num = |k: &str| {
+        m[k].as_f64()
+            .unwrap_or_else(|| panic!("{k} missing in {m}"))
+    };
+    assert!(num("cpu_count") >= 1.0);
+    assert!((0.0..=100.0).contains(&num("cpu_used_pct")));
+    assert!(num("mem_total") > num("mem_used") && num("mem_used") > 0.0);
+    assert_eq!(num("mem_total_mib"), (num("mem_total") / 1048576.0).floor());
+    assert!(num("disk_total") >= num("disk_used") && num("disk_total") > 0.0);
+    assert!(num("ts") > 1.7e9);
+    let body = http_body_util::BodyExt::collect(get("/envs").await.unwrap().into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let envs: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(envs["FROM_INIT"], "1");
+    agent.stop().await;
+}
