@@ -34,6 +34,8 @@ struct Run {
     rps: f64,
     p50_us: f64,
     p99_us: f64,
+    /// CPU time the proxy itself spent per request (µs); NaN for direct.
+    cpu_us: f64,
 }
 
 fn main() {
@@ -88,10 +90,18 @@ fn main() {
         for (name, addr) in targets {
             // Warm up pools and caches, then measure.
             wrk(addr, conns, 1);
-            let r = wrk(addr, conns, secs);
+            let nginx_pid = nginx.id();
+            let cpu = move || match name {
+                "nginx" => nginx_cpu_seconds(nginx_pid),
+                "gateway" => gateway_cpu_seconds(),
+                _ => f64::NAN,
+            };
+            let before = cpu();
+            let mut r = wrk(addr, conns, secs);
+            r.cpu_us = (cpu() - before) * 1e6 / (r.rps * secs as f64);
             println!(
-                "{conns:>3} conns  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs",
-                r.rps, r.p50_us, r.p99_us
+                "{conns:>3} conns  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs   proxy CPU/request {:>6.1} µs",
+                r.rps, r.p50_us, r.p99_us, r.cpu_us
             );
             row.push(r);
         }
@@ -114,8 +124,73 @@ fn main() {
             gw.p99_us - direct.p99_us,
             nginx_r.p99_us - direct.p99_us
         );
+        println!(
+            "  proxy CPU per request: gateway {:.1} µs, nginx {:.1} µs (gateway/nginx = {:.2})",
+            gw.cpu_us,
+            nginx_r.cpu_us,
+            gw.cpu_us / nginx_r.cpu_us
+        );
     }
     stop(&mut nginx);
+}
+
+/// Clock ticks per second of /proc stat times.
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// (ppid, utime + stime in ticks) from a /proc stat line.
+fn stat_times(path: &Path) -> Option<(u32, u64)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    // Fields after the command name, which ends with the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ppid = f.get(1)?.parse().ok()?;
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some((ppid, ticks))
+}
+
+/// CPU seconds used so far by the gateway's serving threads.
+fn gateway_cpu_seconds() -> f64 {
+    let mut ticks = 0;
+    for entry in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("gateway-")
+            && let Some((_, t)) = stat_times(&entry.path().join("stat"))
+        {
+            ticks += t;
+        }
+    }
+    ticks as f64 / clock_ticks()
+}
+
+/// CPU seconds used so far by the nginx master and its workers.
+fn nginx_cpu_seconds(master: u32) -> f64 {
+    let mut ticks = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if let Some((ppid, t)) = stat_times(&entry.path().join("stat"))
+            && (pid == master || ppid == master)
+        {
+            ticks += t;
+        }
+    }
+    ticks as f64 / clock_ticks()
 }
 
 fn which(tool: &str) -> Option<String> {
@@ -359,6 +434,7 @@ fn wrk(addr: SocketAddr, conns: usize, secs: u64) -> Run {
         rps,
         p50_us: field("50%").map(micros).expect("p50"),
         p99_us: field("99%").map(micros).expect("p99"),
+        cpu_us: f64::NAN,
     }
 }
 

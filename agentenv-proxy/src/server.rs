@@ -17,6 +17,7 @@ use futures::future::BoxFuture;
 use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -683,7 +684,26 @@ impl Gateway {
 
         let (parts, body) = resp.into_parts();
         let body = match plan.deadline {
-            Some(d) => boxed(DeadlineBody::new(body, d)),
+            Some(d) => {
+                let mut body = boxed(DeadlineBody::new(body, d));
+                // Wait for the first frame of an ordinary response, so the
+                // head and a small body leave in one write instead of two.
+                // Streams (no deadline) are relayed as they come.
+                if !body.is_end_stream() && !plan.record {
+                    match body.frame().await {
+                        Some(Ok(first)) => body = boxed(ReplayBody::new(vec![first], Some(body))),
+                        Some(Err(e)) if e.is::<BodyDeadlineExceeded>() => {
+                            return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
+                        }
+                        Some(Err(e)) => {
+                            tracing::warn!(node_id = %plan.node.node_id, error = %e, "upstream response body failed");
+                            return error_response(StatusCode::BAD_GATEWAY, "upstream unavailable");
+                        }
+                        None => body = empty(),
+                    }
+                }
+                body
+            }
             None => boxed(body),
         };
         let mut resp = Response::from_parts(parts, body);

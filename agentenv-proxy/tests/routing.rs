@@ -638,3 +638,29 @@ async fn per_thread_serving_routes_on_every_thread_and_drains_on_shutdown() {
         "listeners are closed after shutdown"
     );
 }
+
+#[tokio::test]
+async fn headers_without_any_body_before_the_timeout_give_504() {
+    let node = FakeNode::start(|_req| async {
+        let (tx, rx) = futures::channel::mpsc::channel::<
+            Result<http_body::Frame<Bytes>, agentenv_proxy::body::BoxError>,
+        >(1);
+        tokio::spawn(async move {
+            std::future::pending::<()>().await;
+            drop(tx);
+        });
+        http::Response::new(agentenv_proxy::body::boxed(
+            http_body_util::StreamBody::new(rx),
+        ))
+    })
+    .await;
+    let opts = GatewayOptions {
+        request_timeout: Duration::from_millis(300),
+        ..options()
+    };
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
+    c.heartbeat("node-a", &["sbx-1"]).await;
+    let (status, _, body) = get(&c.url("/sandboxes/sbx-1")).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(message(&body), "upstream timeout");
+}
