@@ -554,3 +554,113 @@ async fn metrics_and_envs_report_the_sandbox() {
     assert_eq!(envs["FROM_INIT"], "1");
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn recursive_watch_follows_new_subdirectories_and_polling_watchers_drain() {
+    use agentenv_guest::proto::filesystem as fs;
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_str().unwrap().to_string();
+    let req = fs::WatchDirRequest {
+        path: root.clone(),
+        recursive: true,
+        include_entry: true,
+        allow_network_mounts: false,
+    };
+    let mut stream = c
+        .server_stream::<_, fs::WatchDirResponse>("/filesystem.Filesystem/WatchDir", &req)
+        .await
+        .unwrap();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(matches!(
+        first.event,
+        Some(fs::watch_dir_response::Event::Start(_))
+    ));
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    // The new directory is watched once its create event was handled.
+    let mut names = Vec::new();
+    let mut wait_for = async |want: &str, ty: fs::EventType, names: &mut Vec<String>| {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let m = stream.next().await.unwrap().unwrap();
+                if let Some(fs::watch_dir_response::Event::Filesystem(e)) = m.event {
+                    names.push(e.name.clone());
+                    if e.name == want && e.r#type == ty as i32 {
+                        return e;
+                    }
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no {ty:?} event for {want}; saw {names:?}"))
+    };
+    let e = wait_for("sub", fs::EventType::Create, &mut names).await;
+    assert_eq!(e.entry.unwrap().r#type, fs::FileType::Directory as i32);
+    std::fs::write(dir.path().join("sub/f.txt"), b"1").unwrap();
+    wait_for("sub/f.txt", fs::EventType::Create, &mut names).await;
+    std::fs::rename(dir.path().join("sub/f.txt"), dir.path().join("g.txt")).unwrap();
+    wait_for("sub/f.txt", fs::EventType::Rename, &mut names).await;
+    wait_for("g.txt", fs::EventType::Create, &mut names).await;
+    drop(stream);
+
+    // Polling watcher: events accumulate, GetWatcherEvents drains them.
+    let created: fs::CreateWatcherResponse = c
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            &fs::CreateWatcherRequest {
+                path: root.clone(),
+                recursive: false,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    std::fs::write(dir.path().join("sub/deep.txt"), b"x").unwrap(); // not reported: not recursive
+    std::fs::write(dir.path().join("top.txt"), b"x").unwrap();
+    let get = fs::GetWatcherEventsRequest {
+        watcher_id: created.watcher_id.clone(),
+    };
+    let events = poll("polled events", Duration::from_secs(10), || async {
+        let r: fs::GetWatcherEventsResponse = c
+            .unary("/filesystem.Filesystem/GetWatcherEvents", &get)
+            .await
+            .unwrap();
+        (!r.events.is_empty()).then_some(r.events)
+    })
+    .await;
+    assert!(events.iter().any(|e| e.name == "top.txt"), "{events:?}");
+    assert!(
+        events
+            .iter()
+            .all(|e| e.name != "sub/deep.txt" && e.name != "deep.txt"),
+        "{events:?}"
+    );
+    let _: fs::RemoveWatcherResponse = c
+        .unary(
+            "/filesystem.Filesystem/RemoveWatcher",
+            &fs::RemoveWatcherRequest {
+                watcher_id: created.watcher_id.clone(),
+            },
+        )
+        .await
+        .unwrap();
+    let err = c
+        .unary::<_, fs::GetWatcherEventsResponse>("/filesystem.Filesystem/GetWatcherEvents", &get)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::NotFound));
+    let err = c
+        .unary::<_, fs::CreateWatcherResponse>(
+            "/filesystem.Filesystem/CreateWatcher",
+            &fs::CreateWatcherRequest {
+                path: dir.path().join("top.txt").display().to_string(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument), "{err}");
+    assert!(agent.state.watchers.is_empty());
+    agent.stop().await;
+}
