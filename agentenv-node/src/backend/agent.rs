@@ -9,6 +9,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+/// How long one connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// Errors while waiting for an agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -22,8 +25,11 @@ pub enum AgentError {
 
 /// One `GET /health`; `Ok(())` when the agent answers 204.
 pub async fn probe_health(addr: SocketAddr) -> Result<(), String> {
-    let stream = TcpStream::connect(addr)
+    // A SYN lost while a fresh link settles would otherwise wait for the kernel's 1 s
+    // retransmission; a new attempt is cheaper.
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
         .await
+        .map_err(|_| format!("connect: no answer within {CONNECT_TIMEOUT:?}"))?
         .map_err(|e| format!("connect: {e}"))?;
     stream
         .set_nodelay(true)

@@ -139,6 +139,7 @@ pub struct JailBackend {
     filters: Arc<Vec<seccompiler::BpfProgram>>,
     dns: Vec<Ipv4Addr>,
     sandboxes_dir: PathBuf,
+    trash_dir: PathBuf,
     host_cpus: u32,
     host_memory: u64,
     sandboxes: Mutex<HashMap<String, Entry>>,
@@ -167,8 +168,11 @@ impl JailBackend {
             )));
         }
         let sandboxes_dir = cfg.data_dir.join("jail").join("sandboxes");
-        std::fs::create_dir_all(&sandboxes_dir)
-            .map_err(|e| BackendError::io(format!("creating {}", sandboxes_dir.display()), e))?;
+        let trash_dir = cfg.data_dir.join("jail").join("trash");
+        for d in [&sandboxes_dir, &trash_dir] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
+        }
         std::fs::create_dir_all(&cfg.runtime_dir)
             .map_err(|e| BackendError::io(format!("creating {}", cfg.runtime_dir.display()), e))?;
         let hierarchy = Hierarchy::detect().map_err(setup)?;
@@ -212,6 +216,7 @@ impl JailBackend {
             filters,
             dns,
             sandboxes_dir,
+            trash_dir,
             host_cpus,
             host_memory,
             sandboxes: Mutex::new(HashMap::new()),
@@ -368,6 +373,7 @@ impl JailBackend {
         lower: &Path,
     ) -> Result<Arc<Sandbox>, BackendError> {
         let mut undo = Undo::new(self);
+        let mut phases = Phases::new();
         let dir = self.sandbox_dir(&spec.id);
         let (upper, work, root) = (dir.join("upper"), dir.join("work"), dir.join("root"));
         undo.dir = Some(dir.clone());
@@ -386,15 +392,18 @@ impl JailBackend {
         let log = std::fs::File::create(dir.join("agent.log"))
             .map_err(|e| BackendError::io("creating agent.log", e))?;
 
+        phases.mark("files");
         let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &spec.id);
         cg.create(limits).map_err(setup)?;
         undo.cgroup = Some(cg.clone());
+        phases.mark("cgroup");
 
         let host_if = slot.host_ifname(&self.cfg.iface_prefix, spec.allow_internet_access);
         undo.link = Some(host_if.clone());
         let sandbox_net = net::create_sandbox_net(&self.netlink, slot, host_if.clone())
             .await
             .map_err(setup)?;
+        phases.mark("net");
 
         let created_at = SystemTime::now();
         let mut state = StateFile {
@@ -446,6 +455,7 @@ impl JailBackend {
         .map_err(|e| setup(format!("spawn task: {e}")))?
         .map_err(setup)?;
         drop(log);
+        phases.mark("spawn");
         undo.pid = Some(pid);
         let exited = watch_exit(pid).map_err(|e| BackendError::io("watching PID 1", e))?;
         state.pid = Some(pid.as_raw());
@@ -465,7 +475,8 @@ impl JailBackend {
             created_at,
         };
         undo.disarm();
-        tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %slot.sandbox_ip(), "sandbox started");
+        phases.mark("watch");
+        tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %slot.sandbox_ip(), phases = %phases, "sandbox started");
         Ok(Arc::new(Sandbox {
             info: Mutex::new(info),
             pid,
@@ -514,6 +525,7 @@ impl JailBackend {
     /// Kills a sandbox and removes all it holds. Errors are collected; every step runs.
     async fn teardown(&self, sbx: &Sandbox) -> Result<(), BackendError> {
         let timeout = self.cfg.op_timeout;
+        let mut phases = Phases::new();
         let _ = kill(sbx.pid, Signal::SIGKILL);
         // Frozen processes die only once thawed.
         if sbx.cgroup.is_frozen() {
@@ -524,6 +536,7 @@ impl JailBackend {
             tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await,
             Ok(Ok(_))
         );
+        phases.mark("kill");
         let mut errors = Vec::new();
         if !died || !sbx.cgroup.pids().is_empty() {
             if let Err(e) = sbx.cgroup.kill_all(timeout).await {
@@ -532,24 +545,64 @@ impl JailBackend {
         }
         let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(n) = net {
-            if let Err(e) = net::delete_link(&self.netlink, &n.host_if).await {
-                errors.push(e.to_string());
-            }
-            self.pool.release(n.slot);
+            // With its processes gone, closing the namespace lets the kernel delete the
+            // veth pair; it batches concurrent teardowns, which deleting each link by
+            // hand would serialize. Wait for that, then free the address.
+            let (host_if, slot) = (n.host_if.clone(), n.slot);
             drop(n);
+            if let Err(e) = net::wait_link_gone(&self.netlink, &host_if, timeout).await {
+                tracing::warn!(link = %host_if, error = %e, "veth outlived its namespace; deleting it");
+                if let Err(e) = net::delete_link(&self.netlink, &host_if).await {
+                    errors.push(e.to_string());
+                }
+            }
+            self.pool.release(slot);
         }
+        phases.mark("link");
         if let Err(e) = sbx.cgroup.remove(timeout).await {
             errors.push(e.to_string());
         }
-        if let Err(e) = std::fs::remove_dir_all(&sbx.dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                errors.push(format!("removing {}: {e}", sbx.dir.display()));
-            }
+        phases.mark("cgroup");
+        if let Err(e) = self.remove_dir(&sbx.dir) {
+            errors.push(e);
         }
+        phases.mark("dir");
+        tracing::debug!(dir = %sbx.dir.display(), phases = %phases, "sandbox destroyed");
         if errors.is_empty() {
             Ok(())
         } else {
             Err(setup(errors.join("; ")))
+        }
+    }
+
+    /// Moves a sandbox directory into the trash (instant) and deletes it in the background;
+    /// whatever a crash leaves in the trash goes at the next reconciliation.
+    fn remove_dir(&self, dir: &Path) -> Result<(), String> {
+        let nonce: u64 = rand::random();
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let trash = self.trash_dir.join(format!("{name}.{nonce:016x}"));
+        match std::fs::rename(dir, &trash) {
+            Ok(()) => {
+                tokio::task::spawn_blocking(move || {
+                    if let Err(e) = std::fs::remove_dir_all(&trash) {
+                        tracing::warn!(path = %trash.display(), error = %e, "emptying the trash");
+                    }
+                });
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(_) => std::fs::remove_dir_all(dir)
+                .or_else(|e| {
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        Ok(())
+                    } else {
+                        Err(e)
+                    }
+                })
+                .map_err(|e| format!("removing {}: {e}", dir.display())),
         }
     }
 
@@ -599,10 +652,43 @@ impl JailBackend {
                     .push(format!("address {}", slot.sandbox_ip()));
             }
         }
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
+        if let Err(e) = self.remove_dir(&dir) {
             tracing::warn!(id, error = %e, "removing a leftover sandbox directory");
         }
         report.removed_sandboxes.push(id.to_string());
+    }
+}
+
+/// Durations of the phases of an operation, for debug logs.
+struct Phases {
+    last: std::time::Instant,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn new() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            done: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, d)) in self.done.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{name}={:.2}ms", d.as_secs_f64() * 1e3)?;
+        }
+        Ok(())
     }
 }
 
@@ -809,6 +895,16 @@ impl SandboxBackend for JailBackend {
             let id = entry.file_name().to_string_lossy().into_owned();
             if !live.contains(&id) {
                 self.clean_leftover(&id, &mut report).await;
+            }
+        }
+        // Sandbox directories a crash left in the trash.
+        if let Ok(entries) = std::fs::read_dir(&self.trash_dir) {
+            for entry in entries.flatten() {
+                if std::fs::remove_dir_all(entry.path()).is_ok() {
+                    report
+                        .removed_other
+                        .push(format!("trash {}", entry.path().display()));
+                }
             }
         }
         // Reservations whose owner directory is gone belong to nobody.

@@ -560,6 +560,28 @@ pub async fn delete_link(host: &Handle, name: &str) -> Result<bool, NetError> {
     }
 }
 
+/// Waits until a host link no longer exists.
+pub async fn wait_link_gone(
+    host: &Handle,
+    name: &str,
+    timeout: std::time::Duration,
+) -> Result<(), NetError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut pause = std::time::Duration::from_micros(500);
+    loop {
+        if link_index(host, name).await?.is_none() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(NetError::Firewall(format!(
+                "link {name} still exists after {timeout:?}"
+            )));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_millis(5));
+    }
+}
+
 /// Names of host links starting with `prefix` followed by `i` or `n`.
 pub async fn list_links(host: &Handle, prefix: &str) -> Result<Vec<String>, NetError> {
     let mut out = Vec::new();

@@ -1,0 +1,134 @@
+//! The real guest agent (`agentenv-guest --init`) as PID 1 of a jail sandbox: it answers
+//! at the sandbox's address and runs a command whose output comes back.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agentenv_guest::client::GuestClient;
+use agentenv_node::backend::SandboxBackend;
+use agentenv_node::backend::agent::wait_ready;
+
+/// The agent binary: `AGENTENV_GUEST_BIN`, else one in the workspace's target directory
+/// (the static build of `agentenv-guest/build-static.sh`, else `cargo build -p agentenv-guest`).
+fn guest_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let arch = std::env::consts::ARCH;
+    // The static build (agentenv-guest/build-static.sh) first, then plain cargo builds.
+    [
+        target.join(format!("{arch}-unknown-linux-gnu/release/agentenv-guest")),
+        target.join(format!("{arch}-unknown-linux-musl/release/agentenv-guest")),
+        target.join("release/agentenv-guest"),
+        target.join("debug/agentenv-guest"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}
+
+/// Creates a sandbox running the real agent with `args`; `Err(agent log)` when it never
+/// became ready.
+async fn create_with_agent(
+    b: &agentenv_node::backend::jail::JailBackend,
+    name: &str,
+) -> Result<agentenv_node::backend::SandboxInfo, String> {
+    let mut spec = common::spec(&common::id(name));
+    spec.env.insert("FROM_NODE".into(), "node-env".into());
+    let info = b.create(spec).await.unwrap();
+    match wait_ready(
+        info.address.agent(),
+        Duration::from_secs(20),
+        Duration::from_millis(2),
+    )
+    .await
+    {
+        Ok(()) => Ok(info),
+        Err(e) => {
+            let log = std::fs::read_to_string(b.sandbox_dir(&info.id).join("agent.log"))
+                .unwrap_or_default();
+            b.destroy(&info.id).await.unwrap();
+            Err(format!("{e}\nagent log:\n{log}"))
+        }
+    }
+}
+
+/// Runs a shell command through the agent's Connect API; returns its stdout lines.
+async fn run(info: &agentenv_node::backend::SandboxInfo, script: &str) -> Vec<String> {
+    let client = GuestClient::new(&format!("http://{}", info.address.agent())).unwrap();
+    assert!(client.health().await.unwrap());
+    let out = client.run("/bin/sh", &["-c", script]).await.unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+const SCRIPT: &str =
+    "echo hello from $(hostname); echo $FROM_NODE; cat /proc/1/cmdline | tr '\\0' ' '";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_agent_answers_at_the_sandbox_address_and_runs_a_command() {
+    require_jail!();
+    let Some(agent) = guest_binary() else {
+        eprintln!(
+            "SKIPPED: no agentenv-guest binary: build it with `cargo build -p agentenv-guest` or set AGENTENV_GUEST_BIN"
+        );
+        return;
+    };
+    // The agent itself as PID 1 (server mode).
+    let (b, _data) = common::backend_with(|c| {
+        c.agent_binary = agent.clone();
+        c.agent_args = vec![];
+    })
+    .await;
+    let info = create_with_agent(&b, "guest")
+        .await
+        .unwrap_or_else(|log| panic!("{log}"));
+    let lines = run(&info, SCRIPT).await;
+    assert_eq!(lines[0], format!("hello from {}", info.id), "{lines:?}");
+    assert_eq!(lines[1], "node-env");
+    assert_eq!(
+        lines[2].trim(),
+        "/agentenv/agentenv-guest",
+        "PID 1 is the agent"
+    );
+    b.destroy(&info.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_agent_in_init_mode_is_pid_1_and_runs_a_command() {
+    require_jail!();
+    let Some(agent) = guest_binary() else {
+        eprintln!(
+            "SKIPPED: no agentenv-guest binary: build it with `cargo build -p agentenv-guest` or set AGENTENV_GUEST_BIN"
+        );
+        return;
+    };
+    let (b, _data) = common::backend_with(|c| c.agent_binary = agent.clone()).await;
+    let info = match create_with_agent(&b, "guest-init").await {
+        Ok(info) => info,
+        Err(log) if log.contains("mounting proc on /proc: Operation not permitted") => {
+            eprintln!(
+                "SKIPPED: `agentenv-guest --init` mounts /proc itself, which a jail sandbox may not do \
+                 (no CAP_SYS_ADMIN, seccomp denies mount); the jail has already mounted a fresh /proc, \
+                 /sys, /dev, /dev/pts and /dev/shm. The agent must skip mounts that are in place.\n{log}"
+            );
+            return;
+        }
+        Err(log) => panic!("{log}"),
+    };
+    let lines = run(&info, SCRIPT).await;
+    assert_eq!(lines[0], format!("hello from {}", info.id), "{lines:?}");
+    assert_eq!(lines[1], "node-env");
+    assert!(
+        lines[2].starts_with("/agentenv/agentenv-guest --init"),
+        "{lines:?}"
+    );
+    b.destroy(&info.id).await.unwrap();
+}
