@@ -3,6 +3,7 @@
 //! deadline.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -222,43 +223,6 @@ where
             Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyDeadlineExceeded)))),
             Poll::Pending => Poll::Pending,
         }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-use std::future::Future;
-
-pin_project_lite::pin_project! {
-    /// Runs `on_drop` once when the body is dropped (finished or abandoned).
-    pub struct GuardedBody<B, G> {
-        #[pin]
-        inner: B,
-        guard: G,
-    }
-}
-
-impl<B, G> GuardedBody<B, G> {
-    pub fn new(inner: B, guard: G) -> Self {
-        Self { inner, guard }
-    }
-}
-
-impl<B: Body, G> Body for GuardedBody<B, G> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        self.project().inner.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {

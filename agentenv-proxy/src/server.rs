@@ -788,11 +788,7 @@ impl Gateway {
     }
 
     async fn record(&self, ids: &[String], node: &pb::Node) {
-        let timeout = match self.inner.opts.request_timeout {
-            t if t.is_zero() => RECORD_TIMEOUT_CAP,
-            t => t.min(RECORD_TIMEOUT_CAP),
-        };
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + record_timeout(self.inner.opts.request_timeout);
         for id in ids {
             let call = self.inner.scheduler.record_assignment(id, node.clone());
             if let Err(status) = self.rpc("RecordAssignment", deadline, call).await {
@@ -965,6 +961,15 @@ impl Gateway {
     }
 }
 
+/// RecordAssignment's timeout: `request_timeout` capped at 5 s (5 s when zero).
+pub fn record_timeout(request_timeout: Duration) -> Duration {
+    if request_timeout.is_zero() {
+        RECORD_TIMEOUT_CAP
+    } else {
+        request_timeout.min(RECORD_TIMEOUT_CAP)
+    }
+}
+
 fn upstream_client(request_timeout: Duration) -> UpstreamClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
@@ -1129,6 +1134,19 @@ mod tests {
             ["z"]
         );
         assert!(extract_sandbox_ids(b"not json").is_empty());
+    }
+
+    #[test]
+    fn record_timeout_is_the_request_timeout_capped_at_five_seconds() {
+        assert_eq!(
+            record_timeout(Duration::from_secs(90)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            record_timeout(Duration::from_secs(2)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(record_timeout(Duration::ZERO), Duration::from_secs(5));
     }
 
     #[test]

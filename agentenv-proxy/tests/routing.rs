@@ -664,3 +664,17 @@ async fn headers_without_any_body_before_the_timeout_give_504() {
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(message(&body), "upstream timeout");
 }
+
+#[tokio::test]
+async fn without_debug_mode_no_node_header_is_added() {
+    let (node, _) = FakeNode::echo().await;
+    let opts = GatewayOptions {
+        debug_mode: false,
+        ..options()
+    };
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
+    c.heartbeat("node-a", &["sbx-1"]).await;
+    let (status, headers, _) = get(&c.url("/sandboxes/sbx-1")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("x-agentenv-node-id").is_none());
+}
