@@ -1,1 +1,459 @@
-//! Helpers of the cross-process tests: start the real binaries on loopback.
+//! Helpers of the cross-process tests: the real `agentenv-scheduler`, `agentenv-gateway`
+//! and `agentenv-node` binaries started on loopback with static configuration, and the
+//! official E2B Python SDK in a virtual environment.
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The API key every process of a test cluster shares.
+pub const API_KEY: &str = "cluster-test-key-0123456789abcdef012345";
+/// The token seed every node of a test cluster shares.
+pub const SEED: &str = "cluster-test-seed";
+/// Templates shared by every test run on this machine (built once, under a lock).
+pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
+
+/// The workspace's target directory.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+/// A binary of `agentenv-bin`, built if it is missing.
+pub fn binary(name: &str) -> Result<PathBuf, String> {
+    // The test executable lives in target/<profile>/deps/.
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| target_dir().join("debug"));
+    let path = profile_dir.join(name);
+    if path.is_file() {
+        return Ok(path);
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let mut cmd = Command::new(cargo);
+    cmd.args(["build", "-p", "agentenv-bin", "--bin", name]);
+    if release {
+        cmd.arg("--release");
+    }
+    let st = cmd
+        .status()
+        .map_err(|e| format!("running cargo build: {e}"))?;
+    if st.success() && path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "{} is missing: build it with `cargo build -p agentenv-bin --bins`",
+            path.display()
+        ))
+    }
+}
+
+/// The static guest agent: `AGENTENV_GUEST_BIN`, else the static build, else built with
+/// `agentenv-guest/build-static.sh`.
+pub fn guest_binary() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    for t in ["x86_64-unknown-linux-gnu", "x86_64-unknown-linux-musl"] {
+        let p = target_dir().join(t).join("release/agentenv-guest");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../agentenv-guest/build-static.sh");
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if out.status.success() && Path::new(&path).is_file() {
+        Ok(PathBuf::from(path))
+    } else {
+        Err("agentenv-guest/build-static.sh failed".into())
+    }
+}
+
+/// Why the cluster tests cannot run here, if they cannot.
+pub fn skip_reason() -> Option<String> {
+    if !nix::unistd::Uid::effective().is_root() {
+        return Some("the jail backend needs root (namespaces, cgroups, veth, iptables)".into());
+    }
+    None
+}
+
+/// A free loopback port (bound and released; the OS does not hand it out again at once).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding a loopback port")
+}
+
+/// A child process that is stopped (SIGTERM, then SIGKILL after 20 s) when dropped.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    pub lines: mpsc::Receiver<serde_json::Value>,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdout piped; stdout JSON lines are echoed to stderr and sent to
+    /// [`Proc::lines`].
+    pub fn spawn(name: &str, mut cmd: Command) -> Proc {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        let tag = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[{tag}] {line}");
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        Proc {
+            name: name.into(),
+            child: Some(child),
+            lines: rx,
+        }
+    }
+
+    /// Waits for a log line whose `message` is `msg`.
+    pub fn wait_for(&self, msg: &str, limit: Duration) -> serde_json::Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(v) if v["message"] == msg => return v,
+                Ok(_) => {}
+                Err(_) => panic!("{} did not log {msg:?} within {limit:?}", self.name),
+            }
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match child.try_wait() {
+                Ok(Some(st)) => return Some(st),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = child.kill();
+                    return child.wait().ok();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One node of a test cluster.
+pub struct NodeProc {
+    pub id: String,
+    pub addr: SocketAddr,
+    pub home: tempfile::TempDir,
+    pub proc: Proc,
+}
+
+/// Environment of a test node with index `idx` (0..8): its own data directory, address
+/// pool, interface prefix and cgroup parent.
+pub fn node_env(
+    idx: u8,
+    id: &str,
+    addr: SocketAddr,
+    home: &Path,
+    scheduler: Option<&str>,
+) -> Vec<(String, String)> {
+    let mut v = vec![
+        ("API_ADDR", addr.to_string()),
+        ("AENV_NODE_ID", id.to_string()),
+        ("AENV_API_KEY", API_KEY.to_string()),
+        ("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED", SEED.to_string()),
+        ("AENV_HOME_PATH", home.display().to_string()),
+        ("AENV_BACKEND", "jail".to_string()),
+        (
+            "AENV_GUEST_BINARY_PATH",
+            guest_binary().expect("guest binary").display().to_string(),
+        ),
+        ("AENV_TEMPLATE_PATH", TEMPLATE_CACHE.to_string()),
+        ("AENV_JAIL_ADDRESS_POOL", format!("10.15.{}.0/24", idx)),
+        (
+            "AENV_JAIL_IFACE_PREFIX",
+            format!("c{}", (b'a' + idx) as char),
+        ),
+        ("AENV_JAIL_CGROUP_PARENT", format!("agentenv-cluster-{idx}")),
+        ("AENV_LOG_FORMAT", "json".to_string()),
+        ("AENV_AUTO_EVICT_INTERVAL_MS", "100".to_string()),
+    ];
+    if let Some(s) = scheduler {
+        v.push(("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true".into()));
+        v.push((
+            "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
+            format!("http://{s}"),
+        ));
+        v.push(("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "1".into()));
+    }
+    v.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+}
+
+/// Starts an `agentenv-node` process and waits until it listens.
+pub fn start_node(
+    idx: u8,
+    id: &str,
+    addr: SocketAddr,
+    home: tempfile::TempDir,
+    scheduler: Option<&str>,
+) -> NodeProc {
+    let mut cmd = Command::new(binary("agentenv-node").expect("agentenv-node binary"));
+    cmd.env_clear();
+    cmd.env("PATH", std::env::var("PATH").unwrap_or_default());
+    for (k, v) in node_env(idx, id, addr, home.path(), scheduler) {
+        cmd.env(k, v);
+    }
+    let proc = Proc::spawn(id, cmd);
+    proc.wait_for("node listening", Duration::from_secs(900));
+    NodeProc {
+        id: id.into(),
+        addr,
+        home,
+        proc,
+    }
+}
+
+/// Scheduler, gateway and `n` nodes on loopback.
+pub struct Cluster {
+    pub gateway: SocketAddr,
+    pub scheduler: String,
+    pub nodes: Vec<NodeProc>,
+    pub gateway_proc: Proc,
+    pub scheduler_proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts the scheduler (static node list), `n` nodes reporting to it, then the gateway.
+    pub fn start(n: u8, first_idx: u8) -> Cluster {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let nodes: Vec<(String, SocketAddr)> = (0..n)
+            .map(|i| {
+                (
+                    format!("node-{}", i + first_idx),
+                    SocketAddr::from(([127, 0, 0, 1], free_port())),
+                )
+            })
+            .collect();
+        let node_list: Vec<serde_json::Value> = nodes
+            .iter()
+            .map(|(id, a)| serde_json::json!({"id": id, "endpoint": format!("http://{a}")}))
+            .collect();
+        let config = serde_json::json!({
+            "log_level": "info",
+            "log_format": "json",
+            "scheduler": {
+                "grpc_listen_addr": "127.0.0.1:0",
+                "metrics_listen_addr": "127.0.0.1:0",
+                "strategy": "round_robin",
+                "report_ttl": "10s",
+                "binding_ttl": "10m",
+                "nodes": node_list,
+            },
+            "gateway": {
+                "http_listen_addr": "127.0.0.1:0",
+                "metrics_listen_addr": "127.0.0.1:0",
+                "scheduler_addr": "",
+                "request_timeout": "120s",
+            }
+        });
+        let sched_cfg = dir.path().join("scheduler.json");
+        std::fs::write(&sched_cfg, config.to_string()).expect("write config");
+        let mut cmd = Command::new(binary("agentenv-scheduler").expect("scheduler binary"));
+        cmd.arg("-config").arg(&sched_cfg).env("LOG_FORMAT", "json");
+        let scheduler_proc = Proc::spawn("scheduler", cmd);
+        let v = scheduler_proc.wait_for("scheduler listening", Duration::from_secs(30));
+        let scheduler = v["grpc_addr"].as_str().expect("grpc_addr").to_string();
+
+        let node_procs: Vec<NodeProc> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, (id, addr))| {
+                start_node(
+                    first_idx + i as u8,
+                    id,
+                    *addr,
+                    tempfile::tempdir().expect("node home"),
+                    Some(&scheduler),
+                )
+            })
+            .collect();
+
+        let mut gw_cfg = config.clone();
+        gw_cfg["gateway"]["scheduler_addr"] = serde_json::json!(scheduler);
+        let gw_path = dir.path().join("gateway.json");
+        std::fs::write(&gw_path, gw_cfg.to_string()).expect("write config");
+        let mut cmd = Command::new(binary("agentenv-gateway").expect("gateway binary"));
+        cmd.arg("-config")
+            .arg(&gw_path)
+            .env("LOG_FORMAT", "json")
+            .env("AENV_API_KEY", API_KEY);
+        let gateway_proc = Proc::spawn("gateway", cmd);
+        let v = gateway_proc.wait_for("gateway listening", Duration::from_secs(30));
+        let gateway: SocketAddr = v["http_addr"]
+            .as_str()
+            .expect("http_addr")
+            .parse()
+            .expect("gateway address");
+        Cluster {
+            gateway,
+            scheduler,
+            nodes: node_procs,
+            gateway_proc,
+            scheduler_proc,
+            _dir: dir,
+        }
+    }
+}
+
+/// A blocking HTTP/1.1 request (no keep-alive); returns status, headers and body.
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_nodelay(true).ok();
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).expect("write");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let hdrs: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let chunked = hdrs
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, hdrs, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A control-plane call with the cluster's API key; the body parsed as JSON (null if empty).
+pub fn api(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+    let (st, _, b) = http(
+        addr,
+        method,
+        path,
+        &[("x-api-key", API_KEY), ("content-type", "application/json")],
+        body,
+    );
+    (
+        st,
+        serde_json::from_str(&b).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// The Python of a virtual environment with the official E2B SDK (`target/e2b-venv`,
+/// created once).
+pub fn e2b_python() -> Result<PathBuf, String> {
+    let venv = target_dir().join("e2b-venv");
+    let py = venv.join("bin/python");
+    let has_sdk = |py: &Path| {
+        Command::new(py)
+            .args(["-c", "import e2b"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if py.exists() && has_sdk(&py) {
+        return Ok(py);
+    }
+    let lock = target_dir().join("e2b-venv.lock");
+    let f = std::fs::File::create(&lock).map_err(|e| e.to_string())?;
+    let _guard = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| format!("locking {}: {e}", lock.display()))?;
+    if py.exists() && has_sdk(&py) {
+        return Ok(py);
+    }
+    let st = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .map_err(|e| format!("python3 not runnable: {e}"))?;
+    if !st.success() {
+        return Err("`python3 -m venv` failed (install python3-venv)".into());
+    }
+    let st = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "e2b"])
+        .status()
+        .map_err(|e| format!("pip not runnable: {e}"))?;
+    if !st.success() || !has_sdk(&py) {
+        return Err("`pip install e2b` failed (is PyPI reachable?)".into());
+    }
+    Ok(py)
+}
