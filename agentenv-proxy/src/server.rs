@@ -1037,8 +1037,9 @@ fn request_host<B>(req: &Request<B>) -> Option<HeaderValue> {
     })
 }
 
-/// The decoded path, or `None` when a `%` is not followed by two hex digits
-/// or the result is not UTF-8.
+/// The decoded path (bytes that are not UTF-8 become U+FFFD; the raw path
+/// is what gets forwarded), or `None` when a `%` is not followed by two hex
+/// digits.
 fn decode_path(raw: &str) -> Option<String> {
     let b = raw.as_bytes();
     let mut i = 0;
@@ -1055,10 +1056,11 @@ fn decode_path(raw: &str) -> Option<String> {
             i += 1;
         }
     }
-    percent_encoding::percent_decode_str(raw)
-        .decode_utf8()
-        .ok()
-        .map(|c| c.into_owned())
+    Some(
+        percent_encoding::percent_decode_str(raw)
+            .decode_utf8_lossy()
+            .into_owned(),
+    )
 }
 
 fn query_value(query: Option<&str>, key: &str) -> Option<String> {
@@ -1173,6 +1175,6 @@ mod tests {
         assert_eq!(decode_path("/a%zz"), None);
         assert_eq!(decode_path("/a%2"), None);
         assert_eq!(decode_path("/a%"), None);
-        assert_eq!(decode_path("/a%ff"), None);
+        assert_eq!(decode_path("/a%ff").as_deref(), Some("/a\u{FFFD}"));
     }
 }

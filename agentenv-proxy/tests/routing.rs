@@ -678,3 +678,20 @@ async fn without_debug_mode_no_node_header_is_added() {
     assert_eq!(status, StatusCode::OK);
     assert!(headers.get("x-agentenv-node-id").is_none());
 }
+
+#[tokio::test]
+async fn non_utf8_escapes_are_forwarded_byte_for_byte() {
+    let (node, _) = FakeNode::echo().await;
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
+    c.heartbeat("node-a", &["sbx-1"]).await;
+    let (status, _, body) = send(
+        req("GET", &c.url("/files/%ff%fe.bin"))
+            .header("e2b-sandbox-id", "sbx-1")
+            .header("e2b-sandbox-port", "49983")
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(json(&body)["uri"], "/proxy/files/%ff%fe.bin");
+}
