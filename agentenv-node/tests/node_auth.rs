@@ -1,0 +1,173 @@
+//! Authentication of the node: the API key (exactly one `X-API-Key`) for the control
+//! plane only; envd and traffic tokens scoped to one sandbox for the data plane.
+
+mod node_common;
+
+use node_common::{API_KEY, Node, api, create, request, run};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_plane_needs_exactly_one_valid_api_key() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 20)).await;
+    let addr = node.addr;
+    let bearer = format!("Bearer {API_KEY}");
+    let cases: Vec<Vec<(&str, &str)>> = vec![
+        vec![],
+        vec![("x-api-key", "wrong-key-wrong-key-wrong-key-wrong")],
+        vec![("x-api-key", API_KEY), ("x-api-key", API_KEY)],
+        vec![("authorization", &bearer)],
+    ];
+    for h in cases {
+        for (m, p) in [
+            ("GET", "/sandboxes"),
+            ("GET", "/v2/sandboxes"),
+            ("POST", "/v2/sandboxes"),
+            ("GET", "/nodes"),
+            ("GET", "/nope"),
+        ] {
+            let r = request(addr, m, p, &h, "{}").await;
+            assert_eq!((r.status, r.body.len()), (401, 0), "{m} {p} with {h:?}");
+        }
+    }
+    let ok = request(addr, "GET", "/sandboxes", &[("X-Api-Key", API_KEY)], "").await;
+    assert_eq!(ok.status, 200);
+    // Public routes.
+    assert_eq!(request(addr, "GET", "/health", &[], "").await.status, 204);
+    let m = request(addr, "GET", "/metrics", &[], "").await;
+    assert_eq!(m.status, 200);
+    assert!(
+        m.text().contains("agentenv_http_request_duration_seconds"),
+        "{}",
+        m.text()
+    );
+    // Unknown route with the key: JSON 404.
+    let r = api(addr, "GET", "/nope", "").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["message"], "route not found: GET /nope");
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_token_is_required_for_secure_sandboxes_and_scoped_to_one() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 21)).await;
+    let addr = node.addr;
+    let r = api(
+        addr,
+        "POST",
+        "/sandboxes",
+        r#"{"templateID":"base","secure":true}"#,
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let a = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let token_a = r.json()["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(token_a, node.orch.tokens().envd_token(&a));
+    let r = api(
+        addr,
+        "POST",
+        "/sandboxes",
+        r#"{"templateID":"base","secure":true}"#,
+    )
+    .await;
+    let b = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let token_b = r.json()["envdAccessToken"].as_str().unwrap().to_string();
+    let open = create(addr, r#"{"templateID":"base"}"#).await;
+    assert!(
+        api(addr, "GET", &format!("/sandboxes/{open}"), "")
+            .await
+            .json()["envdAccessToken"]
+            .is_null()
+    );
+
+    // No token, the API key, another sandbox's token, two tokens: 401.
+    let path = "/proxy/process.Process/List";
+    for h in [
+        vec![("e2b-sandbox-id", a.as_str())],
+        vec![("e2b-sandbox-id", a.as_str()), ("x-api-key", API_KEY)],
+        vec![
+            ("e2b-sandbox-id", a.as_str()),
+            ("x-access-token", token_b.as_str()),
+        ],
+        vec![
+            ("e2b-sandbox-id", a.as_str()),
+            ("x-access-token", token_a.as_str()),
+            ("x-access-token", token_a.as_str()),
+        ],
+    ] {
+        let r = request(
+            addr,
+            "POST",
+            path,
+            &[h.as_slice(), &[("content-type", "application/json")]].concat(),
+            "{}",
+        )
+        .await;
+        assert_eq!((r.status, r.body.len()), (401, 0), "{h:?}");
+    }
+    assert!(run(addr, &a, None, "true").await.is_err());
+    assert!(run(addr, &a, Some(&token_b), "true").await.is_err());
+    let out = run(addr, &a, Some(&token_a), "echo secure").await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "secure\n");
+    let out = run(addr, &b, Some(&token_b), "hostname").await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{b}\n"));
+    // An insecure sandbox needs nothing.
+    run(addr, &open, None, "true").await.unwrap();
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_ports_need_the_traffic_token() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 22)).await;
+    let addr = node.addr;
+    let r = api(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#,
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let id = r.json()["sandboxID"].as_str().unwrap().to_string();
+    let traffic = r.json()["trafficAccessToken"].as_str().unwrap().to_string();
+    let public = create(addr, r#"{"templateID":"base"}"#).await;
+    let pr = api(addr, "POST", "/v2/sandboxes", r#"{"templateID":"base"}"#).await;
+    assert!(pr.json()["trafficAccessToken"].is_null());
+    for sbx in [&id, &public] {
+        run(addr, sbx, None, "mkdir -p /srv && echo served > /srv/x && cd /srv && (python3 -m http.server 8080 >/dev/null 2>&1 &) ; for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8080))' 2>/dev/null && break; sleep 0.05; done")
+            .await
+            .unwrap();
+    }
+    let get = |sbx: String, extra: Vec<(&'static str, String)>| async move {
+        let mut h: Vec<(&str, &str)> = vec![
+            ("e2b-sandbox-id", sbx.as_str()),
+            ("e2b-sandbox-port", "8080"),
+        ];
+        for (k, v) in &extra {
+            h.push((k, v.as_str()));
+        }
+        request(addr, "GET", "/proxy/x", &h, "").await
+    };
+    let r = get(id.clone(), vec![]).await;
+    assert_eq!(r.status, 401);
+    let r = get(id.clone(), vec![("x-api-key", API_KEY.to_string())]).await;
+    assert_eq!(r.status, 401, "the API key never opens the data plane");
+    let other = node.orch.tokens().traffic_token(&public);
+    let r = get(id.clone(), vec![("e2b-traffic-access-token", other)]).await;
+    assert_eq!(r.status, 401);
+    let r = get(
+        id.clone(),
+        vec![("e2b-traffic-access-token", traffic.clone())],
+    )
+    .await;
+    assert_eq!((r.status, r.text().as_str()), (200, "served\n"));
+    let r = get(public.clone(), vec![]).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "served\n"));
+    // The agent port of a non-secure sandbox stays open even without public traffic.
+    run(addr, &id, None, "true").await.unwrap();
+    node.stop().await;
+}

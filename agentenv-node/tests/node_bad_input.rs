@@ -1,0 +1,234 @@
+//! Bad input to the node's REST API: each answer has the documented status and a JSON
+//! message, and nothing half-created is left behind.
+
+mod node_common;
+
+use node_common::{API_KEY, Node, api, create, request};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_json_errors_and_leave_nothing_behind() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 30)).await;
+    let addr = node.addr;
+    let cases: &[(&str, &str, &str, u16, &str)] = &[
+        (
+            "POST",
+            "/v2/sandboxes",
+            "{\"templateID\":",
+            400,
+            "invalid JSON body",
+        ),
+        ("POST", "/v2/sandboxes", "[1,2]", 400, "invalid JSON body"),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","timeout":"soon"}"#,
+            400,
+            "timeout",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","timeout":-5}"#,
+            400,
+            "timeout",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","metadata":{"a":1}}"#,
+            400,
+            "metadata",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":42}"#,
+            400,
+            "templateID",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{}"#,
+            400,
+            "templateID is required",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"no-such-template"}"#,
+            400,
+            "template no-such-template not found",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"../etc"}"#,
+            400,
+            "not found",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","cpuCount":0}"#,
+            400,
+            "cpuCount",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","cpuCount":4096}"#,
+            400,
+            "cpuCount",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","memoryMB":1}"#,
+            400,
+            "memoryMB",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","memoryMB":999999999}"#,
+            400,
+            "memoryMB",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","timeout":999999999}"#,
+            400,
+            "timeout",
+        ),
+        (
+            "GET",
+            "/sandboxes/not-a-uuid",
+            "",
+            400,
+            "sandbox ids are UUIDs",
+        ),
+        (
+            "DELETE",
+            "/sandboxes/..%2F..%2Fetc",
+            "",
+            400,
+            "sandbox ids are UUIDs",
+        ),
+        (
+            "POST",
+            "/sandboxes/x/pause",
+            "",
+            400,
+            "sandbox ids are UUIDs",
+        ),
+        (
+            "GET",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001",
+            "",
+            404,
+            "sandbox 01936f8e-72f5-7000-8000-000000000001 not found",
+        ),
+        (
+            "POST",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001/connect",
+            "{}",
+            404,
+            "not found",
+        ),
+        (
+            "POST",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001/timeout",
+            r#"{"timeout":"x"}"#,
+            400,
+            "timeout",
+        ),
+        ("GET", "/v2/sandboxes?limit=abc", "", 400, "limit"),
+        ("GET", "/v2/sandboxes?state=zombie", "", 400, "state"),
+        (
+            "GET",
+            "/nodes/other-node",
+            "",
+            404,
+            "node other-node not found",
+        ),
+        ("POST", "/proxy/x", "", 400, "routing header"),
+    ];
+    for (m, p, body, status, needle) in cases {
+        let r = api(addr, m, p, body).await;
+        assert_eq!(r.status, *status, "{m} {p} {body}: {}", r.text());
+        let v = r.json();
+        assert_eq!(v["code"], *status, "{m} {p}");
+        let msg = v["message"].as_str().unwrap();
+        assert!(
+            msg.contains(needle),
+            "{m} {p} {body}: {msg:?} lacks {needle:?}"
+        );
+    }
+    // Unknown fields are ignored.
+    let id = create(addr, r#"{"templateID":"base","autoPauseMemory":true,"iam":{"role":"x"},"volumeMounts":[],"mcp":{},"future":[1,2,3]}"#).await;
+    // Nothing half-created: only the one good sandbox exists, in the node and the backend.
+    let list = api(addr, "GET", "/v2/sandboxes", "").await.json();
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    assert_eq!(node.orch.list().len(), 1);
+    let sandboxes = home.path().join("jail/sandboxes");
+    let dirs: Vec<_> = std::fs::read_dir(&sandboxes)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        dirs,
+        vec![std::ffi::OsString::from(&id)],
+        "only the good sandbox has a directory"
+    );
+    let n = api(addr, "GET", "/nodes", "").await.json();
+    assert_eq!(n[0]["createSuccesses"], 1);
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_during_shutdown_get_503() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 31)).await;
+    let addr = node.addr;
+    let id = create(addr, r#"{"templateID":"base"}"#).await;
+    node.orch.begin_shutdown();
+    for (m, p) in [
+        ("POST", "/v2/sandboxes".to_string()),
+        ("POST", format!("/sandboxes/{id}/pause")),
+        ("DELETE", format!("/sandboxes/{id}")),
+        ("POST", format!("/sandboxes/{id}/connect")),
+    ] {
+        let r = api(addr, m, &p, r#"{"templateID":"base"}"#).await;
+        assert_eq!(r.status, 503, "{m} {p}: {}", r.text());
+        assert!(
+            r.json()["message"]
+                .as_str()
+                .unwrap()
+                .contains("shutting down")
+        );
+    }
+    // Reads still work.
+    let r = request(
+        addr,
+        "GET",
+        &format!("/sandboxes/{id}"),
+        &[("x-api-key", API_KEY)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    node.stop().await;
+    // Shutdown paused and recorded it.
+    assert!(
+        home.path()
+            .join("persisted-sandboxes")
+            .join(format!("{id}.json"))
+            .is_file()
+    );
+}
