@@ -22,17 +22,50 @@ pub enum WriteError<E: std::fmt::Display + std::fmt::Debug> {
     Source(E),
 }
 
+/// A read buffer that goes back to its pool when the last `Bytes` view of
+/// it is dropped, so sequential reads reuse warm memory instead of
+/// allocating (and page-faulting) a fresh megabyte per chunk.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: std::sync::Arc<parking_lot::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let mut pool = self.pool.lock();
+        if pool.len() < DEPTH + 2 {
+            pool.push(buf);
+        }
+    }
+}
+
 /// The contents of `file` as a stream of chunks read on a blocking thread.
 pub fn read_stream(file: std::fs::File) -> impl Stream<Item = io::Result<Bytes>> + Send + 'static {
     let (tx, rx) = mpsc::channel(DEPTH);
+    let pool = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<Vec<u8>>::new()));
     tokio::task::spawn_blocking(move || {
         let mut file = file;
         loop {
-            let mut buf = Vec::with_capacity(CHUNK);
+            let mut buf = pool
+                .lock()
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(CHUNK));
             match (&mut file).take(CHUNK as u64).read_to_end(&mut buf) {
                 Ok(0) => break,
                 Ok(_) => {
-                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() {
+                    let chunk = Bytes::from_owner(Pooled {
+                        buf,
+                        pool: pool.clone(),
+                    });
+                    if tx.blocking_send(Ok(chunk)).is_err() {
                         break;
                     }
                 }
@@ -53,7 +86,7 @@ where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
     E: std::fmt::Display + std::fmt::Debug,
 {
-    let (tx, mut rx) = mpsc::channel::<Bytes>(DEPTH * 4);
+    let (tx, mut rx) = mpsc::channel::<Bytes>(DEPTH);
     let writer = tokio::task::spawn_blocking(move || -> io::Result<u64> {
         let mut file = file;
         let mut n = 0u64;
