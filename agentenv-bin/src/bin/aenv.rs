@@ -1,0 +1,26 @@
+//! `aenv`: the AgentENV command line.
+
+use clap::Parser;
+
+fn main() {
+    let cli = agentenv_bin::cli::Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("Error: starting the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match rt.block_on(agentenv_bin::cli::run(cli)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            1
+        }
+    };
+    // Exit without waiting for the thread blocked reading the terminal (if any).
+    std::process::exit(code);
+}

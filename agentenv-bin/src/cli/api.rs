@@ -1,0 +1,492 @@
+//! The control-plane REST client (`X-API-Key`, JSON) and the data-plane client for one
+//! sandbox's agent, routed through the same base URL by headers.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use agentenv_guest::client::GuestClient;
+use bytes::Bytes;
+use http::{Method, Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::{Deserialize, Serialize};
+
+use super::credentials::Credentials;
+
+/// The port of the in-sandbox agent.
+pub const AGENT_PORT: u16 = 49983;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Errors of control-plane calls.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(
+        "invalid server URL {url:?}: {reason}; run `aenv auth` with e.g. http://127.0.0.1:8000"
+    )]
+    BadUrl { url: String, reason: String },
+    #[error(
+        "authentication failed (HTTP 401 Unauthorized){}; run `aenv auth` to update your API key",
+        .0.as_deref().map(|m| format!(": {m}")).unwrap_or_default()
+    )]
+    Unauthorized(Option<String>),
+    #[error(
+        "cannot reach the server at {url}: {reason}; is it running? (change the URL with `aenv auth`)"
+    )]
+    Unreachable { url: String, reason: String },
+    #[error("the server at {url} did not answer within {secs} s")]
+    Timeout { url: String, secs: u64 },
+    #[error("sandbox {0} not found; list sandboxes with `aenv ls`")]
+    SandboxNotFound(String),
+    #[error("the server does not support {what} ({method} {path} answered 404: {message})")]
+    Unsupported {
+        what: String,
+        method: String,
+        path: String,
+        message: String,
+    },
+    #[error("HTTP {status}: {message}")]
+    Status { status: u16, message: String },
+    #[error("bad response from {path}: {reason}")]
+    BadResponse { path: String, reason: String },
+}
+
+/// A listed sandbox (`GET /v2/sandboxes`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedSandbox {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "templateID", default)]
+    pub template_id: Option<String>,
+    #[serde(default)]
+    pub alias: Option<String>,
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub cpu_count: Option<u64>,
+    #[serde(rename = "memoryMB", default)]
+    pub memory_mb: Option<u64>,
+    #[serde(rename = "diskSizeMB", default)]
+    pub disk_size_mb: Option<u64>,
+    #[serde(default)]
+    pub started_at: Option<String>,
+    #[serde(default)]
+    pub end_at: Option<String>,
+    #[serde(default)]
+    pub metadata: Option<BTreeMap<String, String>>,
+}
+
+/// `GET /sandboxes/{id}` (the fields the CLI uses).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxDetail {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub envd_access_token: Option<String>,
+}
+
+/// A created or connected sandbox.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(default)]
+    pub envd_access_token: Option<String>,
+}
+
+/// A control-plane response: status, headers, body.
+struct Reply {
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: Bytes,
+}
+
+/// The client of one server (gateway or node).
+#[derive(Clone)]
+pub struct Api {
+    base: String,
+    key: String,
+    http: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Api {
+    /// A client for `creds.url` with `creds.api_key`.
+    pub fn new(creds: &Credentials) -> Result<Api, ApiError> {
+        let base = creds.url.trim().trim_end_matches('/').to_string();
+        let uri: http::Uri = base
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| ApiError::BadUrl {
+                url: base.clone(),
+                reason: e.to_string(),
+            })?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(ApiError::BadUrl {
+                url: base,
+                reason: "only http://host:port URLs are supported".into(),
+            });
+        }
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let http = Client::builder(TokioExecutor::new()).build(conn);
+        Ok(Api {
+            base,
+            key: creds.api_key.clone(),
+            http,
+        })
+    }
+
+    /// The base URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<Reply, ApiError> {
+        let url = format!("{}{}", self.base, path);
+        let mut b = Request::builder()
+            .method(method)
+            .uri(&url)
+            .header("x-api-key", &self.key)
+            .header(
+                header::USER_AGENT,
+                concat!("aenv/", env!("CARGO_PKG_VERSION")),
+            );
+        let bytes = match body {
+            Some(v) => {
+                b = b.header(header::CONTENT_TYPE, "application/json");
+                Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+            }
+            None => Bytes::new(),
+        };
+        let req = b.body(Full::new(bytes)).map_err(|e| ApiError::BadUrl {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+        let fut = async {
+            let resp = self
+                .http
+                .request(req)
+                .await
+                .map_err(|e| ApiError::Unreachable {
+                    url: url.clone(),
+                    reason: error_chain(&e),
+                })?;
+            let (parts, body) = resp.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| ApiError::Unreachable {
+                    url: url.clone(),
+                    reason: format!("reading the response: {e}"),
+                })?
+                .to_bytes();
+            Ok(Reply {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(ApiError::Timeout {
+                url,
+                secs: REQUEST_TIMEOUT.as_secs(),
+            }),
+        }
+    }
+
+    /// A call that must succeed; a 404 on a sandbox path means the sandbox is gone.
+    async fn ok(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        sandbox: Option<&str>,
+    ) -> Result<Reply, ApiError> {
+        let r = self.call(method.clone(), path, body).await?;
+        if r.status.is_success() {
+            return Ok(r);
+        }
+        let message = error_message(&r.body);
+        Err(match r.status {
+            StatusCode::UNAUTHORIZED => {
+                ApiError::Unauthorized(Some(message).filter(|m| !m.is_empty()))
+            }
+            StatusCode::NOT_FOUND if message.starts_with("route not found") => {
+                ApiError::Unsupported {
+                    what: describe(&method, path),
+                    method: method.to_string(),
+                    path: path.to_string(),
+                    message,
+                }
+            }
+            StatusCode::NOT_FOUND if sandbox.is_some() => {
+                ApiError::SandboxNotFound(sandbox.unwrap_or_default().to_string())
+            }
+            s => ApiError::Status {
+                status: s.as_u16(),
+                message,
+            },
+        })
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(path: &str, r: &Reply) -> Result<T, ApiError> {
+        serde_json::from_slice(&r.body).map_err(|e| ApiError::BadResponse {
+            path: path.to_string(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Checks the URL and key with an authenticated call (`GET /v2/sandboxes?limit=1`).
+    pub async fn verify(&self) -> Result<(), ApiError> {
+        self.ok(Method::GET, "/v2/sandboxes?limit=1", None, None)
+            .await
+            .map(|_| ())
+    }
+
+    /// Every sandbox, following `x-next-token` across pages.
+    pub async fn list_all(
+        &self,
+        query: &[(String, String)],
+    ) -> Result<Vec<ListedSandbox>, ApiError> {
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut q: Vec<(String, String)> = query.to_vec();
+            q.push(("limit".into(), "100".into()));
+            if let Some(t) = &token {
+                q.push(("nextToken".into(), t.clone()));
+            }
+            let path = format!("/v2/sandboxes?{}", encode_query(&q));
+            let r = self.ok(Method::GET, &path, None, None).await?;
+            let page: Vec<ListedSandbox> = Self::json(&path, &r)?;
+            out.extend(page);
+            token = r
+                .headers
+                .get("x-next-token")
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| !v.is_empty())
+                .map(str::to_string);
+            if token.is_none() {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// `GET /sandboxes/{id}`.
+    pub async fn get(&self, id: &str) -> Result<SandboxDetail, ApiError> {
+        let path = format!("/sandboxes/{}", seg(id));
+        let r = self.ok(Method::GET, &path, None, Some(id)).await?;
+        Self::json(&path, &r)
+    }
+
+    /// `GET /sandboxes/{id}`, `None` when it does not exist.
+    pub async fn get_opt(&self, id: &str) -> Result<Option<SandboxDetail>, ApiError> {
+        match self.get(id).await {
+            Ok(d) => Ok(Some(d)),
+            Err(ApiError::SandboxNotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `POST /sandboxes`.
+    pub async fn create(&self, body: &serde_json::Value) -> Result<Sandbox, ApiError> {
+        let r = self
+            .ok(Method::POST, "/sandboxes", Some(body), None)
+            .await?;
+        Self::json("/sandboxes", &r)
+    }
+
+    /// `POST /sandboxes/{id}/connect` (resumes a paused sandbox).
+    pub async fn connect(&self, id: &str, timeout: u64) -> Result<Sandbox, ApiError> {
+        let path = format!("/sandboxes/{}/connect", seg(id));
+        let body = serde_json::json!({ "timeout": timeout });
+        let r = self.ok(Method::POST, &path, Some(&body), Some(id)).await?;
+        Self::json(&path, &r)
+    }
+
+    /// `POST /sandboxes/{id}/pause`.
+    pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
+        let path = format!("/sandboxes/{}/pause", seg(id));
+        self.ok(Method::POST, &path, None, Some(id))
+            .await
+            .map(|_| ())
+    }
+
+    /// `POST /sandboxes/{id}/timeout`.
+    pub async fn set_timeout(&self, id: &str, secs: u64) -> Result<(), ApiError> {
+        let path = format!("/sandboxes/{}/timeout", seg(id));
+        let body = serde_json::json!({ "timeout": secs });
+        self.ok(Method::POST, &path, Some(&body), Some(id))
+            .await
+            .map(|_| ())
+    }
+
+    /// `POST /sandboxes/{id}/refreshes`.
+    pub async fn refresh(&self, id: &str, secs: u64) -> Result<(), ApiError> {
+        let path = format!("/sandboxes/{}/refreshes", seg(id));
+        let body = serde_json::json!({ "duration": secs });
+        self.ok(Method::POST, &path, Some(&body), Some(id))
+            .await
+            .map(|_| ())
+    }
+
+    /// `DELETE /sandboxes/{id}`.
+    pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
+        let path = format!("/sandboxes/{}", seg(id));
+        self.ok(Method::DELETE, &path, None, Some(id))
+            .await
+            .map(|_| ())
+    }
+
+    /// A generic JSON call for the template and snapshot commands; returns the body
+    /// (null when empty) and the `x-next-token` header.
+    pub async fn json_call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(serde_json::Value, Option<String>), ApiError> {
+        let r = self.ok(method, path, body, None).await?;
+        let v = if r.body.is_empty() {
+            serde_json::Value::Null
+        } else {
+            Self::json(path, &r)?
+        };
+        let next = r
+            .headers
+            .get("x-next-token")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(str::to_string);
+        Ok((v, next))
+    }
+
+    /// A data-plane client for the agent of sandbox `id`, through the same base URL.
+    pub fn agent(&self, id: &str, token: Option<&str>) -> Result<GuestClient, ApiError> {
+        let bad = |e: agentenv_guest::client::ClientError| ApiError::BadUrl {
+            url: self.base.clone(),
+            reason: e.to_string(),
+        };
+        let mut c = GuestClient::new(&self.base)
+            .map_err(bad)?
+            .with_header("x-agentenv-sandbox-id", id)
+            .map_err(bad)?
+            .with_header("x-agentenv-target-port", &AGENT_PORT.to_string())
+            .map_err(bad)?
+            .with_header("user-agent", concat!("aenv/", env!("CARGO_PKG_VERSION")))
+            .map_err(bad)?;
+        if let Some(t) = token {
+            c = c.with_access_token(t);
+        }
+        Ok(c)
+    }
+}
+
+fn describe(method: &Method, path: &str) -> String {
+    let p = path.split('?').next().unwrap_or(path);
+    let what = if p.contains("snapshots") {
+        "snapshots"
+    } else if p.contains("templates") {
+        "templates"
+    } else {
+        "this call"
+    };
+    let _ = method;
+    what.to_string()
+}
+
+/// The message of an error body: JSON `.message`, else the trimmed text.
+pub fn error_message(body: &[u8]) -> String {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body)
+        && let Some(m) = v.get("message").and_then(|m| m.as_str())
+    {
+        return m.to_string();
+    }
+    String::from_utf8_lossy(body)
+        .trim()
+        .chars()
+        .take(512)
+        .collect()
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// Percent-encodes one path segment.
+pub fn seg(s: &str) -> String {
+    escape(s, b"-_.~")
+}
+
+fn escape(s: &str, keep: &[u8]) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || keep.contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Encodes query pairs.
+pub fn encode_query(q: &[(String, String)]) -> String {
+    q.iter()
+        .map(|(k, v)| format!("{}={}", escape(k, b"-_.~"), escape(v, b"-_.~")))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_401_message_says_to_run_auth() {
+        assert_eq!(
+            ApiError::Unauthorized(None).to_string(),
+            "authentication failed (HTTP 401 Unauthorized); run `aenv auth` to update your API key"
+        );
+        assert_eq!(
+            ApiError::Unauthorized(Some("bad key".into())).to_string(),
+            "authentication failed (HTTP 401 Unauthorized): bad key; run `aenv auth` to update your API key"
+        );
+    }
+
+    #[test]
+    fn error_bodies_render_json_message_or_trimmed_text() {
+        assert_eq!(error_message(br#"{"code":404,"message":"nope"}"#), "nope");
+        assert_eq!(error_message(b"  plain\n"), "plain");
+        assert_eq!(error_message(b""), "");
+    }
+
+    #[test]
+    fn queries_are_percent_encoded() {
+        let q = vec![("metadata".to_string(), "a=b&c=d".to_string())];
+        assert_eq!(encode_query(&q), "metadata=a%3Db%26c%3Dd");
+    }
+}

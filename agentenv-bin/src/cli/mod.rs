@@ -1,0 +1,830 @@
+//! The `aenv` command line: sandboxes, files, templates and snapshots on an AgentENV
+//! server (a gateway or a single node), with the credentials written by `aenv auth`.
+//!
+//! Control-plane calls are REST with `X-API-Key`; exec, the interactive shell and file
+//! transfers speak Connect (binary protobuf) to the in-sandbox agent through the same
+//! base URL, routed by the `x-agentenv-sandbox-id` and `x-agentenv-target-port` headers.
+
+pub mod api;
+pub mod credentials;
+pub mod files;
+pub mod output;
+pub mod shell;
+pub mod term;
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use futures::StreamExt;
+use tokio::io::AsyncWriteExt;
+
+use agentenv_guest::client::ClientError;
+use agentenv_guest::proto::process as pr;
+use api::{Api, ApiError};
+use credentials::{Credentials, CredentialsError};
+use output::Format;
+
+/// The TTL `start`, `connect` and `resume` ask for, in seconds.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+
+/// Errors of the CLI commands.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    #[error("sandbox {0} is paused; run `aenv resume {0}` first")]
+    Paused(String),
+    #[error("sandbox {id}: {source}")]
+    Agent { id: String, source: ClientError },
+    #[error("{0}")]
+    Usage(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Files(#[from] files::FilesError),
+    #[error(transparent)]
+    Shell(#[from] shell::ShellError),
+    #[error(
+        "the process stream ended without an exit event (the sandbox may have been paused or deleted)"
+    )]
+    NoExitEvent,
+}
+
+const AFTER_HELP: &str = "\
+Examples:
+  aenv auth                          # save the server URL and API key
+  aenv start base                    # new sandbox from template `base`, interactive shell
+  aenv exec <id> uname -a            # run one command
+  aenv ls --state running            # list sandboxes
+  aenv rm <id>                       # delete a sandbox
+
+Credentials live in $XDG_CONFIG_HOME/aenv/credentials (default ~/.config/aenv/credentials).";
+
+/// The command line of `aenv`.
+#[derive(Debug, Parser)]
+#[command(name = "aenv", version, about = "AENV CLI: sandboxes, files, templates and snapshots on an AgentENV server", after_help = AFTER_HELP)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// `--output` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum OutputArg {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct OutputOpt {
+    /// Output format (default: table on a terminal, JSON otherwise).
+    #[arg(long, short = 'o', value_enum)]
+    pub output: Option<OutputArg>,
+}
+
+impl OutputOpt {
+    fn format(&self) -> Format {
+        match self.output {
+            Some(OutputArg::Table) => Format::Table,
+            Some(OutputArg::Json) => Format::Json,
+            None if std::io::stdout().is_terminal() => Format::Table,
+            None => Format::Json,
+        }
+    }
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Save the server URL and API key (checked against the server first).
+    #[command(after_help = "\
+Examples:
+  aenv auth                                        # prompts for both
+  aenv auth --url http://10.0.0.5:8000 --api-key \"$KEY\"
+  echo \"$KEY\" | aenv auth --url http://10.0.0.5:8000 --api-key-stdin
+  AENV_URL=http://10.0.0.5:8000 AENV_API_KEY=$KEY aenv auth")]
+    Auth {
+        /// Server URL (gateway or node).
+        #[arg(long, env = "AENV_URL")]
+        url: Option<String>,
+        /// API key (prefer --api-key-stdin: arguments are visible to other users).
+        #[arg(long, env = "AENV_API_KEY", hide_env_values = true)]
+        api_key: Option<String>,
+        /// Read the API key from the first line of standard input.
+        #[arg(long, conflicts_with = "api_key")]
+        api_key_stdin: bool,
+        /// Save without checking the URL and key against the server.
+        #[arg(long)]
+        no_verify: bool,
+    },
+    /// List sandboxes (every page).
+    #[command(
+        visible_alias = "ls",
+        after_help = "\
+Examples:
+  aenv ls
+  aenv ls --state paused
+  aenv ls --metadata team=ml --metadata env=dev -o json | jq '.[].sandboxID'"
+    )]
+    List {
+        #[command(flatten)]
+        output: OutputOpt,
+        /// Only sandboxes in this state (running or paused); repeatable.
+        #[arg(long, value_parser = ["running", "paused"])]
+        state: Vec<String>,
+        /// Only sandboxes whose metadata has KEY=VALUE; repeatable (all must match).
+        #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+    },
+    /// Create a sandbox and open an interactive shell in it.
+    #[command(after_help = "\
+Examples:
+  aenv start base                   # shell in a new sandbox from template `base`
+  aenv start base -d                # print only the new sandbox ID
+  aenv start base --timeout 3600 --metadata owner=me
+Resource overrides (--cpu, --memory, --disk-size-mb) work only with --cold.")]
+    Start {
+        /// Template name, alias or ID (an OCI image with --cold).
+        target: String,
+        /// Seconds until the sandbox times out.
+        #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
+        timeout: u64,
+        /// Require an access token for the sandbox's agent.
+        #[arg(long)]
+        secure: bool,
+        /// Boot from an OCI image (POST /sandboxes-cold).
+        #[arg(long)]
+        cold: bool,
+        /// vCPUs (with --cold).
+        #[arg(long, visible_alias = "cpu-count")]
+        cpu: Option<u32>,
+        /// Memory in MiB (with --cold).
+        #[arg(long, visible_alias = "memory-mb", alias = "mem")]
+        memory: Option<u32>,
+        /// Root disk size in MiB, a multiple of 1024 (with --cold).
+        #[arg(long, visible_alias = "disk-mb", value_parser = parse_disk)]
+        disk_size_mb: Option<u64>,
+        /// Metadata KEY=VALUE; repeatable.
+        #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+        /// Print only the sandbox ID; do not attach.
+        #[arg(short, long)]
+        detach: bool,
+    },
+    /// Attach an interactive shell to a sandbox (resumes it when paused).
+    #[command(
+        visible_alias = "cn",
+        after_help = "\
+Examples:
+  aenv cn <id>
+Exit codes: the shell's exit code; 130 when the sandbox is paused, deleted or lost."
+    )]
+    Connect { sandbox_id: String },
+    /// Run one command in a sandbox (no shell); exits with its exit code.
+    #[command(after_help = "\
+Examples:
+  aenv exec <id> ls -la /tmp
+  aenv exec <id> sh -c 'echo $HOME; exit 3'; echo $?     # prints 3
+  aenv exec --env A=1 --cwd /tmp <id> env
+Standard output and standard error are forwarded separately.")]
+    Exec {
+        /// Environment variable KEY=VALUE for the command; repeatable.
+        #[arg(long, short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
+        /// Working directory.
+        #[arg(long)]
+        cwd: Option<String>,
+        sandbox_id: String,
+        /// The program and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// Pause a sandbox (memory and files are kept).
+    #[command(after_help = "Example:\n  aenv pause <id>")]
+    Pause { sandbox_id: String },
+    /// Resume a paused sandbox.
+    #[command(after_help = "Example:\n  aenv resume <id> --timeout 600")]
+    Resume {
+        sandbox_id: String,
+        /// New time to live in seconds.
+        #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
+        timeout: u64,
+    },
+    /// Set a sandbox's remaining time to live.
+    #[command(after_help = "Example:\n  aenv timeout <id> 3600")]
+    Timeout { sandbox_id: String, seconds: u64 },
+    /// Delete sandboxes.
+    #[command(
+        visible_alias = "rm",
+        after_help = "Examples:\n  aenv rm <id>\n  aenv rm <id1> <id2>"
+    )]
+    Delete {
+        #[arg(required = true)]
+        sandbox_ids: Vec<String>,
+    },
+    /// Upload a file or directory into a sandbox (existing files are replaced).
+    #[command(after_help = "\
+Examples:
+  aenv upload <id> ./data.csv /home/user/data.csv
+  aenv upload <id> ./data.csv /home/user/        # keeps the name
+  aenv upload <id> ./project /home/user/          # directory tree -> /home/user/project")]
+    Upload {
+        sandbox_id: String,
+        local_path: std::path::PathBuf,
+        remote_path: String,
+        /// Act as this user in the sandbox.
+        #[arg(long)]
+        user: Option<String>,
+    },
+    /// Download a file or directory from a sandbox.
+    #[command(after_help = "\
+Examples:
+  aenv download <id> /home/user/out.txt            # -> ./out.txt
+  aenv download <id> /home/user/results ./        # directory tree -> ./results
+  aenv download <id> /etc/hosts hosts --force      # replace an existing file")]
+    Download {
+        sandbox_id: String,
+        remote_path: String,
+        local_path: Option<std::path::PathBuf>,
+        #[arg(long)]
+        user: Option<String>,
+        /// Replace existing local files.
+        #[arg(long, short)]
+        force: bool,
+    },
+    /// Templates (list, delete, watch a build).
+    #[command(visible_alias = "templates", subcommand)]
+    Template(TemplateCmd),
+    /// Snapshots of sandboxes.
+    #[command(visible_alias = "snap", subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Print a shell completion script.
+    #[command(after_help = "\
+Examples:
+  aenv completion bash > /etc/bash_completion.d/aenv
+  aenv completion zsh > \"${fpath[1]}/_aenv\"
+  aenv completion fish > ~/.config/fish/completions/aenv.fish")]
+    Completion { shell: clap_complete::Shell },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TemplateCmd {
+    /// List templates.
+    #[command(
+        visible_alias = "ls",
+        after_help = "Example:\n  aenv template ls -o json"
+    )]
+    List {
+        #[command(flatten)]
+        output: OutputOpt,
+    },
+    /// Delete a template (name or ID); also deletes snapshots.
+    #[command(
+        visible_alias = "rm",
+        after_help = "Example:\n  aenv template rm my-template"
+    )]
+    Delete { template: String },
+    /// Follow a template build until it is ready or fails.
+    #[command(after_help = "Example:\n  aenv template watch my-template")]
+    Watch { template: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCmd {
+    /// Snapshot a sandbox.
+    #[command(after_help = "Example:\n  aenv snapshot create <id> --name my-snap")]
+    Create {
+        sandbox_id: String,
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// List snapshots (every page).
+    #[command(
+        visible_alias = "ls",
+        after_help = "Example:\n  aenv snapshot ls --sandbox-id <id>"
+    )]
+    List {
+        #[arg(long)]
+        sandbox_id: Option<String>,
+        #[command(flatten)]
+        output: OutputOpt,
+    },
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+fn parse_disk(s: &str) -> Result<u64, String> {
+    let n: u64 = s
+        .parse()
+        .map_err(|_| "disk size must be a positive integer in MiB".to_string())?;
+    if n == 0 || n % 1024 != 0 {
+        return Err("disk size must be greater than 0 and divisible by 1024 MiB".into());
+    }
+    Ok(n)
+}
+
+fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> CliError + '_ {
+    move |source| CliError::Io {
+        what: what.to_string(),
+        source,
+    }
+}
+
+/// Runs a parsed command line; returns the process exit code.
+pub async fn run(cli: Cli) -> Result<i32, CliError> {
+    match cli.command {
+        Command::Auth {
+            url,
+            api_key,
+            api_key_stdin,
+            no_verify,
+        } => auth(url, api_key, api_key_stdin, no_verify).await,
+        Command::Completion { shell } => {
+            let mut cmd = Cli::command();
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "aenv", &mut out);
+            match std::io::stdout().write_all(&out) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    Err(io_err("writing the script")(e))
+                }
+                _ => Ok(0),
+            }
+        }
+        cmd => {
+            let api = Api::new(&credentials::load()?)?;
+            with_api(&api, cmd).await
+        }
+    }
+}
+
+async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
+    match cmd {
+        Command::Auth { .. } | Command::Completion { .. } => Ok(0),
+        Command::List {
+            output,
+            state,
+            metadata,
+        } => {
+            let mut q = Vec::new();
+            if !state.is_empty() {
+                q.push(("state".to_string(), state.join(",")));
+            }
+            if !metadata.is_empty() {
+                let m: Vec<(String, String)> = metadata;
+                q.push(("metadata".to_string(), api::encode_query(&m)));
+            }
+            let mut items = api.list_all(&q).await?;
+            // Older servers ignore filters; apply them here as well.
+            items.retain(|s| {
+                (state.is_empty() || s.state.as_ref().is_some_and(|st| state.contains(st)))
+                    && m_match(&q, s)
+            });
+            output::sandboxes(&items, output.format()).map_err(io_err("writing the list"))?;
+            Ok(0)
+        }
+        Command::Start {
+            target,
+            timeout,
+            secure,
+            cold,
+            cpu,
+            memory,
+            disk_size_mb,
+            metadata,
+            detach,
+        } => {
+            if !cold && (cpu.is_some() || memory.is_some() || disk_size_mb.is_some()) {
+                return Err(CliError::Usage(
+                    "--cpu-count, --memory-mb, and --disk-size-mb require --cold".into(),
+                ));
+            }
+            let mut body = if cold {
+                serde_json::json!({"image": target, "timeout": timeout})
+            } else {
+                serde_json::json!({"templateID": target, "timeout": timeout})
+            };
+            if secure {
+                body["secure"] = true.into();
+            }
+            if !metadata.is_empty() {
+                body["metadata"] = metadata
+                    .into_iter()
+                    .map(|(k, v)| (k, serde_json::Value::String(v)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+            }
+            if let Some(c) = cpu {
+                body["cpuCount"] = c.into();
+            }
+            if let Some(m) = memory {
+                body["memoryMB"] = m.into();
+            }
+            if let Some(d) = disk_size_mb {
+                body["diskSizeMB"] = d.into();
+            }
+            let spinner = output::spinner(&format!("Starting sandbox from {target}"));
+            let sb = if cold {
+                let (v, _) = api
+                    .json_call(http::Method::POST, "/sandboxes-cold", Some(&body))
+                    .await?;
+                serde_json::from_value::<api::Sandbox>(v).map_err(|e| ApiError::BadResponse {
+                    path: "/sandboxes-cold".into(),
+                    reason: e.to_string(),
+                })?
+            } else {
+                api.create(&body).await?
+            };
+            if let Some(s) = spinner {
+                s.finish_and_clear();
+            }
+            if detach {
+                println!("{}", sb.sandbox_id);
+                return Ok(0);
+            }
+            eprintln!("Started sandbox {}", sb.sandbox_id);
+            Ok(shell::attach(api, &sb.sandbox_id).await?)
+        }
+        Command::Connect { sandbox_id } => Ok(shell::attach(api, &sandbox_id).await?),
+        Command::Exec {
+            env,
+            cwd,
+            sandbox_id,
+            command,
+        } => exec(api, &sandbox_id, command, env, cwd).await,
+        Command::Pause { sandbox_id } => {
+            api.pause(&sandbox_id).await?;
+            println!("Paused {sandbox_id}");
+            Ok(0)
+        }
+        Command::Resume {
+            sandbox_id,
+            timeout,
+        } => {
+            api.connect(&sandbox_id, timeout).await?;
+            println!("Resumed {sandbox_id}");
+            Ok(0)
+        }
+        Command::Timeout {
+            sandbox_id,
+            seconds,
+        } => {
+            api.set_timeout(&sandbox_id, seconds).await?;
+            println!("Timeout for {sandbox_id} set to {seconds}s");
+            Ok(0)
+        }
+        Command::Delete { sandbox_ids } => {
+            for id in sandbox_ids {
+                api.delete(&id).await?;
+                println!("Deleted sandbox {id}");
+            }
+            Ok(0)
+        }
+        Command::Upload {
+            sandbox_id,
+            local_path,
+            remote_path,
+            user,
+        } => {
+            let agent = agent_for(api, &sandbox_id, user.as_deref()).await?;
+            let msg = files::upload(&agent, &sandbox_id, &local_path, &remote_path).await?;
+            println!("{msg}");
+            Ok(0)
+        }
+        Command::Download {
+            sandbox_id,
+            remote_path,
+            local_path,
+            user,
+            force,
+        } => {
+            let agent = agent_for(api, &sandbox_id, user.as_deref()).await?;
+            let msg = files::download(
+                &agent,
+                &sandbox_id,
+                &remote_path,
+                local_path.as_deref(),
+                force,
+            )
+            .await?;
+            println!("{msg}");
+            Ok(0)
+        }
+        Command::Template(t) => template(api, t).await,
+        Command::Snapshot(s) => snapshot(api, s).await,
+    }
+}
+
+fn m_match(q: &[(String, String)], s: &api::ListedSandbox) -> bool {
+    let Some((_, enc)) = q.iter().find(|(k, _)| k == "metadata") else {
+        return true;
+    };
+    let md = s.metadata.clone().unwrap_or_default();
+    enc.split('&').all(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let k = unescape(k);
+        let v = unescape(v);
+        md.get(&k).is_some_and(|x| *x == v)
+    })
+}
+
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let Ok(h) = std::str::from_utf8(&b[i + 1..i + 3])
+            && let Ok(v) = u8::from_str_radix(h, 16)
+        {
+            out.push(v);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The agent client of a running sandbox (with its access token).
+async fn agent_for(
+    api: &Api,
+    id: &str,
+    user: Option<&str>,
+) -> Result<agentenv_guest::client::GuestClient, CliError> {
+    let d = api.get(id).await?;
+    if d.state.as_deref() == Some("paused") {
+        return Err(CliError::Paused(id.to_string()));
+    }
+    let mut c = api.agent(id, d.envd_access_token.as_deref())?;
+    if let Some(u) = user {
+        c = c.with_user(u);
+    }
+    Ok(c)
+}
+
+/// `aenv exec`: one process, no shell, stdout and stderr forwarded as they come.
+async fn exec(
+    api: &Api,
+    id: &str,
+    command: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: Option<String>,
+) -> Result<i32, CliError> {
+    let agent = agent_for(api, id, None).await?;
+    let mut words = command.into_iter();
+    let cmd = words.next().unwrap_or_default();
+    let req = pr::StartRequest {
+        process: Some(pr::ProcessConfig {
+            cmd,
+            args: words.collect(),
+            envs: env.into_iter().collect(),
+            cwd,
+        }),
+        stdin: Some(false),
+        ..Default::default()
+    };
+    let agent_err = |source| CliError::Agent {
+        id: id.to_string(),
+        source,
+    };
+    let mut stream = agent.start(&req).await.map_err(agent_err)?;
+    let mut out = tokio::io::stdout();
+    let mut err = tokio::io::stderr();
+    use pr::process_event::Event;
+    use pr::process_event::data_event::Output;
+    while let Some(msg) = stream.next().await {
+        let ev = msg.map_err(agent_err)?.event.and_then(|e| e.event);
+        match ev {
+            Some(Event::Data(d)) => match d.output {
+                Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
+                    out.write_all(&b).await.map_err(io_err("writing stdout"))?;
+                    out.flush().await.map_err(io_err("writing stdout"))?;
+                }
+                Some(Output::Stderr(b)) => {
+                    err.write_all(&b).await.map_err(io_err("writing stderr"))?;
+                    err.flush().await.map_err(io_err("writing stderr"))?;
+                }
+                None => {}
+            },
+            Some(Event::End(e)) => {
+                if let Some(m) = e.error.as_deref().filter(|m| !m.is_empty()) {
+                    eprintln!("aenv: {m}");
+                }
+                return Ok(exit_code(&e));
+            }
+            _ => {}
+        }
+    }
+    Err(CliError::NoExitEvent)
+}
+
+/// The local exit code for a remote end event: the code, or 128+signal when a signal
+/// ended the process (as a shell reports it).
+pub fn exit_code(e: &pr::process_event::EndEvent) -> i32 {
+    if e.exited || e.exit_code >= 0 {
+        return e.exit_code.clamp(0, 255);
+    }
+    let sig = match e.status.strip_prefix("signal: ").unwrap_or("") {
+        "hangup" => 1,
+        "interrupt" => 2,
+        "quit" => 3,
+        "aborted" => 6,
+        "killed" => 9,
+        "segmentation fault" => 11,
+        "broken pipe" => 13,
+        "terminated" => 15,
+        _ => 0,
+    };
+    if sig == 0 { 1 } else { 128 + sig }
+}
+
+async fn auth(
+    url: Option<String>,
+    api_key: Option<String>,
+    api_key_stdin: bool,
+    no_verify: bool,
+) -> Result<i32, CliError> {
+    let path = credentials::path()?;
+    let existing = credentials::load_from(&path).ok();
+    let stdin = std::io::stdin();
+    let read_line = |prompt: &str| -> Result<String, CliError> {
+        eprint!("{prompt}");
+        let _ = std::io::stderr().flush();
+        let mut s = String::new();
+        stdin
+            .lock()
+            .read_line(&mut s)
+            .map_err(io_err("reading standard input"))?;
+        Ok(s.trim().to_string())
+    };
+    let key = if api_key_stdin {
+        Some(read_line("")?)
+    } else {
+        api_key
+    };
+    let url = match url {
+        Some(u) => u.trim().to_string(),
+        None => {
+            let default = existing
+                .as_ref()
+                .map(|c| c.url.clone())
+                .unwrap_or_else(|| "http://localhost:8000".into());
+            let u = read_line(&format!("AENV server URL [{default}]: "))?;
+            if u.is_empty() { default } else { u }
+        }
+    };
+    let key = match key {
+        Some(k) => k.trim().to_string(),
+        None if std::io::stdin().is_terminal() => rpassword::prompt_password("API key: ")
+            .map_err(io_err("reading the API key"))?
+            .trim()
+            .to_string(),
+        None => read_line("API key: ")?,
+    };
+    if key.is_empty() {
+        return Err(CliError::Usage("API key cannot be empty".into()));
+    }
+    let creds = Credentials { url, api_key: key };
+    let api = Api::new(&creds)?;
+    if !no_verify {
+        api.verify().await?;
+    }
+    credentials::save_to(&path, &creds)?;
+    println!("Credentials saved to {}.", path.display());
+    Ok(0)
+}
+
+async fn resolve_template(api: &Api, t: &str) -> Result<String, CliError> {
+    let is_uuid = t.len() == 36 && t.bytes().filter(|b| *b == b'-').count() == 4;
+    if is_uuid {
+        return Ok(t.to_string());
+    }
+    let path = format!("/templates/aliases/{}", api::seg(t));
+    let (v, _) = api.json_call(http::Method::GET, &path, None).await?;
+    v.get("templateID")
+        .and_then(|x| x.as_str())
+        .map(str::to_string)
+        .ok_or_else(|| {
+            CliError::Api(ApiError::BadResponse {
+                path,
+                reason: "no templateID".into(),
+            })
+        })
+}
+
+async fn template(api: &Api, cmd: TemplateCmd) -> Result<i32, CliError> {
+    match cmd {
+        TemplateCmd::List { output } => {
+            let (v, _) = api
+                .json_call(http::Method::GET, "/v2/templates", None)
+                .await?;
+            output::templates(&v, output.format()).map_err(io_err("writing the list"))?;
+            Ok(0)
+        }
+        TemplateCmd::Delete { template } => {
+            let id = resolve_template(api, &template).await?;
+            api.json_call(
+                http::Method::DELETE,
+                &format!("/templates/{}", api::seg(&id)),
+                None,
+            )
+            .await?;
+            println!("Deleted template {id}");
+            Ok(0)
+        }
+        TemplateCmd::Watch { template } => {
+            let id = resolve_template(api, &template).await?;
+            let path = format!("/templates/{0}/builds/{0}/status", api::seg(&id));
+            let bar = output::spinner("Build status: ...");
+            loop {
+                let (v, _) = api.json_call(http::Method::GET, &path, None).await?;
+                let status = v.get("status").and_then(|s| s.as_str()).unwrap_or("");
+                match status {
+                    "ready" => {
+                        if let Some(b) = &bar {
+                            b.finish_and_clear();
+                        }
+                        println!("Build succeeded: template {id} is ready.");
+                        return Ok(0);
+                    }
+                    "error" => {
+                        if let Some(b) = &bar {
+                            b.finish_and_clear();
+                        }
+                        let msg = v["reason"]["message"].as_str().unwrap_or("unknown reason");
+                        let step = v["reason"]["step"]
+                            .as_str()
+                            .map(|s| format!(" (step: {s})"))
+                            .unwrap_or_default();
+                        return Err(CliError::Usage(format!("Build failed: {msg}{step}")));
+                    }
+                    s => {
+                        if let Some(b) = &bar {
+                            b.set_message(format!("Build status: {s}"));
+                        }
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+async fn snapshot(api: &Api, cmd: SnapshotCmd) -> Result<i32, CliError> {
+    match cmd {
+        SnapshotCmd::Create { sandbox_id, name } => {
+            let body = match name {
+                Some(n) => serde_json::json!({ "name": n }),
+                None => serde_json::json!({}),
+            };
+            let path = format!("/sandboxes/{}/snapshots", api::seg(&sandbox_id));
+            let (v, _) = api
+                .json_call(http::Method::POST, &path, Some(&body))
+                .await?;
+            println!(
+                "Created snapshot {}",
+                v["snapshotID"].as_str().unwrap_or("?")
+            );
+            if let Some(r) = v["imageRef"].as_str() {
+                println!("Image: {r}");
+            }
+            Ok(0)
+        }
+        SnapshotCmd::List { sandbox_id, output } => {
+            let mut all = Vec::new();
+            let mut token: Option<String> = None;
+            loop {
+                let mut q = vec![("limit".to_string(), "100".to_string())];
+                if let Some(s) = &sandbox_id {
+                    q.push(("sandboxID".into(), s.clone()));
+                }
+                if let Some(t) = &token {
+                    q.push(("nextToken".into(), t.clone()));
+                }
+                let path = format!("/snapshots?{}", api::encode_query(&q));
+                let (v, next) = api.json_call(http::Method::GET, &path, None).await?;
+                if let serde_json::Value::Array(a) = v {
+                    all.extend(a);
+                }
+                token = next;
+                if token.is_none() {
+                    break;
+                }
+            }
+            output::snapshots(&all, output.format()).map_err(io_err("writing the list"))?;
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,376 @@
+//! `aenv` against a real local cluster: scheduler, gateway and two nodes (jail backend,
+//! `base` template, static guest agent) as separate processes on loopback. The CLI is
+//! pointed at the gateway, so every call (REST, Connect, `/files`) crosses gateway and
+//! node. One cluster serves every step; each step says what it pins.
+
+mod cli_common;
+
+use std::time::Duration;
+
+use agentenv_tests::{API_KEY, Cluster, api, skip_reason};
+use cli_common::{Aenv, Tmux, sha256_file, stderr, stdout, wait_file, write_random};
+
+fn wait_two_nodes(cluster: &Cluster) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (st, v) = api(cluster.gateway, "GET", "/nodes", "");
+        if st == 200 && v.as_array().map(|a| a.len()) == Some(2) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway did not list two nodes: {st} {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn listed(a: &Aenv, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = a.ok(args);
+    let v: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("`aenv {args:?}` printed invalid JSON ({e}):\n{out}"));
+    v.as_array().expect("a JSON array").clone()
+}
+
+fn ids(v: &[serde_json::Value]) -> Vec<String> {
+    v.iter()
+        .map(|s| s["sandboxID"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn aenv_commands_against_gateway_and_two_nodes() {
+    if let Some(r) = skip_reason() {
+        eprintln!("SKIPPED: {r}");
+        return;
+    }
+    let cluster = Cluster::start(2, 6);
+    wait_two_nodes(&cluster);
+    let gw = format!("http://{}", cluster.gateway);
+    let a = Aenv::new();
+
+    // -- auth: not authenticated, bad key, unreachable, then a good key.
+    let o = a.run(&["ls"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o).trim(),
+        format!(
+            "Error: not authenticated — run `aenv auth` first (expected credentials at {})",
+            a.credentials_path().display()
+        )
+    );
+    let o = a.run_with_input(&["auth", "--url", &gw, "--api-key-stdin"], "wrong-key\n");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(
+            "authentication failed (HTTP 401 Unauthorized); run `aenv auth` to update your API key"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        !a.credentials_path().exists(),
+        "a rejected key is not saved"
+    );
+    let dead = format!("http://127.0.0.1:{}", agentenv_tests::free_port());
+    let o = a.run_with_input(&["auth", "--url", &dead, "--api-key-stdin"], "k\n");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains(&format!("cannot reach the server at {dead}/v2/sandboxes")),
+        "{}",
+        stderr(&o)
+    );
+    // Interactive prompts (URL line, then the key; stdin is not a terminal here).
+    let o = a.run_with_input(&["auth"], &format!("{gw}\n{API_KEY}\n"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("AENV server URL [http://localhost:8000]: "));
+    let text = std::fs::read_to_string(a.credentials_path()).unwrap();
+    assert!(text.contains(&format!("url = \"{gw}\"")) && text.contains(API_KEY));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(a.credentials_path())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+
+    // A stale key on a saved file: the 401 message on an ordinary command.
+    let stale = Aenv::new();
+    stale.ok(&["auth", "--url", &gw, "--api-key", "stale", "--no-verify"]);
+    let o = stale.run(&["ls"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o).trim(),
+        "Error: authentication failed (HTTP 401 Unauthorized); run `aenv auth` to update your API key"
+    );
+
+    // -- start -d prints only the id; ls lists both, as JSON when piped.
+    let id1 = a.ok(&[
+        "start",
+        "base",
+        "-d",
+        "--metadata",
+        "suite=cli",
+        "--metadata",
+        "n=1",
+    ]);
+    let id1 = id1.trim().to_string();
+    assert_eq!(id1.len(), 36, "only the id: {id1:?}");
+    let id2 = a
+        .ok(&["start", "base", "--detach", "--metadata", "suite=cli"])
+        .trim()
+        .to_string();
+    let all = listed(&a, &["ls"]);
+    let mut got = ids(&all);
+    got.sort();
+    let mut want = vec![id1.clone(), id2.clone()];
+    want.sort();
+    assert_eq!(got, want);
+    assert_eq!(all[0]["state"], "running");
+    assert_eq!(all[0]["templateID"], "base");
+    assert_eq!(
+        ids(&listed(&a, &["list", "--metadata", "n=1"])),
+        vec![id1.clone()]
+    );
+    assert_eq!(
+        ids(&listed(
+            &a,
+            &["ls", "--metadata", "suite=cli", "-o", "json"]
+        ))
+        .len(),
+        2
+    );
+    let table = a.ok(&["ls", "--output", "table"]);
+    assert!(
+        table.contains("SANDBOX ID") && table.contains(&id1) && table.contains('┌'),
+        "{table}"
+    );
+
+    // -- exec: stdout and stderr apart, exit code propagated, no shell in between.
+    let o = a.run(&["exec", &id1, "sh", "-c", "echo out; echo err >&2; exit 7"]);
+    assert_eq!(o.status.code(), Some(7));
+    assert_eq!(stdout(&o), "out\n");
+    assert_eq!(stderr(&o), "err\n");
+    let o = a.run(&["exec", &id1, "echo", "$HOME", "-n"]);
+    assert_eq!(stdout(&o), "$HOME -n\n", "arguments are passed verbatim");
+    assert_eq!(
+        a.ok(&[
+            "exec",
+            "-e",
+            "A=1",
+            "--cwd",
+            "/tmp",
+            &id1,
+            "sh",
+            "-c",
+            "echo $A $PWD"
+        ]),
+        "1 /tmp\n"
+    );
+    assert_eq!(a.run(&["exec", &id1, "true"]).status.code(), Some(0));
+    let o = a.run(&["exec", &id1, "sh", "-c", "kill -TERM $$"]);
+    assert_eq!(o.status.code(), Some(143), "a signal death is 128+signal");
+
+    // -- upload/download: a file, a tree, 200 MB, checksums compared.
+    let work = tempfile::tempdir().unwrap();
+    let small = work.path().join("small.bin");
+    write_random(&small, 300_000, 1);
+    let msg = a.ok(&["upload", &id1, small.to_str().unwrap(), "/tmp/"]);
+    assert_eq!(
+        msg.trim(),
+        format!("Uploaded {} to {id1}:/tmp/small.bin", small.display())
+    );
+    let back = work.path().join("back.bin");
+    a.ok(&["download", &id1, "/tmp/small.bin", back.to_str().unwrap()]);
+    assert_eq!(sha256_file(&back), sha256_file(&small));
+    let o = a.run(&["download", &id1, "/tmp/small.bin", back.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("already exists") && stderr(&o).contains("--force"),
+        "{}",
+        stderr(&o)
+    );
+    a.ok(&["upload", &id1, back.to_str().unwrap(), "/tmp/small.bin"]);
+    a.ok(&[
+        "download",
+        &id1,
+        "/tmp/small.bin",
+        back.to_str().unwrap(),
+        "--force",
+    ]);
+    let o = a.run(&["download", &id1, "/tmp/nope", work.path().to_str().unwrap()]);
+    assert!(
+        stderr(&o).contains("remote path does not exist: /tmp/nope"),
+        "{}",
+        stderr(&o)
+    );
+
+    let tree = work.path().join("tree");
+    std::fs::create_dir_all(tree.join("a/b/c")).unwrap();
+    std::fs::create_dir_all(tree.join("empty")).unwrap();
+    std::fs::write(tree.join(".hidden"), "h").unwrap();
+    std::fs::write(tree.join("a/one.txt"), "one").unwrap();
+    write_random(&tree.join("a/b/c/deep.bin"), 70_000, 2);
+    let msg = a.ok(&["upload", &id1, tree.to_str().unwrap(), "/tmp/"]);
+    assert!(msg.contains(&format!("{id1}:/tmp/tree")), "{msg}");
+    assert_eq!(
+        a.ok(&["exec", &id1, "sh", "-c", "cd /tmp/tree && find . | sort"]),
+        ".\n./.hidden\n./a\n./a/b\n./a/b/c\n./a/b/c/deep.bin\n./a/one.txt\n./empty\n"
+    );
+    let down = work.path().join("down");
+    std::fs::create_dir(&down).unwrap();
+    a.ok(&["download", &id1, "/tmp/tree", down.to_str().unwrap()]);
+    for f in [".hidden", "a/one.txt", "a/b/c/deep.bin"] {
+        assert_eq!(
+            sha256_file(&down.join("tree").join(f)),
+            sha256_file(&tree.join(f)),
+            "{f}"
+        );
+    }
+    assert!(down.join("tree/empty").is_dir());
+    let o = a.run(&["download", &id1, "/tmp/tree", down.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "conflicting files need --force");
+    a.ok(&[
+        "download",
+        &id1,
+        "/tmp/tree",
+        down.to_str().unwrap(),
+        "--force",
+    ]);
+
+    let big = work.path().join("big.bin");
+    write_random(&big, 200 * 1024 * 1024, 3);
+    let want = sha256_file(&big);
+    a.ok(&["upload", &id1, big.to_str().unwrap(), "/tmp/big.bin"]);
+    let remote_sum = a.ok(&["exec", &id1, "sha256sum", "/tmp/big.bin"]);
+    assert!(remote_sum.starts_with(&want), "{remote_sum} vs {want}");
+    let big_back = work.path().join("big.back");
+    a.ok(&["download", &id1, "/tmp/big.bin", big_back.to_str().unwrap()]);
+    assert_eq!(sha256_file(&big_back), want);
+    std::fs::remove_file(&big).ok();
+    std::fs::remove_file(&big_back).ok();
+    a.ok(&["exec", &id1, "rm", "/tmp/big.bin"]);
+
+    // -- interactive shell through a real pseudo-terminal.
+    if Tmux::available() {
+        interactive_shell(&a, &id1, work.path());
+    } else {
+        eprintln!("SKIPPED interactive shell: tmux is not installed (scripts/apt-packages.txt)");
+    }
+
+    // -- pause, paused errors, resume, timeout.
+    assert_eq!(a.ok(&["pause", &id2]).trim(), format!("Paused {id2}"));
+    assert_eq!(
+        ids(&listed(&a, &["ls", "--state", "paused"])),
+        vec![id2.clone()]
+    );
+    assert_eq!(
+        ids(&listed(&a, &["ls", "--state", "running"])),
+        vec![id1.clone()]
+    );
+    let o = a.run(&["exec", &id2, "true"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o).trim(),
+        format!("Error: sandbox {id2} is paused; run `aenv resume {id2}` first")
+    );
+    assert_eq!(a.ok(&["resume", &id2]).trim(), format!("Resumed {id2}"));
+    assert_eq!(a.ok(&["exec", &id2, "echo", "back"]), "back\n");
+    assert_eq!(
+        a.ok(&["timeout", &id2, "1200"]).trim(),
+        format!("Timeout for {id2} set to 1200s")
+    );
+    let (_, d) = api(cluster.gateway, "GET", &format!("/sandboxes/{id2}"), "");
+    let end = d["endAt"].as_str().unwrap().to_string();
+    assert!(end.as_str() > d["startedAt"].as_str().unwrap(), "{d}");
+
+    // -- template and snapshot commands say what the server does not support.
+    for args in [
+        vec!["template", "ls"],
+        vec!["snapshot", "ls"],
+        vec!["snapshot", "create", id2.as_str()],
+    ] {
+        let o = a.run(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        assert!(
+            stderr(&o).contains("the server does not support"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+
+    // -- rm, then not found.
+    assert_eq!(
+        a.ok(&["rm", &id1, &id2]),
+        format!("Deleted sandbox {id1}\nDeleted sandbox {id2}\n")
+    );
+    let o = a.run(&["exec", &id1, "true"]);
+    assert_eq!(
+        stderr(&o).trim(),
+        format!("Error: sandbox {id1} not found; list sandboxes with `aenv ls`")
+    );
+    assert_eq!(listed(&a, &["ls"]).len(), 0);
+}
+
+fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
+    let status = dir.join("exit.txt");
+    let cmd = format!(
+        "XDG_CONFIG_HOME={} TERM=xterm-256color {} cn {id}; echo EXIT=$? > {}; sleep 60",
+        a.config.path().display(),
+        cli_common::aenv_bin(),
+        status.display()
+    );
+    let t = Tmux::start(&cmd, 100, 30);
+    // A prompt from the remote shell, then a command and its output.
+    t.line("echo hello-$((6*7))");
+    t.wait_for("the command's output", Duration::from_secs(20), |s| {
+        s.contains("hello-42")
+    });
+    t.line("stty size");
+    t.wait_for("the initial size", Duration::from_secs(10), |s| {
+        s.contains("30 100")
+    });
+    t.resize(120, 40);
+    // The resize reaches the remote PTY (retyped until it shows: SIGWINCH is async).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        t.line("clear; stty size");
+        std::thread::sleep(Duration::from_millis(200));
+        if t.capture().contains("40 120") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "resize never reached the sandbox:\n{}",
+            t.capture()
+        );
+    }
+    // Ctrl-C interrupts the remote foreground process, not the session.
+    t.line("sleep 300");
+    std::thread::sleep(Duration::from_millis(300));
+    t.send(&["C-c"], false);
+    t.line("echo after-$((1+1))");
+    t.wait_for("output after Ctrl-C", Duration::from_secs(10), |s| {
+        s.contains("after-2")
+    });
+    t.line("exit 3");
+    assert_eq!(wait_file(&status, Duration::from_secs(20)), "EXIT=3\n");
+    drop(t);
+
+    // A paused sandbox ends the session with 130 and says how to resume.
+    std::fs::remove_file(&status).ok();
+    let t = Tmux::start(&cmd, 100, 30);
+    t.line("echo ready-$((2*4))");
+    t.wait_for("the second session", Duration::from_secs(20), |s| {
+        s.contains("ready-8")
+    });
+    a.ok(&["pause", id]);
+    assert_eq!(wait_file(&status, Duration::from_secs(30)), "EXIT=130\n");
+    let pane = t.capture();
+    assert!(
+        pane.contains(&format!("Sandbox {id} has been paused")),
+        "{pane}"
+    );
+    // `cn` resumed it; the terminal is back in cooked mode (echo works in the local shell).
+    drop(t);
+    a.ok(&["resume", id]);
+}
