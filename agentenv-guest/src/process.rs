@@ -54,6 +54,9 @@ impl From<ProcessError> for ConnectError {
             ProcessError::Spawn { source, .. } if source.kind() == io::ErrorKind::NotFound => {
                 ConnectError::new(Code::NotFound, e.to_string())
             }
+            ProcessError::Spawn { source, .. } if source.kind() == io::ErrorKind::InvalidInput => {
+                ConnectError::invalid_argument(e.to_string())
+            }
             ProcessError::Spawn { source, .. }
                 if source.kind() == io::ErrorKind::PermissionDenied =>
             {
@@ -146,10 +149,25 @@ impl ProcessTable {
     /// Sends SIGKILL to every process (agent shutdown).
     pub fn kill_all(&self) {
         for pid in self.procs.lock().keys() {
-            // SAFETY: kill has no memory-safety preconditions.
-            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+            let _ = signal_group(*pid, libc::SIGKILL);
         }
     }
+}
+
+/// Signals a started process and everything in its process group (every
+/// process starts as the leader of its own group or session), so a shell's
+/// children go too; falls back to the process alone.
+fn signal_group(pid: u32, sig: libc::c_int) -> io::Result<()> {
+    let pid = pid as libc::pid_t;
+    // SAFETY: kill has no memory-safety preconditions.
+    if unsafe { libc::kill(-pid, sig) } == 0 {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::kill(pid, sig) } == 0 {
+        return Ok(());
+    }
+    Err(io::Error::last_os_error())
 }
 
 /// A pseudo-terminal master, non-blocking, driven by tokio.
@@ -632,8 +650,7 @@ pub async fn start(
         tokio::spawn(async move {
             tokio::time::sleep(t).await;
             if state.processes.procs.lock().contains_key(&pid) {
-                // SAFETY: kill has no memory-safety preconditions.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                let _ = signal_group(pid, libc::SIGKILL);
             }
         });
     }
@@ -769,9 +786,7 @@ pub fn send_signal(
             ));
         }
     };
-    // SAFETY: kill has no memory-safety preconditions.
-    if unsafe { libc::kill(proc.pid as libc::pid_t, sig) } != 0 {
-        let e = io::Error::last_os_error();
+    if let Err(e) = signal_group(proc.pid, sig) {
         return Err(ConnectError::from_io(
             &e,
             &format!("signalling process {}", proc.pid),

@@ -664,3 +664,53 @@ async fn recursive_watch_follows_new_subdirectories_and_polling_watchers_drain()
     assert!(agent.state.watchers.is_empty());
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn killing_a_shell_also_kills_its_children() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let mut stream = c
+        .start(&start_req(
+            "/bin/sh",
+            &["-c", "sleep 60 & echo $!; wait"],
+            false,
+        ))
+        .await
+        .unwrap();
+    let pid = first_pid(&mut stream, |m: pr::StartResponse| m.event).await;
+    let mut child = String::new();
+    while !child.ends_with('\n') {
+        let m = stream.next().await.unwrap().unwrap();
+        if let Some(pr::process_event::Event::Data(d)) = m.event.and_then(|e| e.event)
+            && let Some(pr::process_event::data_event::Output::Stdout(b)) = d.output
+        {
+            child.push_str(&String::from_utf8_lossy(&b));
+        }
+    }
+    let child: u32 = child.trim().parse().unwrap();
+    c.send_signal(pid_sel(pid), pr::Signal::Sigkill)
+        .await
+        .unwrap();
+    let out = collect_output(stream.map(|r| r.map(|m| m.event)))
+        .await
+        .unwrap();
+    assert_eq!(out.end.unwrap().status, "signal: killed");
+    // The background child is gone too (or at most a zombie awaiting its new parent).
+    poll(
+        "the shell's child to die",
+        Duration::from_secs(10),
+        || async {
+            let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+            let state = stat
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .chars()
+                .next();
+            matches!(state, None | Some('Z') | Some('X')).then_some(())
+        },
+    )
+    .await;
+    agent.stop().await;
+}
