@@ -1,6 +1,7 @@
 //! Pieces shared by the AgentENV binaries: Go-style flags and signal handling.
 
 pub mod cli;
+pub mod up;
 
 /// Rewrites Go-style single-dash long flags (`-config x`, `-query-only`) to
 /// the double-dash form clap parses. Single-letter flags and values are left

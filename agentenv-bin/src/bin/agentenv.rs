@@ -1,0 +1,115 @@
+//! `agentenv`: the all-in-one binary. `agentenv up` runs a whole cluster on this machine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use agentenv_bin::up::{Up, UpOptions, stdout_out};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "agentenv", version, about = "AgentENV all-in-one tool")]
+struct Args {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start a scheduler, a gateway and N runtime nodes on this machine (loopback), run a
+    /// first sandbox through the gateway, print how to use the cluster, and stop
+    /// everything (sandboxes included) on Ctrl-C.
+    Up(UpArgs),
+}
+
+#[derive(clap::Args)]
+struct UpArgs {
+    /// Number of runtime nodes.
+    #[arg(long, default_value_t = 2)]
+    nodes: u8,
+    /// The gateway's HTTP address (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Directory of agentenv-scheduler, agentenv-gateway and agentenv-node
+    /// (default: beside this binary).
+    #[arg(long, value_name = "DIR")]
+    bin_dir: Option<PathBuf>,
+    /// The static guest agent (default: AENV_GUEST_BINARY_PATH, else the static build in
+    /// the target directory).
+    #[arg(long, value_name = "PATH")]
+    guest_binary: Option<PathBuf>,
+    /// Keep node data and logs here (default: a temporary directory removed on exit).
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Template cache shared by the nodes; `base` is built here once.
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/cache/agentenv/templates"
+    )]
+    template_dir: PathBuf,
+    /// The API key (default: AENV_API_KEY, else a fresh random key).
+    #[arg(long, env = "AENV_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Do not run a first sandbox before announcing the cluster.
+    #[arg(long)]
+    no_check: bool,
+    /// First two octets of the sandbox address pools (node i gets <prefix>.<i>.0/24).
+    #[arg(long, default_value = "10.13")]
+    pool_prefix: String,
+    /// Show every log line of the child processes.
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agentenv: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentenv: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let Cmd::Up(a) = args.command;
+    let bin_dir = match a.bin_dir {
+        Some(d) => d,
+        None => std::env::current_exe()?
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(".")),
+    };
+    let mut opts = UpOptions::new(bin_dir);
+    opts.nodes = a.nodes;
+    opts.listen = a.listen;
+    opts.guest_binary = a.guest_binary;
+    opts.data_dir = a.data_dir;
+    opts.template_dir = a.template_dir;
+    opts.api_key = a.api_key.filter(|k| !k.is_empty());
+    opts.check = !a.no_check;
+    opts.pool_prefix = a.pool_prefix;
+    opts.verbose = a.verbose;
+    let out = stdout_out();
+    let up = tokio::select! {
+        r = Up::start(opts, out.clone()) => r?,
+        _ = agentenv_bin::shutdown_signal() => {
+            // Up::start stops what it started when it is dropped mid-way: children are
+            // killed on drop and die with us (PR_SET_PDEATHSIG).
+            anyhow::bail!("interrupted during start-up");
+        }
+    };
+    out(&up.banner());
+    up.serve(agentenv_bin::shutdown_signal()).await?;
+    out("stopped");
+    Ok(())
+}

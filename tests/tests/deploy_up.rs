@@ -1,0 +1,221 @@
+//! `agentenv up`: the one-command local cluster, run as a user runs it — the real binary
+//! with real scheduler, gateway and node children — then the banner's own commands are
+//! run with bash and curl, and Ctrl-C must leave no sandbox, interface or process behind.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use agentenv_tests::{TEMPLATE_CACHE, binary, guest_binary, skip_reason};
+
+/// Processes whose command line or environment mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        for f in ["cmdline", "environ"] {
+            if let Ok(b) = std::fs::read(e.path().join(f))
+                && String::from_utf8_lossy(&b).contains(needle)
+            {
+                out.push(pid);
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn interfaces_with_prefix(prefixes: &[&str]) -> Vec<String> {
+    std::fs::read_dir("/sys/class/net")
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| prefixes.iter().any(|p| n.starts_with(p)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_behind() {
+    if let Some(r) = skip_reason() {
+        eprintln!("SKIPPED: {r}");
+        return;
+    }
+    let agentenv = binary("agentenv").expect("agentenv binary");
+    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
+        binary(b).expect("cluster binary");
+    }
+    let guest = guest_binary().expect("static guest agent");
+    let mut child = Command::new(&agentenv)
+        .args(["up", "--nodes", "2", "--listen", "127.0.0.1:0"])
+        .arg("--template-dir")
+        .arg(TEMPLATE_CACHE)
+        .arg("--guest-binary")
+        .arg(&guest)
+        .args(["--pool-prefix", "10.14"])
+        .env_remove("AENV_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start agentenv up");
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            eprintln!("[up] {l}");
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while !lines.iter().any(|l: &String| l.starts_with("Ctrl-C stops")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(e) => panic!(
+                "agentenv up did not print its banner ({e:?}):\n{}",
+                lines.join("\n")
+            ),
+        }
+    }
+    let text = lines.join("\n");
+    let field = |name: &str| -> String {
+        lines
+            .iter()
+            .find_map(|l| l.trim().strip_prefix(name).map(|v| v.trim().to_string()))
+            .unwrap_or_else(|| panic!("no {name} in the banner:\n{text}"))
+    };
+    let gateway = field("Gateway");
+    let key = field("API key");
+    let data_dir = field("state and logs:");
+    assert!(gateway.starts_with("http://127.0.0.1:"), "{gateway}");
+    assert_eq!(key.len(), 64, "a generated 32-byte hex key: {key}");
+    // The start-up check ran a real command in a real sandbox through the gateway.
+    let ran = lines
+        .iter()
+        .find(|l| l.starts_with("first sandbox "))
+        .unwrap_or_else(|| panic!("no first sandbox line:\n{text}"));
+    let id = ran.split_whitespace().nth(2).unwrap();
+    assert!(ran.ends_with(&format!("ran: hello from {id}")), "{ran}");
+    assert!(text.contains("all 2 nodes are ready"), "{text}");
+
+    // The banner's commands, as printed, work with bash and curl.
+    let start = lines.iter().position(|l| l.starts_with("Try it")).unwrap();
+    let end = lines
+        .iter()
+        .position(|l| l.starts_with("E2B SDKs:"))
+        .unwrap();
+    let mut script = String::from("set -euo pipefail\n");
+    for l in &lines[start + 1..end] {
+        script.push_str(l);
+        script.push('\n');
+    }
+    // Keep one sandbox alive so Ctrl-C has something to clean up: run the banner's
+    // create twice and delete only the last.
+    let create_only: String = lines[start + 1..end]
+        .iter()
+        .filter(|l| !l.contains("DELETE"))
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("\n");
+    let script = format!("{create_only}\necho \"KEPT=$ID\"\n{script}");
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("run bash");
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "banner commands failed:\n{script}\n{o}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        o.contains("\"id\":\"node-a\"") && o.contains("\"id\":\"node-b\""),
+        "{o}"
+    );
+    assert!(o.matches("Debian GNU/Linux").count() >= 2, "{o}");
+    let kept = o
+        .lines()
+        .find_map(|l| l.strip_prefix("KEPT="))
+        .expect("kept sandbox id")
+        .to_string();
+    assert!(
+        !interfaces_with_prefix(&["upa", "upb"]).is_empty(),
+        "a sandbox is running"
+    );
+    assert!(!processes_mentioning(&data_dir).is_empty());
+
+    // Ctrl-C.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agentenv up did not stop after Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let rest: Vec<String> = rx.try_iter().collect();
+    let rest = rest.join("\n");
+    assert!(status.success(), "exit status {status}:\n{rest}");
+    assert!(rest.contains(&format!("deleted sandbox {kept}")), "{rest}");
+    for n in ["gateway", "node-a", "node-b", "scheduler"] {
+        assert!(rest.contains(&format!("  {n} stopped")), "{n}: {rest}");
+    }
+    assert!(!rest.contains("warning"), "{rest}");
+    assert_eq!(
+        interfaces_with_prefix(&["upa", "upb"]),
+        Vec::<String>::new()
+    );
+    assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
+    assert!(!Path::new(&data_dir).exists(), "temporary state removed");
+}
+
+#[test]
+fn agentenv_up_refuses_a_busy_gateway_port_and_names_the_flag() {
+    let agentenv = binary("agentenv").expect("agentenv binary");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap();
+    let out = Command::new(&agentenv)
+        .args([
+            "up",
+            "--listen",
+            &addr.to_string(),
+            "--api-key",
+            &"k".repeat(40),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    if nix::unistd::Uid::effective().is_root() {
+        assert!(
+            err.contains(&addr.to_string()) && err.contains("--listen"),
+            "{err}"
+        );
+    } else {
+        assert!(err.contains("needs root"), "{err}");
+    }
+}
