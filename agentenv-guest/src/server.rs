@@ -441,9 +441,9 @@ pub async fn serve(
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
-                    // Out of fds and similar: log and keep serving.
+                    // Out of fds and similar: log, back off briefly, keep serving.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::task::yield_now().await;
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                     continue;
                 }
             },
