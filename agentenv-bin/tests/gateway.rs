@@ -1,0 +1,295 @@
+//! The real `agentenv-gateway` binary in front of the real scheduler binary
+//! and a small runtime node served by the test, all on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
+use agentenv_core::proto::scheduler_v1::*;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+const SCHEDULER: &str = env!("CARGO_BIN_EXE_agentenv-scheduler");
+const GATEWAY: &str = env!("CARGO_BIN_EXE_agentenv-gateway");
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts a daemon with LOG_FORMAT=json and returns the fields of its
+/// "listening" line.
+fn spawn(
+    bin: &str,
+    config: &std::path::Path,
+    env: &[(&str, &str)],
+    message: &'static str,
+) -> (Proc, serde_json::Value) {
+    let mut cmd = Command::new(bin);
+    cmd.arg("-config")
+        .arg(config)
+        .env("LOG_FORMAT", "json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                && v["message"] == message
+            {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    let v = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("{bin} did not log {message:?}"));
+    (Proc(child), v)
+}
+
+/// A runtime node that answers creates with a sandbox id and echoes other
+/// requests' method and path.
+async fn fake_node() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                    let (parts, body) = req.into_parts();
+                    let _ = body.collect().await;
+                    let resp = if parts.method == hyper::Method::POST
+                        && parts.uri.path() == "/sandboxes"
+                    {
+                        Response::builder()
+                            .status(201)
+                            .header("x-agentenv-sandbox-id", "sbx-from-node")
+                            .header("content-type", "application/json")
+                            .body(Full::new(Bytes::from(r#"{"sandboxID":"sbx-from-node"}"#)))
+                    } else {
+                        Response::builder().body(Full::new(Bytes::from(format!(
+                            "{} {}",
+                            parts.method,
+                            parts.uri.path()
+                        ))))
+                    };
+                    Ok::<_, std::convert::Infallible>(resp.unwrap())
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Sends one HTTP/1.1 request and returns (status, body).
+async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let key = key
+        .map(|k| format!("x-api-key: {k}\r\n"))
+        .unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: gw\r\n{key}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test]
+async fn gateway_binary_routes_creates_and_sandbox_requests_through_the_scheduler_binary() {
+    let node = fake_node().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("control-plane.json");
+    std::fs::write(
+        &config,
+        format!(
+            r#"{{
+  "scheduler": {{
+    "grpc_listen_addr": "127.0.0.1:0",
+    "metrics_listen_addr": "127.0.0.1:0",
+    "nodes": [{{"id": "node-a", "endpoint": "http://{node}"}}]
+  }},
+  "gateway": {{
+    "http_listen_addr": "127.0.0.1:0",
+    "metrics_listen_addr": "127.0.0.1:0",
+    "request_timeout": "10s"
+  }}
+}}"#
+        ),
+    )
+    .unwrap();
+    let (_sched, s) = spawn(SCHEDULER, &config, &[], "scheduler listening");
+    let grpc = s["grpc_addr"].as_str().unwrap().to_string();
+    // The scheduler listens on an ephemeral port: the gateway learns it
+    // through the environment override of gateway.scheduler_addr.
+    let (mut gw, g) = spawn(
+        GATEWAY,
+        &config,
+        &[("AENV_API_KEY", KEY), ("GATEWAY_SCHEDULER_ADDR", &grpc)],
+        "gateway listening",
+    );
+    let http_addr = g["http_addr"].as_str().unwrap().to_string();
+
+    let (status, _) = http(&http_addr, "GET", "/health", None, "").await;
+    assert_eq!(status, 204);
+    let (status, body) = http(&http_addr, "GET", "/nodes", None, "").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (401, ""),
+        "no key: 401 with an empty body"
+    );
+
+    // No heartbeat yet: nothing is healthy.
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/sandboxes",
+        Some(KEY),
+        r#"{"templateID":"base"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    let err: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(err["code"], 503);
+    assert_eq!(err["message"], "no nodes available");
+
+    let mut sched = SchedulerClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    sched
+        .heartbeat(HeartbeatRequest {
+            node_id: "node-a".into(),
+            service_instance_id: "node-a-1".into(),
+            snapshot: Some(NodeSnapshot {
+                status: NodeStatus::Ready as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/sandboxes",
+        Some(KEY),
+        r#"{"templateID":"base"}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    assert!(body.contains("sbx-from-node"));
+    // The gateway recorded the assignment: the sandbox is routed by id.
+    let owner = sched
+        .lookup_node(LookupNodeRequest {
+            sandbox_id: "sbx-from-node".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .node
+        .unwrap();
+    assert_eq!(owner.node_id, "node-a");
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/sandboxes/sbx-from-node/pause",
+        Some(KEY),
+        "",
+    )
+    .await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "POST /sandboxes/sbx-from-node/pause")
+    );
+    let (status, body) = http(&http_addr, "GET", "/nodes", Some(KEY), "").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("node-a"), "{body}");
+
+    Command::new("kill")
+        .args(["-TERM", &gw.0.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let exit = loop {
+        if let Some(s) = gw.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "gateway did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(exit.success(), "{exit:?}");
+}
+
+fn refused(args: &[&str], env: &[(&str, &str)], json: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("cp.json");
+    std::fs::write(&config, json).unwrap();
+    let mut cmd = Command::new(GATEWAY);
+    cmd.args(args)
+        .arg("-config")
+        .arg(&config)
+        .env_remove("AENV_API_KEY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    stderr
+}
+
+#[test]
+fn gateway_binary_refuses_bad_config_and_missing_keys_in_one_line() {
+    let e = refused(
+        &[],
+        &[("AENV_API_KEY", KEY)],
+        r#"{"gateway":{"scheduler_addr":"http://10.0.0.10:9090"}}"#,
+    );
+    assert!(
+        e.contains("gateway.scheduler_addr") && e.contains("10.0.0.10:9090"),
+        "{e}"
+    );
+    let e = refused(&[], &[("AENV_API_KEY", "")], "{}");
+    assert!(e.contains("AENV_API_KEY"), "{e}");
+    let e = refused(&[], &[("AENV_API_KEY", "too-short")], "{}");
+    assert!(e.contains("between 32 and 256"), "{e}");
+}
