@@ -117,6 +117,11 @@ def sync_part():
     sbx.files.write(f"{BASE}/f/meta.txt", "m", metadata={"owner": "team-a"})
     meta = sbx.files.get_info(f"{BASE}/f/meta.txt").metadata
     check("upload metadata kept as xattrs", meta == {"owner": "team-a"}, meta)
+    infos = sbx.files.write_files(
+        [{"path": f"{BASE}/multi/one.txt", "data": "1"}, {"path": f"{BASE}/multi/two.txt", "data": b"22"}]
+    )
+    check("write_files multipart", sorted(i.name for i in infos) == ["one.txt", "two.txt"], infos)
+    check("write_files content", sbx.files.read(f"{BASE}/multi/two.txt") == "22")
     sbx.files.write(f"{BASE}/f/gz.txt", "zipped" * 1000, gzip=True)
     check("gzip upload", sbx.files.read(f"{BASE}/f/gz.txt") == "zipped" * 1000)
 
