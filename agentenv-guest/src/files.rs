@@ -383,6 +383,107 @@ async fn upload_inner(
     Ok(vec![path])
 }
 
+#[derive(Debug, serde::Deserialize)]
+struct ComposeBody {
+    source_paths: Vec<String>,
+    destination: String,
+    #[serde(default)]
+    username: Option<String>,
+}
+
+/// `POST /files/compose`: concatenates `source_paths` (in order, with
+/// in-kernel copies) into `destination`, then deletes the sources.
+pub async fn compose(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
+    match compose_inner(state, req).await {
+        Ok(path) => {
+            let info = serde_json::json!({
+                "path": path.display().to_string(),
+                "name": path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+                "type": "file",
+            });
+            let mut r = Response::new(crate::connect::full(
+                serde_json::to_vec(&info).unwrap_or_default(),
+            ));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn compose_inner(state: &AgentState, req: Request<Incoming>) -> Result<PathBuf, FilesError> {
+    let query = req.uri().query().map(str::to_string);
+    let headers = req.headers().clone();
+    let body = http_body_util::Limited::new(req.into_body(), 4 * 1024 * 1024)
+        .collect()
+        .await
+        .map_err(|e| FilesError::Body(e.to_string()))?
+        .to_bytes();
+    let parsed: ComposeBody = serde_json::from_slice(&body).map_err(|e| {
+        FilesError::Body(format!(
+            "body must be JSON {{\"source_paths\":[...],\"destination\":\"...\"}}: {e}"
+        ))
+    })?;
+    let user = match parsed.username.as_deref().filter(|u| !u.is_empty()) {
+        Some(u) => state
+            .user(Some(u))
+            .map_err(|e| FilesError::BadUser(e.message))?,
+        None => user_for(state, query.as_deref(), &headers)?,
+    };
+    if parsed.source_paths.is_empty() {
+        return Err(FilesError::Body("source_paths must not be empty".into()));
+    }
+    let sources: Vec<PathBuf> = parsed
+        .source_paths
+        .iter()
+        .map(|p| crate::paths::resolve(p, &user.home))
+        .collect();
+    let dest = crate::paths::resolve(&parsed.destination, &user.home);
+    tokio::task::spawn_blocking(move || -> Result<PathBuf, FilesError> {
+        for s in &sources {
+            let md = std::fs::metadata(s).map_err(io_err(s))?;
+            if md.is_dir() {
+                return Err(FilesError::IsDirectory(s.display().to_string()));
+            }
+        }
+        if let Some(parent) = dest.parent() {
+            make_dirs(parent, &user).map_err(io_err(parent))?;
+        }
+        let tmp = dest.with_file_name(format!(
+            ".{}.compose-{:016x}",
+            dest.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            crate::fileio::unique_u64()
+        ));
+        let result = (|| {
+            let mut out = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+            for s in &sources {
+                let mut f = std::fs::File::open(s).map_err(io_err(s))?;
+                // std uses copy_file_range here: no copy through user space.
+                std::io::copy(&mut f, &mut out).map_err(io_err(&tmp))?;
+            }
+            std::fs::rename(&tmp, &dest).map_err(io_err(&dest))
+        })();
+        if let Err(e) = result {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        chown_to(&dest, &user);
+        for s in &sources {
+            if s != &dest {
+                let _ = std::fs::remove_file(s);
+            }
+        }
+        Ok(dest)
+    })
+    .await
+    .map_err(|e| FilesError::Body(format!("compose task failed: {e}")))?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@
 //!   and HTTP/2 without TLS (h2c), with the JSON and the binary protobuf
 //!   codecs ([`connect`], [`process`], [`filesystem`]);
 //! * plain HTTP: `GET /health`, `POST /init`, `GET /envs`, `GET /metrics`,
-//!   `GET`/`POST /files`
+//!   `GET`/`POST /files`, `POST /files/compose`
 //!   ([`server`], [`files`]);
 //! * a Connect client with the binary codec for the node and the CLI
 //!   ([`client`]);

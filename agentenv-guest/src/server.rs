@@ -415,7 +415,8 @@ pub async fn handle(state: Arc<AgentState>, req: Request<Incoming>) -> Response<
         }
         (Method::GET, "/files") => crate::files::download(&state, req).await,
         (Method::POST, "/files") => crate::files::upload(&state, req).await,
-        (_, "/init" | "/envs" | "/metrics" | "/files") => json_error(
+        (Method::POST, "/files/compose") => crate::files::compose(&state, req).await,
+        (_, "/init" | "/envs" | "/metrics" | "/files" | "/files/compose") => json_error(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{} is not allowed on {path}", req.method()),
         ),

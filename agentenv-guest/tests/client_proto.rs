@@ -714,3 +714,59 @@ async fn killing_a_shell_also_kills_its_children() {
     .await;
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn files_compose_concatenates_in_order_and_removes_sources() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let parts: Vec<_> = (0..3)
+        .map(|i| {
+            let p = dir.path().join(format!("part{i}"));
+            std::fs::write(&p, format!("<{i}>").repeat(1000)).unwrap();
+            p
+        })
+        .collect();
+    let dest = dir.path().join("out/all.bin");
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let post = |body: serde_json::Value| {
+        http.request(
+            http::Request::post(format!("{}/files/compose", agent.url()))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(
+                    body.to_string(),
+                )))
+                .unwrap(),
+        )
+    };
+    let resp = post(serde_json::json!({
+        "source_paths": parts.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "destination": dest.display().to_string(),
+    }))
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let info: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(info["path"], dest.display().to_string());
+    assert_eq!(info["type"], "file");
+    let want: String = (0..3).map(|i| format!("<{i}>").repeat(1000)).collect();
+    assert_eq!(std::fs::read_to_string(&dest).unwrap(), want);
+    assert!(parts.iter().all(|p| !p.exists()), "sources must be deleted");
+    let resp = post(serde_json::json!({
+        "source_paths": [dir.path().join("missing").display().to_string()],
+        "destination": dest.display().to_string(),
+    }))
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert_eq!(
+        std::fs::read_to_string(&dest).unwrap(),
+        want,
+        "a failed compose changed the destination"
+    );
+    agent.stop().await;
+}
