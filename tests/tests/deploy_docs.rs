@@ -1,0 +1,253 @@
+//! The configuration reference (docs/configuration.md) against the code: every
+//! control-plane key (the fields of the config structs in agentenv-core/src/config.rs)
+//! and every environment variable the daemons read must be documented; the JSON in the
+//! docs and in deploy/ must load without unknown keys.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use agentenv_core::config::{Config, LoadOptions, Service};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// JSON key paths of the control-plane config, read from the struct definitions.
+fn control_plane_keys() -> BTreeSet<String> {
+    let src = read("agentenv-core/src/config.rs");
+    // Where each config struct sits in the JSON document.
+    let prefix = |name: &str| -> Option<&'static str> {
+        Some(match name {
+            "Config" => "",
+            "SchedulerConfig" => "scheduler.",
+            "GatewayConfig" => "gateway.",
+            "NodeConfig" => "scheduler.nodes[].",
+            "DiscoveryConfig" => "scheduler.discovery.",
+            "KubernetesConfig" => "scheduler.discovery.kubernetes.",
+            "NodeResourceLimit" => "scheduler.node_resource_limit.",
+            _ => return None,
+        })
+    };
+    let mut keys = BTreeSet::new();
+    let mut current: Option<&str> = None;
+    let mut skip_next = false;
+    for line in src.lines() {
+        let t = line.trim();
+        if let Some(rest) = t.strip_prefix("pub struct ") {
+            let name = rest.split([' ', '{', '(']).next().unwrap();
+            // Only deserialized structs are part of the JSON document.
+            let derive_ok = src
+                .split(&format!("pub struct {name} "))
+                .next()
+                .and_then(|before| before.rsplit("#[derive(").next())
+                .is_some_and(|d| d.contains("Deserialize"));
+            if derive_ok {
+                current = Some(prefix(name).unwrap_or_else(|| {
+                    panic!(
+                        "config struct {name} is new: map it to its JSON path in control_plane_keys()"
+                    )
+                }));
+            } else {
+                current = None;
+            }
+            continue;
+        }
+        if t == "}" {
+            current = None;
+            continue;
+        }
+        if t.starts_with("#[serde(skip") {
+            skip_next = true;
+            continue;
+        }
+        if let (Some(p), Some(rest)) = (current, t.strip_prefix("pub ")) {
+            if let Some((field, _)) = rest.split_once(':') {
+                if !std::mem::take(&mut skip_next) {
+                    keys.insert(format!("{p}{field}"));
+                }
+            }
+        }
+    }
+    keys
+}
+
+/// Quoted environment-variable names in `files`.
+fn env_vars(files: &[&str]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for f in files {
+        let src = read(f);
+        for (i, _) in src.match_indices('"') {
+            let rest = &src[i + 1..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            if rest[name.len()..].starts_with('"')
+                && (name.starts_with("AENV_")
+                    || name.starts_with("SCHEDULER_")
+                    || name.starts_with("GATEWAY_")
+                    || ["API_ADDR", "LOG_LEVEL", "LOG_FORMAT"].contains(&name.as_str()))
+            {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+fn rust_files_under(dir: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![repo().join(dir)];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(
+                    p.strip_prefix(repo())
+                        .unwrap()
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_control_plane_key_in_the_code_is_in_the_configuration_reference() {
+    let doc = read("docs/configuration.md");
+    let keys = control_plane_keys();
+    assert!(
+        keys.len() > 30,
+        "the struct scan found too few keys: {keys:?}"
+    );
+    for k in [
+        "scheduler.nodes[].id",
+        "gateway.scheduler_addr",
+        "log_format",
+    ] {
+        assert!(keys.contains(k), "{k} missing from the scan: {keys:?}");
+    }
+    let missing: Vec<_> = keys
+        .iter()
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "control-plane keys not documented in docs/configuration.md: {missing:?}"
+    );
+}
+
+#[test]
+fn every_environment_variable_the_daemons_read_is_in_the_configuration_reference() {
+    let doc = read("docs/configuration.md");
+    let mut files = rust_files_under("agentenv-node/src");
+    files.extend(
+        [
+            "agentenv-core/src/config.rs",
+            "agentenv-core/src/api_key.rs",
+            "agentenv-bin/src/bin/agentenv-node.rs",
+            "agentenv-bin/src/bin/agentenv-scheduler.rs",
+            "agentenv-bin/src/bin/agentenv-gateway.rs",
+        ]
+        .map(String::from),
+    );
+    let files: Vec<&str> = files.iter().map(String::as_str).collect();
+    let vars = env_vars(&files);
+    for v in [
+        "AENV_NODE_ID",
+        "API_ADDR",
+        "GATEWAY_SCHEDULER_ADDR",
+        "SCHEDULER_STRATEGY",
+    ] {
+        assert!(vars.contains(v), "{v} missing from the scan: {vars:?}");
+    }
+    let missing: Vec<_> = vars
+        .iter()
+        .filter(|v| !doc.contains(&format!("`{v}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "environment variables not documented in docs/configuration.md: {missing:?}"
+    );
+}
+
+/// The JSON blocks of a markdown file that look like a control-plane config.
+fn json_blocks(md: &str) -> Vec<String> {
+    md.split("```json")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .filter(|b| b.contains("\"scheduler\""))
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn the_guide_and_deploy_configs_load_for_both_services_without_unknown_keys() {
+    let mut docs = json_blocks(&read("docs/static-multi-node.md"));
+    assert_eq!(docs.len(), 1, "the guide shows one control-plane.json");
+    docs.push(read("deploy/control-plane.json"));
+    let dir = tempfile::tempdir().unwrap();
+    for (i, text) in docs.iter().enumerate() {
+        let path = dir.path().join(format!("c{i}.json"));
+        std::fs::write(&path, text).unwrap();
+        for service in [Service::Scheduler, Service::Gateway] {
+            let loaded = Config::load_with_env(
+                Some(&path),
+                LoadOptions {
+                    service,
+                    query_only: false,
+                },
+                |_| None,
+            )
+            .unwrap_or_else(|e| panic!("config {i} for {service}: {e}"));
+            assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+            let ids: Vec<_> = loaded
+                .config
+                .scheduler
+                .nodes
+                .iter()
+                .map(|n| n.id.as_str())
+                .collect();
+            assert_eq!(ids, ["node-a", "node-b"]);
+            assert_eq!(loaded.config.gateway.scheduler_addr, "10.0.0.10:9090");
+            assert_eq!(
+                loaded.config.scheduler.metrics_listen_addr,
+                "127.0.0.1:9101"
+            );
+            assert_eq!(loaded.config.gateway.metrics_listen_addr, "127.0.0.1:9102");
+        }
+    }
+}
+
+#[test]
+fn the_node_example_environment_matches_the_guide() {
+    let env = read("deploy/aenv.env");
+    for line in [
+        "API_ADDR=\"0.0.0.0:8000\"",
+        "AENV_NODE_ID=\"node-a\"",
+        "AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED=\"true\"",
+        "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=\"http://10.0.0.10:9090\"",
+    ] {
+        assert!(
+            env.lines().any(|l| l == line),
+            "deploy/aenv.env lacks {line}"
+        );
+    }
+    // Every variable it sets is a documented one.
+    let doc = read("docs/configuration.md");
+    for l in env
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains('='))
+    {
+        let k = l.split('=').next().unwrap();
+        assert!(doc.contains(&format!("`{k}`")), "{k} is not documented");
+    }
+}
