@@ -199,6 +199,7 @@ async fn create_ready(b: &JailBackend, id: String) -> anyhow::Result<Duration> {
     let info = b.create(spec(id.clone())).await?;
     if let Err(e) = wait_ready(info.address.agent(), READY_TIMEOUT, POLL).await {
         let log = std::fs::read_to_string(b.sandbox_dir(&id).join("agent.log")).unwrap_or_default();
+        b.destroy(&id).await?;
         bail!("{e}\nagent log:\n{log}");
     }
     Ok(start.elapsed())
@@ -211,7 +212,8 @@ async fn create_many(
     n: usize,
     parallel: usize,
 ) -> anyhow::Result<(Vec<Duration>, Vec<String>)> {
-    let ids: Vec<String> = (0..n).map(|i| format!("bench-{prefix}-{i}")).collect();
+    let run = std::process::id();
+    let ids: Vec<String> = (0..n).map(|i| format!("bench{run}-{prefix}-{i}")).collect();
     let results: Vec<anyhow::Result<Duration>> = futures::stream::iter(ids.clone())
         .map(|id| {
             let b = b.clone();

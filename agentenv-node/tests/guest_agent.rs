@@ -43,7 +43,7 @@ async fn create_with_agent(
     let info = b.create(spec).await.unwrap();
     match wait_ready(
         info.address.agent(),
-        Duration::from_secs(20),
+        Duration::from_secs(10),
         Duration::from_millis(2),
     )
     .await

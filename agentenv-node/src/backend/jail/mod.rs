@@ -556,13 +556,17 @@ impl JailBackend {
                     errors.push(e.to_string());
                 }
             }
+            phases.mark("link");
+            // The cgroup goes before the address: a cgroup without a reservation is a
+            // leftover (see `reconcile`).
+            if let Err(e) = sbx.cgroup.remove(timeout).await {
+                errors.push(e.to_string());
+            }
+            phases.mark("cgroup");
             self.pool.release(slot);
-        }
-        phases.mark("link");
-        if let Err(e) = sbx.cgroup.remove(timeout).await {
+        } else if let Err(e) = sbx.cgroup.remove(timeout).await {
             errors.push(e.to_string());
         }
-        phases.mark("cgroup");
         if let Err(e) = self.remove_dir(&sbx.dir) {
             errors.push(e);
         }
@@ -920,6 +924,27 @@ impl SandboxBackend for JailBackend {
                 report
                     .removed_other
                     .push(format!("address {}", slot.sandbox_ip()));
+            }
+        }
+        // Sandbox cgroups without an address reservation belong to nobody: a sandbox
+        // reserves its address before it creates its cgroup and releases it after.
+        let owners: Vec<String> = self
+            .pool
+            .reservations()
+            .into_iter()
+            .filter_map(|(_, o)| o.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        for name in self.hierarchy.list(&self.cfg.cgroup_parent) {
+            if live.contains(&name) || owners.contains(&name) {
+                continue;
+            }
+            let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &name);
+            if let Err(e) = cg.kill_all(self.cfg.op_timeout).await {
+                tracing::warn!(cgroup = %name, error = %e, "killing a leftover cgroup");
+            }
+            match cg.remove(self.cfg.op_timeout).await {
+                Ok(()) => report.removed_other.push(format!("cgroup {name}")),
+                Err(e) => tracing::warn!(cgroup = %name, error = %e, "removing a leftover cgroup"),
             }
         }
         // Host interfaces whose address is not reserved belong to nobody.

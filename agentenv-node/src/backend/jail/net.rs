@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use futures::TryStreamExt;
 use nix::fcntl::{Flock, FlockArg};
-use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute};
+use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, State};
 use rtnetlink::{Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 /// Errors of the network layer.
@@ -448,6 +448,17 @@ pub async fn create_sandbox_net(
         let fd: OwnedFd = File::open("/proc/thread-self/ns/net")
             .map_err(io_err("opening the new network namespace"))?
             .into();
+        // Sandboxes speak IPv4 only (NAT, pool addresses); without IPv6 the new links
+        // skip link-local addresses, duplicate address detection and solicitations.
+        // /proc/sys/net shows the namespace of the thread that reads it.
+        for conf in ["all", "default"] {
+            let path = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+            if let Err(e) = std::fs::write(&path, "1") {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(io_err(format!("writing {path}"))(e));
+                }
+            }
+        }
         let _guard = rt.enter();
         let (conn, handle, _) = rtnetlink::new_connection()
             .map_err(io_err("netlink socket in the sandbox namespace"))?;
@@ -536,6 +547,10 @@ async fn configure(
             .await
             .map_err(nl_err("bringing lo up"))?;
     }
+    // Packets sent before the kernel has activated a new link's queue are dropped, and a
+    // dropped ARP request is retried only after a second; wait until both ends are up.
+    wait_oper_up(host, hidx, host_if).await?;
+    wait_oper_up(ns, gidx, GUEST_IF).await?;
     let route = RouteMessageBuilder::<Ipv4Addr>::new()
         .gateway(slot.host_ip())
         .output_interface(gidx)
@@ -546,6 +561,37 @@ async fn configure(
         .await
         .map_err(nl_err("adding the default route"))?;
     Ok(())
+}
+
+/// How long a new link may take to become operational.
+const OPER_UP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn wait_oper_up(handle: &Handle, index: u32, name: &str) -> Result<(), NetError> {
+    let deadline = tokio::time::Instant::now() + OPER_UP_TIMEOUT;
+    let mut pause = std::time::Duration::from_micros(50);
+    loop {
+        let mut links = handle.link().get().match_index(index).execute();
+        if let Some(msg) = links
+            .try_next()
+            .await
+            .map_err(nl_err(format!("reading the state of {name}")))?
+        {
+            if msg
+                .attributes
+                .iter()
+                .any(|a| matches!(a, LinkAttribute::OperState(State::Up)))
+            {
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(NetError::Firewall(format!(
+                "{name} did not become operational within {OPER_UP_TIMEOUT:?}"
+            )));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_millis(2));
+    }
 }
 
 /// Deletes a host link by name (its veth peer goes with it); absent is fine.
