@@ -48,6 +48,16 @@ use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfi
 pub const AGENT_GUEST_PATH: &str = "/agentenv/agentenv-guest";
 
 /// Configuration of the jail backend.
+///
+/// Node configuration it corresponds to: `home_path` → `data_dir`, `runtime_path` →
+/// `runtime_dir`, `tools.control_plane_port` → `agent_port`,
+/// `network.egress.always_denied_cidrs` → `denied_networks`; `address_pool` plays the
+/// part of `network.internal.veth_cidr` (one /30 per sandbox instead of a /31 plus a
+/// host interaction address, since no tap or in-namespace NAT sits between node and
+/// agent).
+///
+/// On cgroup v2 the parent must be a cgroup the node may enable controllers in: an
+/// absolute `cgroup_parent` such as `/agentenv`, or a delegated subtree.
 #[derive(Clone, Debug)]
 pub struct JailConfig {
     /// The node's data directory (`home_path`); sandboxes live in `<data_dir>/jail`.
@@ -928,13 +938,16 @@ impl SandboxBackend for JailBackend {
         }
         // Sandbox cgroups without an address reservation belong to nobody: a sandbox
         // reserves its address before it creates its cgroup and releases it after.
+        // List the cgroups before the reservations: a cgroup in the list had its address
+        // reserved before it was created, so a create in flight is never mistaken for one.
+        let cgroups = self.hierarchy.list(&self.cfg.cgroup_parent);
         let owners: Vec<String> = self
             .pool
             .reservations()
             .into_iter()
             .filter_map(|(_, o)| o.file_name().map(|n| n.to_string_lossy().into_owned()))
             .collect();
-        for name in self.hierarchy.list(&self.cfg.cgroup_parent) {
+        for name in cgroups {
             if live.contains(&name) || owners.contains(&name) {
                 continue;
             }
