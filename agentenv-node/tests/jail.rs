@@ -527,3 +527,41 @@ async fn reconcile_cleans_up_after_a_crashed_node_process() {
     let again = restarted.reconcile().await.unwrap();
     assert!(again.removed_sandboxes.is_empty(), "{again:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_kills_and_removes_a_cgroup_without_an_address() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let live = common::create_ready(&b, common::spec(&common::id("live"))).await;
+    // A cgroup as a crash between its creation and its sandbox's record would leave it,
+    // with a process inside.
+    let orphan = common::id("orphan");
+    let dirs = b.cgroup_dirs(&orphan);
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let mut stray = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .unwrap();
+    for d in &dirs {
+        std::fs::write(d.join("cgroup.procs"), stray.id().to_string()).unwrap();
+    }
+    let report = b.reconcile().await.unwrap();
+    assert!(
+        report.removed_other.contains(&format!("cgroup {orphan}")),
+        "{report:?}"
+    );
+    for d in &dirs {
+        assert!(!d.exists(), "{} removed", d.display());
+    }
+    let status = stray.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL)
+    );
+    // The live sandbox is untouched.
+    assert!(report.removed_sandboxes.is_empty(), "{report:?}");
+    assert_eq!(common::sh(&live, "echo ok").await.stdout, "ok\n");
+    b.destroy(&live.id).await.unwrap();
+}
