@@ -135,8 +135,7 @@ async fn main() -> anyhow::Result<()> {
     let cp_dst = dir.path().join("cp.bin");
     let up_dst = dir.path().join("up.bin");
     let down_dst = dir.path().join("down.bin");
-    let (mut cp, mut up, mut up_chunked, mut down) =
-        (Duration::MAX, Duration::MAX, Duration::MAX, Duration::MAX);
+    let (mut cp, mut up, mut down) = (Duration::MAX, Duration::MAX, Duration::MAX);
     for _ in 0..runs {
         let _ = std::fs::remove_file(&cp_dst);
         let t = Instant::now();
@@ -152,16 +151,6 @@ async fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         c.upload_file(&src, up_dst.to_str().unwrap()).await?;
         up = up.min(t.elapsed());
-
-        let _ = std::fs::remove_file(&up_dst);
-        let t = Instant::now();
-        let file = std::fs::File::open(&src)?;
-        c.upload(
-            up_dst.to_str().unwrap(),
-            agentenv_guest::fileio::read_stream(file),
-        )
-        .await?;
-        up_chunked = up_chunked.min(t.elapsed());
 
         let _ = std::fs::remove_file(&down_dst);
         let t = Instant::now();
@@ -183,11 +172,6 @@ async fn main() -> anyhow::Result<()> {
         } else {
             "NOT met"
         }
-    );
-    println!(
-        "  upload, chunked   {:8.1} MiB/s   {:5.1}% of cp",
-        rate(up_chunked),
-        100.0 * cp.as_secs_f64() / up_chunked.as_secs_f64(),
     );
     println!(
         "  download (GET)    {:8.1} MiB/s   {:5.1}% of cp (target >= 50%: {})",
