@@ -460,7 +460,12 @@ pub async fn serve(
                 async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
             });
             let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder.http1().max_buf_size(1024 * 1024);
+            // A client that never finishes its headers is dropped after 30 s.
+            builder
+                .http1()
+                .max_buf_size(1024 * 1024)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(30));
             builder.http2().max_header_list_size(256 * 1024);
             if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");

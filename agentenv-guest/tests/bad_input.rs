@@ -353,3 +353,26 @@ async fn client_disconnecting_mid_stream_leaves_no_zombie_or_fd() {
     .await;
     agent.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_never_finishes_its_headers_is_dropped() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let mut s = TcpStream::connect(agent.addr).await.unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut out = Vec::new();
+    // The (paused) clock runs ahead to the server's header deadline.
+    tokio::time::timeout(Duration::from_secs(120), s.read_to_end(&mut out))
+        .await
+        .expect("the server kept a half-sent request open")
+        .ok();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(29) && waited < Duration::from_secs(120),
+        "dropped after {waited:?}"
+    );
+    assert_still_serving(&agent).await;
+    agent.stop().await;
+}
