@@ -493,7 +493,7 @@ impl GuestClient {
         InputSender,
         tokio::task::JoinHandle<Result<(), ClientError>>,
     ) {
-        let (tx, rx) = mpsc::channel::<Vec<u8>>(16);
+        let (tx, rx) = mpsc::channel::<Option<Vec<u8>>>(16);
         let start = pr::StreamInputRequest {
             event: Some(pr::stream_input_request::Event::Start(
                 pr::stream_input_request::StartEvent {
@@ -502,6 +502,13 @@ impl GuestClient {
             )),
         };
         let data = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |d| {
+            let Some(d) = d else {
+                return pr::StreamInputRequest {
+                    event: Some(pr::stream_input_request::Event::Keepalive(
+                        pr::stream_input_request::KeepAlive {},
+                    )),
+                };
+            };
             let input = if pty {
                 pr::process_input::Input::Pty(d)
             } else {
@@ -638,13 +645,19 @@ impl GuestClient {
 /// Sends input into an open `StreamInput` call.
 #[derive(Debug, Clone)]
 pub struct InputSender {
-    tx: mpsc::Sender<Vec<u8>>,
+    tx: mpsc::Sender<Option<Vec<u8>>>,
 }
 
 impl InputSender {
     /// Queues bytes; false when the call has ended.
     pub async fn send(&self, data: Vec<u8>) -> bool {
-        self.tx.send(data).await.is_ok()
+        self.tx.send(Some(data)).await.is_ok()
+    }
+
+    /// Sends a keepalive message, which keeps proxies with an idle timeout
+    /// from closing a quiet input stream; false when the call has ended.
+    pub async fn keepalive(&self) -> bool {
+        self.tx.send(None).await.is_ok()
     }
 }
 

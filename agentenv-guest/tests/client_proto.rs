@@ -82,6 +82,7 @@ async fn stream_input_and_close_stdin_feed_a_process() {
     let pid = first_pid(&mut stream, |m: pr::StartResponse| m.event).await;
     let (tx, task) = c.stream_input(pid_sel(pid), false);
     assert!(tx.send(b"hello ".to_vec()).await);
+    assert!(tx.keepalive().await);
     assert!(tx.send(b"world\n".to_vec()).await);
     drop(tx);
     task.await.unwrap().unwrap();
