@@ -28,8 +28,6 @@ pub enum ServerError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("accepting a connection: {0}")]
-    Accept(std::io::Error),
 }
 
 /// Start-up options of the agent.
