@@ -1,0 +1,456 @@
+//! The static multi-node guide's topology, built from network namespaces: a control-plane
+//! host at 10.0.0.10 (scheduler and gateway with deploy/control-plane.json), runtime hosts
+//! at 10.0.0.21 (`node-a`) and 10.0.0.22 (`node-b`), a client at 10.0.0.30, all on one
+//! bridge inside a namespace this test creates. Every check of the guide's "Verify the
+//! cluster" runs from the host the guide runs it on; then placement, owner routing, a
+//! rejected unlisted heartbeat, a node crash, a scheduler restart and a node added to the
+//! list are exercised with real sandboxes (jail backend inside the node namespaces).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use agentenv_tests::{API_KEY, Proc, binary, node_env, skip_reason};
+
+const CP: &str = "10.0.0.10";
+
+fn run(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The namespaces of one test run, deleted on drop (which removes their interfaces).
+struct Net {
+    tag: String,
+    names: Vec<String>,
+}
+
+impl Net {
+    fn ns(&self, host: &str) -> String {
+        format!("{}{host}", self.tag)
+    }
+
+    /// A bridge namespace and one namespace per host, each with `eth0` on the bridge.
+    fn build(hosts: &[(&str, &str)]) -> Net {
+        let tag = format!("dt{}", std::process::id() % 100000);
+        let mut net = Net {
+            tag: tag.clone(),
+            names: Vec::new(),
+        };
+        let br = net.ns("br");
+        run(&["ip", "netns", "add", &br]);
+        net.names.push(br.clone());
+        run(&["ip", "-n", &br, "link", "add", "br0", "type", "bridge"]);
+        run(&["ip", "-n", &br, "link", "set", "br0", "up"]);
+        for (host, ip) in hosts {
+            net.add_host(host, ip);
+        }
+        net
+    }
+
+    fn add_host(&mut self, host: &str, ip: &str) {
+        let ns = self.ns(host);
+        let br = self.ns("br");
+        run(&["ip", "netns", "add", &ns]);
+        self.names.push(ns.clone());
+        let (a, b) = (
+            format!("{}{host}h", self.tag),
+            format!("{}{host}b", self.tag),
+        );
+        run(&["ip", "link", "add", &a, "type", "veth", "peer", "name", &b]);
+        run(&["ip", "link", "set", &a, "netns", &ns]);
+        run(&["ip", "link", "set", &b, "netns", &br]);
+        run(&["ip", "-n", &br, "link", "set", &b, "master", "br0", "up"]);
+        run(&["ip", "-n", &ns, "link", "set", &a, "name", "eth0"]);
+        run(&[
+            "ip",
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{ip}/24"),
+            "dev",
+            "eth0",
+        ]);
+        run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
+        run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+    }
+
+    /// `curl` run inside a host's namespace: (status, body).
+    fn curl(&self, host: &str, args: &[&str]) -> (u16, String) {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.ns(host),
+                "curl",
+                "-s",
+                "-m",
+                "60",
+                "-w",
+                "\n%{http_code}",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_string())
+    }
+
+    fn api(&self, host: &str, method: &str, url: &str, body: &str) -> (u16, serde_json::Value) {
+        let key = format!("X-API-Key: {API_KEY}");
+        let mut args = vec![
+            "-X",
+            method,
+            "-H",
+            &key,
+            "-H",
+            "content-type: application/json",
+            url,
+        ];
+        if !body.is_empty() {
+            args.extend(["-d", body]);
+        }
+        let (st, b) = self.curl(host, &args);
+        (
+            st,
+            serde_json::from_str(&b).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    fn spawn(
+        &self,
+        host: &str,
+        name: &str,
+        bin: &Path,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> Proc {
+        // nsenter switches only the network namespace; `ip netns exec` would also mount a
+        // fresh /sys and hide the cgroup hierarchies the jail needs.
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.ns(host)))
+            .arg("--")
+            .arg(bin)
+            .args(args);
+        cmd.env_clear();
+        cmd.env("PATH", std::env::var("PATH").unwrap_or_default());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Proc::spawn(name, cmd)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for n in self.names.iter().rev() {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+struct Cp {
+    cfg: PathBuf,
+}
+
+impl Cp {
+    fn scheduler(&self, net: &Net) -> Proc {
+        let p = net.spawn(
+            "cp",
+            "scheduler",
+            &binary("agentenv-scheduler").unwrap(),
+            &["-config", self.cfg.to_str().unwrap()],
+            &[("LOG_FORMAT".into(), "json".into())],
+        );
+        p.wait_for("scheduler listening", Duration::from_secs(30));
+        p
+    }
+}
+
+fn node(net: &Net, host: &str, idx: u8, id: &str, home: &Path) -> Proc {
+    let env = node_env(
+        idx,
+        id,
+        "0.0.0.0:8000".parse().unwrap(),
+        home,
+        Some(&format!("{CP}:9090")),
+    );
+    let p = net.spawn(host, id, &binary("agentenv-node").unwrap(), &[], &env);
+    p.wait_for("node listening", Duration::from_secs(120));
+    p
+}
+
+fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn status_of(v: &serde_json::Value, id: &str) -> String {
+    v.as_array()
+        .and_then(|a| a.iter().find(|n| n["id"] == id))
+        .and_then(|n| n["status"].as_str())
+        .unwrap_or("absent")
+        .to_string()
+}
+
+const GW: &str = "http://10.0.0.10:8080";
+
+fn create(net: &Net) -> String {
+    let (st, v) = net.api(
+        "client",
+        "POST",
+        &format!("{GW}/sandboxes"),
+        r#"{"templateID":"base","timeout":300}"#,
+    );
+    assert!(st == 201 || st == 200, "create: {st} {v}");
+    v["sandboxID"].as_str().unwrap().to_string()
+}
+
+/// Which runtime host has sandbox `id` (asked from the control-plane host, like the gateway).
+fn owner(net: &Net, id: &str, nodes: &[(&str, &str)]) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|(_, ip)| {
+            net.api("cp", "GET", &format!("http://{ip}:8000/sandboxes/{id}"), "")
+                .0
+                == 200
+        })
+        .map(|(n, _)| n.to_string())
+        .collect()
+}
+
+/// Reads /etc/hostname inside the sandbox through the gateway, from the client host.
+fn hostname_via_gateway(net: &Net, id: &str) -> (u16, String) {
+    let h1 = format!("E2b-Sandbox-Id: {id}");
+    net.curl(
+        "client",
+        &[
+            "-H",
+            &h1,
+            "-H",
+            "E2b-Sandbox-Port: 49983",
+            &format!("{GW}/files?path=/etc/hostname"),
+        ],
+    )
+}
+
+#[test]
+fn guide_topology_in_namespaces_routes_fails_over_and_survives_a_scheduler_restart() {
+    if let Some(r) = skip_reason() {
+        eprintln!("SKIPPED: {r}");
+        return;
+    }
+    if Command::new("curl").arg("--version").output().is_err() {
+        panic!("curl is needed (scripts/apt-packages.txt)");
+    }
+    let mut net = Net::build(&[
+        ("cp", CP),
+        ("na", "10.0.0.21"),
+        ("nb", "10.0.0.22"),
+        ("client", "10.0.0.30"),
+    ]);
+    // The guide's control-plane.json; only report_ttl is shortened so that a dead node
+    // turns unhealthy within seconds.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/control-plane.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    cfg["scheduler"]["report_ttl"] = "3s".into();
+    cfg["scheduler"]["binding_ttl"] = "10m".into();
+    let cfg_path = dir.path().join("control-plane.json");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let cp = Cp {
+        cfg: cfg_path.clone(),
+    };
+
+    let mut scheduler = cp.scheduler(&net);
+    let (ha, hb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut node_a = node(&net, "na", 17, "node-a", ha.path());
+    let mut node_b = node(&net, "nb", 18, "node-b", hb.path());
+    let gateway = net.spawn(
+        "cp",
+        "gateway",
+        &binary("agentenv-gateway").unwrap(),
+        &["-config", cfg_path.to_str().unwrap()],
+        &[
+            ("LOG_FORMAT".into(), "json".into()),
+            ("AENV_API_KEY".into(), API_KEY.into()),
+        ],
+    );
+    gateway.wait_for("gateway listening", Duration::from_secs(30));
+
+    // Verify the cluster, hop by hop, from the control-plane host.
+    for url in [
+        "http://10.0.0.21:8000/health",
+        "http://10.0.0.22:8000/health",
+        "http://127.0.0.1:8080/health",
+    ] {
+        let (st, _) = net.curl("cp", &[url]);
+        assert!((200..300).contains(&st), "{url}: {st}");
+    }
+    // Metrics stay on the control-plane host's loopback.
+    assert_eq!(net.curl("cp", &["http://127.0.0.1:9101/metrics"]).0, 200);
+    assert_eq!(net.curl("cp", &["http://127.0.0.1:9102/metrics"]).0, 200);
+    assert_eq!(
+        net.curl("client", &["http://10.0.0.10:9101/metrics"]).0,
+        0,
+        "not reachable from outside"
+    );
+    poll(
+        "both nodes ready in /nodes",
+        Duration::from_secs(30),
+        || {
+            let (st, v) = net.api("cp", "GET", "http://127.0.0.1:8080/nodes", "");
+            (st == 200 && status_of(&v, "node-a") == "ready" && status_of(&v, "node-b") == "ready")
+                .then_some(())
+        },
+    );
+    // Without the key, the gateway refuses.
+    assert_eq!(net.curl("client", &[&format!("{GW}/nodes")]).0, 401);
+
+    // Creates from the client alternate between the nodes; requests reach the owner.
+    let nodes = [
+        ("node-a", "10.0.0.21"),
+        ("node-b", "10.0.0.22"),
+        ("node-c", "10.0.0.23"),
+    ];
+    let s1 = create(&net);
+    let s2 = create(&net);
+    let (o1, o2) = (owner(&net, &s1, &nodes), owner(&net, &s2, &nodes));
+    assert_eq!(o1.len(), 1, "{o1:?}");
+    assert_eq!(o2.len(), 1, "{o2:?}");
+    assert_ne!(
+        o1, o2,
+        "round robin puts the two sandboxes on different nodes"
+    );
+    for s in [&s1, &s2] {
+        let (st, body) = hostname_via_gateway(&net, s);
+        assert_eq!(
+            (st, body.trim()),
+            (200, s.as_str()),
+            "data plane reaches the owner of {s}"
+        );
+    }
+    let (on_a, on_b) = if o1[0] == "node-a" {
+        (s1.clone(), s2.clone())
+    } else {
+        (s2.clone(), s1.clone())
+    };
+
+    // A heartbeat from an id that is not in the list is rejected (a node in the client
+    // namespace calling itself node-x).
+    let hx = tempfile::tempdir().unwrap();
+    let rogue = node(&net, "client", 19, "node-x", hx.path());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let v = rogue
+            .lines
+            .recv_timeout(left)
+            .expect("node-x logs its rejection");
+        if v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("is not in its scheduler.nodes list"))
+        {
+            break;
+        }
+    }
+    let (_, v) = net.api("cp", "GET", "http://127.0.0.1:8080/nodes", "");
+    assert_eq!(status_of(&v, "node-x"), "absent", "{v}");
+    drop(rogue);
+
+    // Node B dies (SIGKILL: no unregister). After report_ttl it is unhealthy, new
+    // sandboxes go to A, and B's sandbox answers an error instead of hanging.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(node_b.pid() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    poll("node-b unhealthy", Duration::from_secs(20), || {
+        let (_, v) = net.api("cp", "GET", "http://127.0.0.1:8080/nodes", "");
+        (status_of(&v, "node-b") == "unhealthy").then_some(())
+    });
+    let s3 = create(&net);
+    let s4 = create(&net);
+    assert_eq!(owner(&net, &s3, &nodes), ["node-a"]);
+    assert_eq!(owner(&net, &s4, &nodes), ["node-a"]);
+    let (st, body) = hostname_via_gateway(&net, &on_b);
+    assert!(st >= 500, "B's sandbox answers an error: {st} {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    assert!(
+        !v["message"].as_str().unwrap_or_default().is_empty(),
+        "a message: {body}"
+    );
+
+    // Restart the scheduler with node-c added to the list; start node C.
+    scheduler.stop();
+    drop(scheduler);
+    net.add_host("nc", "10.0.0.23");
+    cfg["scheduler"]["nodes"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"id": "node-c", "endpoint": "http://10.0.0.23:8000"}));
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let hc = tempfile::tempdir().unwrap();
+    let mut node_c = node(&net, "nc", 20, "node-c", hc.path());
+    let _scheduler = cp.scheduler(&net);
+    poll(
+        "node-a and node-c ready after the restart",
+        Duration::from_secs(30),
+        || {
+            let (_, v) = net.api("cp", "GET", "http://127.0.0.1:8080/nodes", "");
+            (status_of(&v, "node-a") == "ready" && status_of(&v, "node-c") == "ready").then_some(())
+        },
+    );
+    // Routing to sandboxes created before the restart comes back with the heartbeats.
+    poll(
+        "A's old sandbox routed after the restart",
+        Duration::from_secs(30),
+        || {
+            let (st, body) = hostname_via_gateway(&net, &on_a);
+            (st == 200 && body.trim() == on_a).then_some(())
+        },
+    );
+    // The new node is used.
+    let s5 = create(&net);
+    let s6 = create(&net);
+    let mut owners = vec![owner(&net, &s5, &nodes), owner(&net, &s6, &nodes)];
+    owners.sort();
+    assert_eq!(
+        owners,
+        [vec!["node-a".to_string()], vec!["node-c".to_string()]]
+    );
+    for s in [&s5, &s6] {
+        let (st, body) = hostname_via_gateway(&net, s);
+        assert_eq!((st, body.trim()), (200, s.as_str()));
+    }
+
+    // Clean up: restart B on its data directory (it removes the sandboxes of the killed
+    // run), delete every sandbox, stop everything.
+    node_b = node(&net, "nb", 18, "node-b", hb.path());
+    for s in [&on_a, &s3, &s4, &s5, &s6] {
+        let (st, v) = net.api("client", "DELETE", &format!("{GW}/sandboxes/{s}"), "");
+        assert!(st < 300, "delete {s}: {st} {v}");
+    }
+    node_a.stop();
+    node_b.stop();
+    node_c.stop();
+    drop(gateway);
+    let _ = &mut net;
+}
