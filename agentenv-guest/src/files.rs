@@ -183,8 +183,12 @@ async fn download_inner(
     } else {
         let body = StreamBody::new(crate::fileio::read_stream(file).map_ok(Frame::data));
         let mut r = Response::new(body.boxed_unsync());
-        r.headers_mut()
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(md.len()));
+        // Pseudo files (/proc, /sys) report size 0 but have content: those
+        // go chunked.
+        if md.is_file() && md.len() > 0 {
+            r.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(md.len()));
+        }
         r
     };
     let h = resp.headers_mut();

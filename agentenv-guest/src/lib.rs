@@ -25,8 +25,9 @@
 //! ```
 //!
 //! In init mode the process, being PID 1, mounts a fresh `/proc`, then
-//! `/sys` (skipped with a warning when the kernel refuses it), `/dev`
-//! (devtmpfs, else a tmpfs with null, zero, full, random, urandom, tty),
+//! `/sys` (skipped with a warning when the kernel refuses it), `/dev` when
+//! the root has no `/dev/null` (a tmpfs with null, zero, full, random,
+//! urandom, tty and the fd links, never the host's devtmpfs),
 //! `/dev/pts` (a new devpts instance, `/dev/ptmx` linked to it), `/dev/shm`,
 //! and a tmpfs on `/tmp` if `/tmp` is not writable; whatever is already
 //! mounted is left alone. It then runs the agent as its child (the same

@@ -101,10 +101,9 @@ pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
         // sysfs; the agent works without it.
         tracing::warn!(error = %e, "/sys not mounted");
     }
-    if !is_mountpoint("/dev")
-        && !Path::new("/dev/null").exists()
-        && mount("devtmpfs", "devtmpfs", "/dev", libc::MS_NOSUID, "mode=0755").is_err()
-    {
+    // No /dev at all (a bare root): a tmpfs with the basic devices only,
+    // never the host's full devtmpfs. (A VM kernel mounts its own devtmpfs.)
+    if !is_mountpoint("/dev") && !Path::new("/dev/null").exists() {
         mount("tmpfs", "tmpfs", "/dev", libc::MS_NOSUID, "mode=0755")?;
         make_basic_devices();
     }
@@ -148,6 +147,14 @@ pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
 }
 
 fn make_basic_devices() {
+    for (link, target) in [
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ] {
+        let _ = std::os::unix::fs::symlink(target, link);
+    }
     for (name, major, minor) in [
         ("null", 1, 3),
         ("zero", 1, 5),

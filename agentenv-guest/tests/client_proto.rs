@@ -771,3 +771,16 @@ async fn files_compose_concatenates_in_order_and_removes_sources() {
     );
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn pseudo_files_with_size_zero_download_their_content() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let mut body = Vec::new();
+    let mut s = c.download("/proc/self/status").await.unwrap();
+    while let Some(chunk) = s.next().await {
+        body.extend_from_slice(&chunk.unwrap());
+    }
+    assert!(String::from_utf8_lossy(&body).contains("Pid:"), "{body:?}");
+    agent.stop().await;
+}
