@@ -192,10 +192,10 @@ pub async fn request(
         .await
         .expect("handshake");
     tokio::spawn(conn);
-    let mut b = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string());
+    let mut b = hyper::Request::builder().method(method).uri(path);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        b = b.header("host", addr.to_string());
+    }
     for (k, v) in headers {
         b = b.header(*k, *v);
     }
