@@ -565,3 +565,25 @@ async fn reconcile_kills_and_removes_a_cgroup_without_an_address() {
     assert_eq!(common::sh(&live, "echo ok").await.stdout, "ok\n");
     b.destroy(&live.id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_limit_stops_a_fork_loop() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let mut spec = common::spec(&common::id("pids"));
+    spec.max_processes = Some(24);
+    let info = common::create_ready(&b, spec).await;
+    let code = "import os, time\nn = 0\nfor i in range(100):\n    try:\n        pid = os.fork()\n    except OSError as e:\n        print('refused', e.errno)\n        break\n    if pid == 0:\n        os.closerange(0, 3)\n        time.sleep(30)\n        os._exit(0)\n    n += 1\nprint('forked', n)\n";
+    let out = common::exec(&info, &["python3", "-c", code]).await;
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(
+        lines.first().copied(),
+        Some(format!("refused {}", libc::EAGAIN).as_str()),
+        "{out:?}"
+    );
+    let forked: u32 = lines[1].strip_prefix("forked ").unwrap().parse().unwrap();
+    assert!(forked < 24, "{forked} forks under a limit of 24");
+    let usage = b.usage(&info.id).await.unwrap();
+    assert!(usage.processes <= 24, "{usage:?}");
+    b.destroy(&info.id).await.unwrap();
+}
