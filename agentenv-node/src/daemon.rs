@@ -36,6 +36,11 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the token seed file {} is missing but paused sandboxes need it (secure or private): restore the file or set AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED",
+        .0.display()
+    )]
+    SeedMissing(std::path::PathBuf),
     #[error("heartbeat reporter: {0}")]
     Reporter(#[from] crate::reporter::ReporterError),
 }
@@ -84,6 +89,20 @@ impl Daemon {
             ),
             o => tracing::info!(origin = ?o, "API key loaded"),
         }
+        let store = PausedStore::open(cfg.home.join("persisted-sandboxes"))
+            .map_err(LifecycleError::from)?;
+        let seed_file = cfg.home.join("secrets").join(access::SEED_FILE);
+        if cfg.token_seed.is_none() && !seed_file.exists() {
+            // A new seed would lock clients out of restored secure or private sandboxes.
+            let needs_seed = store
+                .load_all()
+                .map_err(LifecycleError::from)?
+                .iter()
+                .any(|r| r.secure || !r.allow_public_traffic);
+            if needs_seed {
+                return Err(DaemonError::SeedMissing(seed_file));
+            }
+        }
         let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
         let backend: Arc<dyn SandboxBackend> = match cfg.backend {
             BackendKind::Microvm => return Err(DaemonError::MicrovmUnavailable),
@@ -95,8 +114,6 @@ impl Daemon {
             }
             BackendKind::Jail => Arc::new(jail_backend(&cfg).await?),
         };
-        let store = PausedStore::open(cfg.home.join("persisted-sandboxes"))
-            .map_err(LifecycleError::from)?;
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,
             auto_evict_interval: cfg.auto_evict_interval,

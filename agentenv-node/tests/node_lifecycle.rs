@@ -266,3 +266,33 @@ async fn paused_sandboxes_survive_a_node_restart() {
     );
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_refuses_a_new_seed_when_secure_paused_sandboxes_exist() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 15)).await;
+    let id = create(node.addr, r#"{"templateID":"base","secure":true}"#).await;
+    node.stop().await;
+    let seed = home.path().join("secrets/sandbox-access-token-hash-seed");
+    assert!(seed.is_file(), "the managed seed was created");
+    let kept = std::fs::read(&seed).unwrap();
+    std::fs::remove_file(&seed).unwrap();
+    let e = match agentenv_node::daemon::Daemon::start(node_common::config(home.path(), 15)).await {
+        Ok(_) => panic!("start must fail without the seed"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED"), "{e}");
+    // With the seed back, the sandbox and its token come back too.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(&seed, &kept).unwrap();
+    std::fs::set_permissions(&seed, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let node = Node::start(node_common::config(home.path(), 15)).await;
+    let r = api(node.addr, "POST", &format!("/sandboxes/{id}/connect"), "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(
+        r.json()["envdAccessToken"].as_str().unwrap(),
+        node.orch.tokens().envd_token(&id)
+    );
+    node.stop().await;
+}

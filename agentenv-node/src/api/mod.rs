@@ -354,7 +354,7 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
             BackendError::AddressPoolExhausted { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         },
-        LifecycleError::Agent { .. } | LifecycleError::Persist(_) => {
+        LifecycleError::Agent { .. } | LifecycleError::Persist(_) | LifecycleError::Internal(_) => {
             StatusCode::INTERNAL_SERVER_ERROR
         }
     };

@@ -77,6 +77,8 @@ pub enum LifecycleError {
     ShuttingDown,
     #[error("{0}")]
     BadRequest(String),
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error("sandbox {id}: the guest agent did not start: {reason}")]
@@ -338,8 +340,8 @@ impl Orchestrator {
     {
         match tokio::spawn(f).await {
             Ok(r) => r,
-            Err(e) => Err(LifecycleError::BadRequest(format!(
-                "internal task failed: {e}"
+            Err(e) => Err(LifecycleError::Internal(format!(
+                "lifecycle task failed: {e}"
             ))),
         }
     }
@@ -400,7 +402,7 @@ impl Orchestrator {
         });
         let _op = slot.op.clone().lock_owned().await;
         self.slots.lock().insert(id.clone(), slot.clone());
-        match self.start_backend(&rec, true).await {
+        match self.start_backend(&rec).await {
             Ok(addr) => {
                 let mut r = slot.rec.lock();
                 r.address = Some(addr);
@@ -424,11 +426,7 @@ impl Orchestrator {
 
     /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
     /// On failure nothing is left behind.
-    async fn start_backend(
-        &self,
-        rec: &SandboxRecord,
-        fresh: bool,
-    ) -> Result<SandboxAddress, LifecycleError> {
+    async fn start_backend(&self, rec: &SandboxRecord) -> Result<SandboxAddress, LifecycleError> {
         let info = self.backend.create(rec.spec()).await?;
         let addr = info.address;
         let ready = async {
@@ -451,7 +449,6 @@ impl Orchestrator {
                 reason,
             });
         }
-        let _ = fresh;
         Ok(addr)
     }
 
@@ -626,7 +623,7 @@ impl Orchestrator {
             r.clone()
         };
         let result = if rec.restored {
-            self.start_backend(&rec, false).await
+            self.start_backend(&rec).await
         } else {
             match self.backend.resume(&rec.id).await {
                 Ok(info) => Ok(info.address),
