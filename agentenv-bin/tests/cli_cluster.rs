@@ -169,6 +169,9 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     assert_eq!(a.run(&["exec", &id1, "true"]).status.code(), Some(0));
     let o = a.run(&["exec", &id1, "sh", "-c", "kill -TERM $$"]);
     assert_eq!(o.status.code(), Some(143), "a signal death is 128+signal");
+    let o = a.run_with_input(&["exec", "-i", &id1, "wc", "-c"], "abcde");
+    assert_eq!(stdout(&o).trim(), "5", "stdin streamed and closed at EOF");
+    exec_ctrl_c(&a, &id1);
 
     // -- upload/download: a file, a tree, 200 MB, checksums compared.
     let work = tempfile::tempdir().unwrap();
@@ -311,13 +314,53 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     assert_eq!(listed(&a, &["ls"]).len(), 0);
 }
 
+/// A local Ctrl-C (SIGINT to `aenv exec`) stops the remote command; exit code 130.
+fn exec_ctrl_c(a: &Aenv, id: &str) {
+    use std::io::BufRead;
+    let mut child = a
+        .cmd(&["exec", id, "sh", "-c", "echo started; exec sleep 300"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn aenv exec");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "started");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "aenv exec ignored Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+    let ps = a.ok(&["exec", id, "ps", "-eo", "args"]);
+    assert!(
+        !ps.contains("sleep 300"),
+        "the remote command was stopped:\n{ps}"
+    );
+}
+
+/// The local terminal is back in cooked mode (canonical input, echo).
+fn assert_cooked(stty: &str) {
+    let words: Vec<&str> = stty.split_whitespace().collect();
+    assert!(
+        words.contains(&"icanon") && words.contains(&"echo"),
+        "terminal left in raw mode:\n{stty}"
+    );
+}
+
 fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
     let status = dir.join("exit.txt");
     let cmd = format!(
-        "XDG_CONFIG_HOME={} TERM=xterm-256color {} cn {id}; echo EXIT=$? > {}; sleep 60",
+        "XDG_CONFIG_HOME={} TERM=xterm-256color {} cn {id}; echo EXIT=$? > {st}.tmp; stty -a >> {st}.tmp; mv {st}.tmp {st}; sleep 60",
         a.config.path().display(),
         cli_common::aenv_bin(),
-        status.display()
+        st = status.display()
     );
     let t = Tmux::start(&cmd, 100, 30);
     // A prompt from the remote shell, then a command and its output.
@@ -346,14 +389,26 @@ fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
     }
     // Ctrl-C interrupts the remote foreground process, not the session.
     t.line("sleep 300");
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !a
+        .ok(&["exec", id, "ps", "-eo", "args"])
+        .contains("sleep 300")
+    {
+        assert!(std::time::Instant::now() < deadline, "sleep never started");
+    }
     t.send(&["C-c"], false);
     t.line("echo after-$((1+1))");
     t.wait_for("output after Ctrl-C", Duration::from_secs(10), |s| {
         s.contains("after-2")
     });
+    assert!(
+        !a.ok(&["exec", id, "ps", "-eo", "args"])
+            .contains("sleep 300")
+    );
     t.line("exit 3");
-    assert_eq!(wait_file(&status, Duration::from_secs(20)), "EXIT=3\n");
+    let out = wait_file(&status, Duration::from_secs(20));
+    assert!(out.starts_with("EXIT=3\n"), "{out}");
+    assert_cooked(&out);
     drop(t);
 
     // A paused sandbox ends the session with 130 and says how to resume.
@@ -364,13 +419,44 @@ fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
         s.contains("ready-8")
     });
     a.ok(&["pause", id]);
-    assert_eq!(wait_file(&status, Duration::from_secs(30)), "EXIT=130\n");
+    let out = wait_file(&status, Duration::from_secs(30));
+    assert!(out.starts_with("EXIT=130\n"), "{out}");
+    assert_cooked(&out);
     let pane = t.capture();
     assert!(
         pane.contains(&format!("Sandbox {id} has been paused")),
         "{pane}"
     );
-    // `cn` resumed it; the terminal is back in cooked mode (echo works in the local shell).
     drop(t);
     a.ok(&["resume", id]);
+
+    // `start` creates a sandbox and attaches; deleting it ends the session with 130.
+    std::fs::remove_file(&status).ok();
+    let cmd = format!(
+        "XDG_CONFIG_HOME={} {} start base --metadata shell=1; echo EXIT=$? > {st}.tmp; stty -a >> {st}.tmp; mv {st}.tmp {st}; sleep 60",
+        a.config.path().display(),
+        cli_common::aenv_bin(),
+        st = status.display()
+    );
+    let t = Tmux::start(&cmd, 90, 25);
+    t.line("echo started-$((3*3))");
+    let pane = t.wait_for("the started shell", Duration::from_secs(30), |s| {
+        s.contains("started-9")
+    });
+    assert!(pane.contains("Started sandbox "), "{pane}");
+    let v: serde_json::Value =
+        serde_json::from_str(&a.ok(&["ls", "--metadata", "shell=1"])).unwrap();
+    let new_id = v[0]["sandboxID"]
+        .as_str()
+        .expect("the started sandbox")
+        .to_string();
+    a.ok(&["rm", &new_id]);
+    let out = wait_file(&status, Duration::from_secs(30));
+    assert!(out.starts_with("EXIT=130\n"), "{out}");
+    assert_cooked(&out);
+    let pane = t.capture();
+    assert!(
+        pane.contains(&format!("Sandbox {new_id} no longer exists.")),
+        "{pane}"
+    );
 }

@@ -191,7 +191,9 @@ Examples:
   aenv exec <id> ls -la /tmp
   aenv exec <id> sh -c 'echo $HOME; exit 3'; echo $?     # prints 3
   aenv exec --env A=1 --cwd /tmp <id> env
-Standard output and standard error are forwarded separately.")]
+  tar c ./src | aenv exec -i <id> tar x -C /tmp      # stream local input
+Standard output and standard error are forwarded separately. Ctrl-C sends SIGTERM to
+the remote command (twice: SIGKILL) and exits with 130.")]
     Exec {
         /// Environment variable KEY=VALUE for the command; repeatable.
         #[arg(long, short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
@@ -199,6 +201,9 @@ Standard output and standard error are forwarded separately.")]
         /// Working directory.
         #[arg(long)]
         cwd: Option<String>,
+        /// Stream local standard input to the command (closed at end of input).
+        #[arg(long, short = 'i')]
+        stdin: bool,
         sandbox_id: String,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -458,9 +463,10 @@ async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
         Command::Exec {
             env,
             cwd,
+            stdin,
             sandbox_id,
             command,
-        } => exec(api, &sandbox_id, command, env, cwd).await,
+        } => exec(api, &sandbox_id, command, env, cwd, stdin).await,
         Command::Pause { sandbox_id } => {
             api.pause(&sandbox_id).await?;
             println!("Paused {sandbox_id}");
@@ -575,12 +581,16 @@ async fn agent_for(
 }
 
 /// `aenv exec`: one process, no shell, stdout and stderr forwarded as they come.
+/// With `stdin`, local standard input is streamed to the process (closed at EOF). A
+/// local Ctrl-C sends SIGTERM to the remote process (a second one SIGKILL) and the
+/// command exits with 130.
 async fn exec(
     api: &Api,
     id: &str,
     command: Vec<String>,
     env: Vec<(String, String)>,
     cwd: Option<String>,
+    stdin: bool,
 ) -> Result<i32, CliError> {
     let agent = agent_for(api, id, None).await?;
     let mut words = command.into_iter();
@@ -592,7 +602,7 @@ async fn exec(
             envs: env.into_iter().collect(),
             cwd,
         }),
-        stdin: Some(false),
+        stdin: Some(stdin),
         ..Default::default()
     };
     let agent_err = |source| CliError::Agent {
@@ -602,11 +612,42 @@ async fn exec(
     let mut stream = agent.start(&req).await.map_err(agent_err)?;
     let mut out = tokio::io::stdout();
     let mut err = tokio::io::stderr();
+    let mut pid = None;
+    let mut interrupts = 0u32;
+    let mut input_started = false;
     use pr::process_event::Event;
     use pr::process_event::data_event::Output;
-    while let Some(msg) = stream.next().await {
-        let ev = msg.map_err(agent_err)?.event.and_then(|e| e.event);
+    // Registered before the first event so that no Ctrl-C is lost.
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(io_err("installing the Ctrl-C handler"))?;
+    loop {
+        let msg = tokio::select! {
+            m = stream.next() => m,
+            _ = sigint.recv() => {
+                interrupts += 1;
+                let sig = if interrupts == 1 { pr::Signal::Sigterm } else { pr::Signal::Sigkill };
+                match pid {
+                    Some(p) => {
+                        let _ = agent.send_signal(selector(p), sig).await;
+                    }
+                    None => return Ok(130),
+                }
+                continue;
+            }
+        };
+        let Some(msg) = msg else { break };
+        let ev = match msg {
+            Ok(m) => m.event.and_then(|e| e.event),
+            Err(e) => return Err(gone_or(api, id, agent_err(e)).await),
+        };
         match ev {
+            Some(Event::Start(st)) => {
+                pid = Some(st.pid);
+                if stdin && !input_started {
+                    input_started = true;
+                    forward_stdin(agent.clone(), st.pid);
+                }
+            }
             Some(Event::Data(d)) => match d.output {
                 Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
                     out.write_all(&b).await.map_err(io_err("writing stdout"))?;
@@ -622,12 +663,50 @@ async fn exec(
                 if let Some(m) = e.error.as_deref().filter(|m| !m.is_empty()) {
                     eprintln!("aenv: {m}");
                 }
-                return Ok(exit_code(&e));
+                return Ok(if interrupts > 0 { 130 } else { exit_code(&e) });
             }
             _ => {}
         }
     }
-    Err(CliError::NoExitEvent)
+    Err(gone_or(api, id, CliError::NoExitEvent).await)
+}
+
+fn selector(pid: u32) -> pr::ProcessSelector {
+    pr::ProcessSelector {
+        selector: Some(pr::process_selector::Selector::Pid(pid)),
+    }
+}
+
+/// Streams local standard input to process `pid`, then closes its stdin.
+fn forward_stdin(agent: agentenv_guest::client::GuestClient, pid: u32) {
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let (tx, task) = agent.stream_input(selector(pid), false);
+        let mut input = tokio::io::stdin();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match input.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if !tx.send(buf[..n].to_vec()).await {
+                        break;
+                    }
+                }
+            }
+        }
+        drop(tx);
+        let _ = task.await;
+        let _ = agent.close_stdin(selector(pid)).await;
+    });
+}
+
+/// When a process stream breaks, says why if the sandbox was paused or deleted.
+async fn gone_or(api: &Api, id: &str, e: CliError) -> CliError {
+    match api.get_opt(id).await {
+        Ok(None) => CliError::Api(ApiError::SandboxNotFound(id.to_string())),
+        Ok(Some(d)) if d.state.as_deref() == Some("paused") => CliError::Paused(id.to_string()),
+        _ => e,
+    }
 }
 
 /// The local exit code for a remote end event: the code, or 128+signal when a signal
