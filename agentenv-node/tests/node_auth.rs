@@ -171,3 +171,40 @@ async fn private_ports_need_the_traffic_token() {
     run(addr, &id, None, "true").await.unwrap();
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_report_this_node_with_counts() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 23)).await;
+    let addr = node.addr;
+    let running = create(addr, r#"{"templateID":"base","cpuCount":1,"memoryMB":128}"#).await;
+    let paused = create(addr, r#"{"templateID":"base","cpuCount":1,"memoryMB":256}"#).await;
+    assert_eq!(
+        api(addr, "POST", &format!("/sandboxes/{paused}/pause"), "")
+            .await
+            .status,
+        204
+    );
+    let v = api(addr, "GET", "/nodes", "").await.json();
+    let n = &v[0];
+    assert_eq!(n["id"], "test-node-23");
+    assert_eq!(n["status"], "ready");
+    assert_eq!(
+        (n["sandboxCount"].as_u64(), n["sandboxPausedCount"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(n["sandboxStartingCount"], 0);
+    assert_eq!(n["metrics"]["allocatedMemoryBytes"], 128u64 << 20);
+    assert_eq!(n["metrics"]["pausedAllocatedMemoryBytes"], 256u64 << 20);
+    assert!(n["machineInfo"]["cpuModelName"].as_str().is_some());
+    let d = api(addr, "GET", "/nodes/test-node-23", "").await;
+    assert_eq!(d.status, 200);
+    assert_eq!(d.json()["cachedBuilds"], serde_json::json!([]));
+    let other = api(addr, "GET", "/nodes?clusterID=another", "")
+        .await
+        .json();
+    assert_eq!(other, serde_json::json!([]));
+    let _ = running;
+    node.stop().await;
+}

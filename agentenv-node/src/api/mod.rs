@@ -62,6 +62,25 @@ pub struct ApiState {
     registry: Mutex<Registry>,
     http: Family<HttpLabels, Histogram>,
     host: Mutex<Option<sysinfo::System>>,
+    machine: serde_json::Value,
+}
+
+/// `machineInfo` of `GET /nodes`, from the first processor of `/proc/cpuinfo`.
+fn machine_info() -> serde_json::Value {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim() == name)
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    serde_json::json!({
+        "cpuFamily": field("cpu family"),
+        "cpuModel": field("model"),
+        "cpuModelName": field("model name"),
+        "cpuArchitecture": std::env::consts::ARCH,
+    })
 }
 
 impl ApiState {
@@ -88,6 +107,7 @@ impl ApiState {
             registry: Mutex::new(registry),
             http,
             host: Mutex::new(sysinfo::System::new().ok()),
+            machine: machine_info(),
         })
     }
 
@@ -636,10 +656,7 @@ fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
         "clusterID": id.cluster_id,
         "version": id.version,
         "commit": id.commit,
-        "machineInfo": {
-            "cpuFamily": "", "cpuModel": "", "cpuModelName": "",
-            "cpuArchitecture": std::env::consts::ARCH,
-        },
+        "machineInfo": state.machine,
         "status": "ready",
         "sandboxCount": u.running,
         "sandboxPausedCount": u.paused,

@@ -402,6 +402,11 @@ impl Orchestrator {
         });
         let _op = slot.op.clone().lock_owned().await;
         self.slots.lock().insert(id.clone(), slot.clone());
+        if self.is_shutting_down() {
+            // Shutdown has (or will have) taken its list of sandboxes: do not start one.
+            self.slots.lock().remove(&id);
+            return Err(LifecycleError::ShuttingDown);
+        }
         match self.start_backend(&rec).await {
             Ok(addr) => {
                 let mut r = slot.rec.lock();
@@ -845,18 +850,26 @@ impl Orchestrator {
         let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
         for slot in slots {
             let _op = slot.op.clone().lock_owned().await;
-            let (id, state, restored) = {
+            let (id, state, released) = {
                 let r = slot.rec.lock();
                 (r.id.clone(), r.state, r.restored)
             };
+            if released || !self.slots.lock().contains_key(&id) {
+                continue;
+            }
             if state == State::Running
                 && let Err(e) = self.pause_locked(&slot).await
             {
-                tracing::warn!(sandbox = %id, error = %e, "pause at shutdown failed");
+                tracing::warn!(sandbox = %id, error = %e, "pause at shutdown failed; the sandbox is lost");
             }
-            if !restored && let Err(e) = self.backend.destroy(&id).await {
-                tracing::warn!(sandbox = %id, error = %e, "releasing the sandbox at shutdown");
+            match self.backend.destroy(&id).await {
+                Ok(()) | Err(BackendError::NotFound(_)) => {}
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "releasing the sandbox at shutdown")
+                }
             }
+            // No backend sandbox is left: a later resume starts it afresh.
+            slot.rec.lock().restored = true;
         }
         *self.events.lock() = None;
         tracing::info!("lifecycle stopped; paused sandboxes are recorded");
