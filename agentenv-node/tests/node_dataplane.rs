@@ -173,3 +173,41 @@ async fn host_routes_reach_guest_ports() {
     assert_eq!(bad.status, 400);
     node.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_files_stream_both_ways_through_the_data_plane() {
+    use sha2::{Digest, Sha256};
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 43)).await;
+    let addr = node.addr;
+    let id = create(addr, r#"{"templateID":"base"}"#).await;
+    let c = agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
+        .unwrap()
+        .with_header("e2b-sandbox-id", &id)
+        .unwrap();
+    const CHUNKS: usize = 64;
+    let chunk = |i: usize| bytes::Bytes::from(vec![(i * 7 % 251) as u8; 1 << 20]);
+    let mut want = Sha256::new();
+    for i in 0..CHUNKS {
+        want.update(chunk(i));
+    }
+    let want = format!("{:x}", want.finalize());
+    let stream = futures::stream::iter((0..CHUNKS).map(move |i| Ok::<_, std::io::Error>(chunk(i))));
+    c.upload("/var/tmp/big", stream).await.unwrap();
+    let out = run(addr, &id, None, "sha256sum /var/tmp/big | cut -d' ' -f1")
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want);
+    let mut down = c.download("/var/tmp/big").await.unwrap();
+    let mut got = Sha256::new();
+    let mut n = 0usize;
+    while let Some(b) = down.next().await {
+        let b = b.unwrap();
+        n += b.len();
+        got.update(&b);
+    }
+    assert_eq!(n, CHUNKS << 20);
+    assert_eq!(format!("{:x}", got.finalize()), want);
+    node.stop().await;
+}
