@@ -168,6 +168,12 @@ fn node_binary_rejects_bad_config_with_one_line_and_stops_on_sigterm() {
         ("AENV_BACKEND", "qemu", "AENV_BACKEND"),
         ("API_ADDR", "localhost", "API_ADDR"),
         ("AENV_API_KEY", "short", "AENV_API_KEY"),
+        ("AENV_BACKEND", "microvm", "AENV_BACKEND=jail"),
+        (
+            "AENV_GUEST_BINARY_PATH",
+            "/nonexistent/agentenv-guest",
+            "build-static.sh",
+        ),
     ] {
         let out = Command::new(&bin)
             .env_clear()
