@@ -291,6 +291,7 @@ fn aenv_commands_against_gateway_and_two_nodes() {
         vec!["template", "ls"],
         vec!["snapshot", "ls"],
         vec!["snapshot", "create", id2.as_str()],
+        vec!["pull", "ubuntu:22.04"],
     ] {
         let o = a.run(&args);
         assert_eq!(o.status.code(), Some(1), "{args:?}");

@@ -27,6 +27,7 @@ const COMMANDS: &[&[&str]] = &[
     &["snapshot", "create"],
     &["snapshot", "list"],
     &["completion"],
+    &["pull"],
 ];
 
 #[test]

@@ -262,6 +262,39 @@ Examples:
         #[arg(long, short)]
         force: bool,
     },
+    /// Build a template from an OCI image and wait for it (unless --detach).
+    #[command(after_help = "\
+Examples:
+  aenv pull ubuntu:22.04                       # template `ubuntu`
+  aenv pull python:3.12-slim --name py --cpu 2 --memory 1024
+  aenv pull nginx:latest --start-cmd 'nginx -g \"daemon off;\"' --probe 80 -d")]
+    Pull {
+        /// Image reference, e.g. ubuntu:22.04.
+        image: String,
+        /// Template name (default: the image's last path component without tag).
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long, visible_alias = "cpu-count")]
+        cpu: Option<u32>,
+        /// Memory in MiB.
+        #[arg(long, visible_alias = "memory-mb", alias = "mem")]
+        memory: Option<u32>,
+        /// Command started when a sandbox boots from the template.
+        #[arg(long)]
+        start_cmd: Option<String>,
+        /// Command whose success marks the start command ready.
+        #[arg(long)]
+        ready_cmd: Option<String>,
+        /// Ready when this TCP port accepts connections.
+        #[arg(long, value_name = "PORT", conflicts_with = "ready_cmd")]
+        probe: Option<u16>,
+        /// Start the build and return.
+        #[arg(short, long)]
+        detach: bool,
+        /// Give up waiting after this many seconds.
+        #[arg(long, conflicts_with = "detach")]
+        timeout: Option<u64>,
+    },
     /// Templates (list, delete, watch a build).
     #[command(visible_alias = "templates", subcommand)]
     Template(TemplateCmd),
@@ -524,6 +557,22 @@ async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
             .await?;
             println!("{msg}");
             Ok(0)
+        }
+        Command::Pull {
+            image,
+            name,
+            cpu,
+            memory,
+            start_cmd,
+            ready_cmd,
+            probe,
+            detach,
+            timeout,
+        } => {
+            pull(
+                api, image, name, cpu, memory, start_cmd, ready_cmd, probe, detach, timeout,
+            )
+            .await
         }
         Command::Template(t) => template(api, t).await,
         Command::Snapshot(s) => snapshot(api, s).await,
@@ -825,40 +874,137 @@ async fn template(api: &Api, cmd: TemplateCmd) -> Result<i32, CliError> {
         }
         TemplateCmd::Watch { template } => {
             let id = resolve_template(api, &template).await?;
-            let path = format!("/templates/{0}/builds/{0}/status", api::seg(&id));
-            let bar = output::spinner("Build status: ...");
-            loop {
-                let (v, _) = api.json_call(http::Method::GET, &path, None).await?;
-                let status = v.get("status").and_then(|s| s.as_str()).unwrap_or("");
-                match status {
-                    "ready" => {
-                        if let Some(b) = &bar {
-                            b.finish_and_clear();
-                        }
-                        println!("Build succeeded: template {id} is ready.");
-                        return Ok(0);
-                    }
-                    "error" => {
-                        if let Some(b) = &bar {
-                            b.finish_and_clear();
-                        }
-                        let msg = v["reason"]["message"].as_str().unwrap_or("unknown reason");
-                        let step = v["reason"]["step"]
-                            .as_str()
-                            .map(|s| format!(" (step: {s})"))
-                            .unwrap_or_default();
-                        return Err(CliError::Usage(format!("Build failed: {msg}{step}")));
-                    }
-                    s => {
-                        if let Some(b) = &bar {
-                            b.set_message(format!("Build status: {s}"));
-                        }
-                    }
-                }
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-            }
+            // The build ID of a template is its template ID.
+            watch_build(api, &id, &id, &template, None).await
         }
     }
+}
+
+/// Polls a build's status once a second until it is ready, fails or `limit` passes.
+async fn watch_build(
+    api: &Api,
+    tid: &str,
+    bid: &str,
+    name: &str,
+    limit: Option<u64>,
+) -> Result<i32, CliError> {
+    let path = format!(
+        "/templates/{}/builds/{}/status",
+        api::seg(tid),
+        api::seg(bid)
+    );
+    let bar = output::spinner("Build status: ...");
+    let finish = || {
+        if let Some(b) = &bar {
+            b.finish_and_clear();
+        }
+    };
+    let deadline = limit.map(|s| tokio::time::Instant::now() + std::time::Duration::from_secs(s));
+    let mut unknown_seen = std::collections::BTreeSet::new();
+    loop {
+        let (v, _) = api.json_call(http::Method::GET, &path, None).await?;
+        if v["templateID"].as_str().is_some_and(|t| t != tid)
+            || v["buildID"].as_str().is_some_and(|b| b != bid)
+        {
+            finish();
+            return Err(CliError::Usage("Build status response mismatch".into()));
+        }
+        match v["status"].as_str().unwrap_or("") {
+            "ready" => {
+                finish();
+                println!("Build succeeded: template {tid} is ready.");
+                return Ok(0);
+            }
+            "error" => {
+                finish();
+                let msg = v["reason"]["message"].as_str().unwrap_or("unknown reason");
+                let step = v["reason"]["step"]
+                    .as_str()
+                    .map(|s| format!(" (step: {s})"))
+                    .unwrap_or_default();
+                return Err(CliError::Usage(format!("Build failed: {msg}{step}")));
+            }
+            s @ ("waiting" | "building") => {
+                if let Some(b) = &bar {
+                    b.set_message(format!("Build status: {s}"));
+                }
+            }
+            other => {
+                if unknown_seen.insert(other.to_string()) {
+                    eprintln!("Build returned unknown status: {other}");
+                }
+            }
+        }
+        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+            finish();
+            return Err(CliError::Usage(format!(
+                "Timed out waiting for build. Resume with: aenv template watch {name}"
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
+/// The default template name for an image: its last path component without tag or
+/// digest (`docker.io/library/ubuntu:22.04` → `ubuntu`).
+pub fn image_leaf(image: &str) -> String {
+    let no_digest = image.split('@').next().unwrap_or(image);
+    let leaf = no_digest.rsplit('/').next().unwrap_or(no_digest);
+    leaf.split(':').next().unwrap_or(leaf).to_string()
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn pull(
+    api: &Api,
+    image: String,
+    name: Option<String>,
+    cpu: Option<u32>,
+    memory: Option<u32>,
+    start_cmd: Option<String>,
+    ready_cmd: Option<String>,
+    probe: Option<u16>,
+    detach: bool,
+    timeout: Option<u64>,
+) -> Result<i32, CliError> {
+    let name = name.unwrap_or_else(|| image_leaf(&image));
+    let mut body = serde_json::json!({ "name": name });
+    if let Some(c) = cpu {
+        body["cpuCount"] = c.into();
+    }
+    if let Some(m) = memory {
+        body["memoryMB"] = m.into();
+    }
+    let (v, _) = api
+        .json_call(http::Method::POST, "/v3/templates", Some(&body))
+        .await?;
+    let field = |k: &str| {
+        v[k].as_str().map(str::to_string).ok_or_else(|| {
+            CliError::Api(ApiError::BadResponse {
+                path: "/v3/templates".into(),
+                reason: format!("no {k}"),
+            })
+        })
+    };
+    let (tid, bid) = (field("templateID")?, field("buildID")?);
+    let mut build = serde_json::json!({ "fromImage": image });
+    if let Some(c) = start_cmd {
+        build["startCmd"] = c.into();
+    }
+    if let Some(p) = probe {
+        build["readyCmd"] = format!(": >/dev/tcp/127.0.0.1/{p}").into();
+    } else if let Some(c) = ready_cmd {
+        build["readyCmd"] = c.into();
+    }
+    let path = format!("/v2/templates/{}/builds/{}", api::seg(&tid), api::seg(&bid));
+    api.json_call(http::Method::POST, &path, Some(&build))
+        .await?;
+    println!("Created template {tid} (build {bid})");
+    if detach {
+        println!("Build started.");
+        println!("Watch with: aenv template watch {name}");
+        return Ok(0);
+    }
+    watch_build(api, &tid, &bid, &name, timeout).await
 }
 
 async fn snapshot(api: &Api, cmd: SnapshotCmd) -> Result<i32, CliError> {
@@ -905,5 +1051,70 @@ async fn snapshot(api: &Api, cmd: SnapshotCmd) -> Result<i32, CliError> {
             output::snapshots(&all, output.format()).map_err(io_err("writing the list"))?;
             Ok(0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_leaf_drops_registry_path_tag_and_digest() {
+        assert_eq!(image_leaf("ubuntu:22.04"), "ubuntu");
+        assert_eq!(image_leaf("docker.io/library/python:3.12-slim"), "python");
+        assert_eq!(image_leaf("ghcr.io/o/app@sha256:abc"), "app");
+        assert_eq!(image_leaf("localhost:5000/x/y"), "y");
+    }
+
+    #[test]
+    fn exit_codes_follow_shell_conventions() {
+        let end = |code, exited, status: &str| pr::process_event::EndEvent {
+            exit_code: code,
+            exited,
+            status: status.into(),
+            error: None,
+        };
+        assert_eq!(exit_code(&end(7, true, "exit status 7")), 7);
+        assert_eq!(exit_code(&end(-1, false, "signal: killed")), 137);
+        assert_eq!(exit_code(&end(-1, false, "signal: terminated")), 143);
+        assert_eq!(exit_code(&end(-1, false, "weird")), 1);
+    }
+
+    #[test]
+    fn disk_sizes_must_be_positive_multiples_of_1024() {
+        assert_eq!(parse_disk("2048"), Ok(2048));
+        assert!(parse_disk("0").is_err());
+        assert!(
+            parse_disk("1000")
+                .unwrap_err()
+                .contains("divisible by 1024")
+        );
+        assert!(parse_disk("x").unwrap_err().contains("positive integer"));
+    }
+
+    #[test]
+    fn metadata_filters_match_all_pairs_locally() {
+        let s = api::ListedSandbox {
+            sandbox_id: "id".into(),
+            template_id: None,
+            alias: None,
+            state: None,
+            cpu_count: None,
+            memory_mb: None,
+            disk_size_mb: None,
+            started_at: None,
+            end_at: None,
+            metadata: Some([("a".to_string(), "x=y".to_string())].into()),
+        };
+        let q = |pairs: &[(&str, &str)]| {
+            let v: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            vec![("metadata".to_string(), api::encode_query(&v))]
+        };
+        assert!(m_match(&q(&[("a", "x=y")]), &s));
+        assert!(!m_match(&q(&[("a", "x=y"), ("b", "1")]), &s));
+        assert!(m_match(&[], &s));
     }
 }
