@@ -315,6 +315,11 @@ impl Cluster {
             })
             .collect();
 
+        wait_observed(
+            &scheduler,
+            &nodes.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(),
+        );
+
         let mut gw_cfg = config.clone();
         gw_cfg["gateway"]["scheduler_addr"] = serde_json::json!(scheduler);
         let gw_path = dir.path().join("gateway.json");
@@ -340,6 +345,43 @@ impl Cluster {
             _dir: dir,
         }
     }
+}
+
+/// Waits until the scheduler has a heartbeat from every node in `ids`.
+pub fn wait_observed(scheduler: &str, ids: &[String]) {
+    use agentenv_core::proto::scheduler_v1::ListObservedNodesRequest;
+    use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let mut client = SchedulerClient::connect(format!("http://{scheduler}"))
+            .await
+            .expect("scheduler client");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let seen: Vec<String> = client
+                .list_observed_nodes(ListObservedNodesRequest::default())
+                .await
+                .map(|r| {
+                    r.into_inner()
+                        .nodes
+                        .into_iter()
+                        .map(|n| n.node_id)
+                        .collect()
+                })
+                .unwrap_or_default();
+            if ids.iter().all(|id| seen.contains(id)) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the scheduler saw heartbeats from {seen:?}, not all of {ids:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
 }
 
 /// A blocking HTTP/1.1 request (no keep-alive); returns status, headers and body.
