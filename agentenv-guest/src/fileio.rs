@@ -27,24 +27,38 @@ pub enum WriteError<E: std::fmt::Display + std::fmt::Debug> {
 /// allocating (and page-faulting) a fresh megabyte per chunk.
 struct Pooled {
     buf: Vec<u8>,
+    len: usize,
     pool: std::sync::Arc<parking_lot::Mutex<Vec<Vec<u8>>>>,
 }
 
 impl AsRef<[u8]> for Pooled {
     fn as_ref(&self) -> &[u8] {
-        &self.buf
+        &self.buf[..self.len]
     }
 }
 
 impl Drop for Pooled {
     fn drop(&mut self) {
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
+        let buf = std::mem::take(&mut self.buf);
         let mut pool = self.pool.lock();
         if pool.len() < DEPTH + 2 {
             pool.push(buf);
         }
     }
+}
+
+/// Reads until `buf` is full or the file ends; returns the bytes read.
+fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
 
 /// The contents of `file` as a stream of chunks read on a blocking thread.
@@ -54,15 +68,14 @@ pub fn read_stream(file: std::fs::File) -> impl Stream<Item = io::Result<Bytes>>
     tokio::task::spawn_blocking(move || {
         let mut file = file;
         loop {
-            let mut buf = pool
-                .lock()
-                .pop()
-                .unwrap_or_else(|| Vec::with_capacity(CHUNK));
-            match (&mut file).take(CHUNK as u64).read_to_end(&mut buf) {
+            // Buffers are zeroed once, when first made, then reused.
+            let mut buf = pool.lock().pop().unwrap_or_else(|| vec![0u8; CHUNK]);
+            match fill(&mut file, &mut buf) {
                 Ok(0) => break,
-                Ok(_) => {
+                Ok(len) => {
                     let chunk = Bytes::from_owner(Pooled {
                         buf,
+                        len,
                         pool: pool.clone(),
                     });
                     if tx.blocking_send(Ok(chunk)).is_err() {
