@@ -219,3 +219,73 @@ fn agentenv_up_refuses_a_busy_gateway_port_and_names_the_flag() {
         assert!(err.contains("needs root"), "{err}");
     }
 }
+
+#[test]
+fn ctrl_c_during_start_up_removes_the_first_sandbox_and_every_process() {
+    if let Some(r) = skip_reason() {
+        eprintln!("SKIPPED: {r}");
+        return;
+    }
+    let agentenv = binary("agentenv").expect("agentenv binary");
+    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
+        binary(b).expect("cluster binary");
+    }
+    let guest = guest_binary().expect("static guest agent");
+    let mut child = Command::new(&agentenv)
+        .args(["up", "--nodes", "2", "--listen", "127.0.0.1:0"])
+        .arg("--template-dir")
+        .arg(TEMPLATE_CACHE)
+        .arg("--guest-binary")
+        .arg(&guest)
+        .args(["--pool-prefix", "10.16", "--iface-prefix", "uq"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start agentenv up");
+    let pid = child.id();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = Vec::new();
+    let mut data_dir = String::new();
+    // Interrupt while the first sandbox is being created through the gateway.
+    for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+        eprintln!("[up] {l}");
+        if let Some(d) = l.strip_prefix("state and logs: ") {
+            data_dir = d.to_string();
+        }
+        let interrupt =
+            l.starts_with("starting a first sandbox") || l.starts_with("building template");
+        lines.push(l);
+        if interrupt {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGINT,
+            )
+            .unwrap();
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let text = lines.join("\n");
+    assert!(!data_dir.is_empty(), "{text}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("starting a first sandbox")),
+        "{text}"
+    );
+    if out.status.success() {
+        // The check finished before the signal was seen: a normal stop followed.
+        assert!(text.contains("Ctrl-C stops everything"), "{text}\n{err}");
+    } else {
+        assert!(err.contains("interrupted during start-up"), "{err}");
+    }
+    for n in ["gateway", "node-a", "node-b", "scheduler"] {
+        assert!(text.contains(&format!("  {n} stopped")), "{n}: {text}");
+    }
+    assert_eq!(
+        interfaces_with_prefix(&["uqa", "uqb"]),
+        Vec::<String>::new()
+    );
+    assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
+    assert!(!Path::new(&data_dir).exists(), "temporary state removed");
+}

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use agentenv_bin::up::{Up, UpOptions, stdout_out};
 use clap::{Parser, Subcommand};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
 #[derive(Parser)]
 #[command(name = "agentenv", version, about = "AgentENV all-in-one tool")]
@@ -57,6 +58,9 @@ struct UpArgs {
     /// First two octets of the sandbox address pools (node i gets <prefix>.<i>.0/24).
     #[arg(long, default_value = "10.13")]
     pool_prefix: String,
+    /// Prefix of the host interfaces of sandboxes (node i appends a letter).
+    #[arg(long, default_value = "up")]
+    iface_prefix: String,
     /// Show every log line of the child processes.
     #[arg(long, short)]
     verbose: bool,
@@ -98,18 +102,38 @@ async fn run(args: Args) -> anyhow::Result<()> {
     opts.api_key = a.api_key.filter(|k| !k.is_empty());
     opts.check = !a.no_check;
     opts.pool_prefix = a.pool_prefix;
+    opts.iface_prefix = a.iface_prefix;
     opts.verbose = a.verbose;
     let out = stdout_out();
-    let up = tokio::select! {
-        r = Up::start(opts, out.clone()) => r?,
-        _ = agentenv_bin::shutdown_signal() => {
-            // Up::start stops what it started when it is dropped mid-way: children are
-            // killed on drop and die with us (PR_SET_PDEATHSIG).
-            anyhow::bail!("interrupted during start-up");
-        }
-    };
+    // One signal stream for the whole run, so a Ctrl-C between start-up and serving is
+    // not lost.
+    let mut signals = Signals::new()?;
+    let up = Up::start(opts, out.clone(), signals.next()).await?;
     out(&up.banner());
-    up.serve(agentenv_bin::shutdown_signal()).await?;
+    up.serve(signals.next()).await?;
     out("stopped");
     Ok(())
+}
+
+/// SIGINT and SIGTERM, listened to from the start.
+struct Signals {
+    int: Signal,
+    term: Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Resolves at the next SIGINT or SIGTERM.
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+    }
 }

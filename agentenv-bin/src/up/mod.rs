@@ -84,6 +84,10 @@ pub enum UpError {
         last: String,
         logs: PathBuf,
     },
+    #[error("--iface-prefix {0:?}: use 1 to 5 lowercase letters")]
+    IfacePrefix(String),
+    #[error("interrupted during start-up; everything started so far was stopped")]
+    Interrupted,
     #[error("the first sandbox failed: {0}")]
     FirstSandbox(String),
     #[error(transparent)]
@@ -118,6 +122,8 @@ pub struct UpOptions {
     pub check: bool,
     /// First two octets of the sandbox address pools: node `i` gets `<prefix>.<i>.0/24`.
     pub pool_prefix: String,
+    /// Host interface prefix (1–5 lowercase letters); node `i` uses `<prefix><a+i>`.
+    pub iface_prefix: String,
     /// Echo every log line of the children, not only warnings, errors and progress.
     pub verbose: bool,
 }
@@ -136,6 +142,7 @@ impl UpOptions {
             api_key: None,
             check: true,
             pool_prefix: "10.13".into(),
+            iface_prefix: "up".into(),
             verbose: false,
         }
     }
@@ -258,13 +265,21 @@ impl Up {
     /// Starts scheduler, nodes and gateway, waits until the gateway lists every node as
     /// ready and (with `check`) a first sandbox ran a command. On error, whatever was
     /// started is stopped again.
-    pub async fn start(opts: UpOptions, out: Out) -> Result<Up, UpError> {
+    pub async fn start(
+        opts: UpOptions,
+        out: Out,
+        interrupt: impl std::future::Future<Output = ()>,
+    ) -> Result<Up, UpError> {
         // SAFETY: geteuid has no preconditions and cannot fail.
         if unsafe { libc::geteuid() } != 0 {
             return Err(UpError::NotRoot);
         }
         if !(1..=16).contains(&opts.nodes) {
             return Err(UpError::NodeCount(opts.nodes));
+        }
+        let p = &opts.iface_prefix;
+        if p.is_empty() || p.len() > 5 || !p.bytes().all(|b| b.is_ascii_lowercase()) {
+            return Err(UpError::IfacePrefix(p.clone()));
         }
         for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
             let path = opts.bin_dir.join(b);
@@ -362,7 +377,13 @@ impl Up {
             tx,
             _temp: temp,
         };
-        match up.boot(&cfg_path, &guest).await {
+        // Interrupted half-way, the sandboxes and processes started so far are removed
+        // the same way as on a normal stop.
+        let booted = tokio::select! {
+            r = up.boot(&cfg_path, &guest) => r,
+            () = interrupt => Err(UpError::Interrupted),
+        };
+        match booted {
             Ok(()) => Ok(up),
             Err(e) => {
                 up.stop().await;
@@ -411,7 +432,10 @@ impl Up {
                 .env("AENV_GUEST_BINARY_PATH", guest)
                 .env("AENV_TEMPLATE_PATH", &self.opts.template_dir)
                 .env("AENV_JAIL_ADDRESS_POOL", &pool)
-                .env("AENV_JAIL_IFACE_PREFIX", format!("up{letter}"))
+                .env(
+                    "AENV_JAIL_IFACE_PREFIX",
+                    format!("{}{letter}", self.opts.iface_prefix),
+                )
                 .env("AENV_JAIL_CGROUP_PARENT", format!("agentenv-up-{letter}"))
                 .env("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true")
                 .env(
@@ -731,6 +755,9 @@ impl Up {
     /// scheduler (SIGTERM, SIGKILL after 30 s), and reports anything left behind.
     pub async fn stop(&mut self) {
         let say = self.out.clone();
+        // The gateway first: no new request reaches a node while its sandboxes are
+        // deleted. Then the nodes, then the scheduler.
+        self.stop_children(|n| n == "gateway").await;
         say("stopping: deleting sandboxes");
         for (id, addr) in self.info.nodes.clone() {
             let running = self.children.iter().any(|c| c.name == id);
@@ -765,15 +792,22 @@ impl Up {
                 Err(e) => say(&format!("  could not list the sandboxes of {id}: {e}")),
             }
         }
-        // Gateway first (no new requests), then nodes, then the scheduler.
-        let mut order: Vec<usize> = (0..self.children.len()).collect();
-        order.sort_by_key(|&i| match self.children[i].name.as_str() {
-            "gateway" => 0,
-            "scheduler" => 2,
-            _ => 1,
-        });
-        for i in order {
-            let c = &mut self.children[i];
+        self.stop_children(|n| n != "gateway" && n != "scheduler")
+            .await;
+        self.stop_children(|n| n == "scheduler").await;
+        let left = leftover_interfaces(&self.opts.iface_prefix, self.opts.nodes);
+        if !left.is_empty() {
+            say(&format!(
+                "warning: network interfaces left behind: {}",
+                left.join(", ")
+            ));
+        }
+    }
+
+    /// SIGTERM to the children whose name matches, then waits (SIGKILL after 30 s).
+    async fn stop_children(&mut self, which: impl Fn(&str) -> bool) {
+        let say = self.out.clone();
+        for c in self.children.iter_mut().filter(|c| which(&c.name)) {
             if let Some(pid) = c.pid() {
                 // SAFETY: kill with a pid of our own child and a valid signal number.
                 unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -785,13 +819,6 @@ impl Up {
                     }
                 }
             }
-        }
-        let left = leftover_interfaces(self.opts.nodes);
-        if !left.is_empty() {
-            say(&format!(
-                "warning: network interfaces left behind: {}",
-                left.join(", ")
-            ));
         }
     }
 
@@ -840,9 +867,9 @@ async fn wait_any(children: &mut [ChildProc]) -> (String, String, PathBuf) {
 }
 
 /// The jail interfaces of `agentenv up` nodes still present on this host.
-pub fn leftover_interfaces(nodes: u8) -> Vec<String> {
+pub fn leftover_interfaces(iface_prefix: &str, nodes: u8) -> Vec<String> {
     let prefixes: Vec<String> = (0..nodes)
-        .map(|i| format!("up{}", (b'a' + i) as char))
+        .map(|i| format!("{iface_prefix}{}", (b'a' + i) as char))
         .collect();
     std::fs::read_dir("/sys/class/net")
         .map(|rd| {
