@@ -448,7 +448,7 @@ fn build_env(
     user: &User,
     req_envs: &HashMap<String, String>,
 ) -> Vec<(String, String)> {
-    let mut env: std::collections::BTreeMap<String, String> = std::env::vars().collect();
+    let mut env = crate::server::base_env();
     env.entry("PATH".into())
         .or_insert_with(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     env.insert("HOME".into(), user.home.display().to_string());

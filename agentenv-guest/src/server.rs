@@ -370,8 +370,17 @@ impl FromRfc3339 for pbjson_types::Timestamp {
     }
 }
 
+/// The agent's own environment without its configuration variables
+/// (`AGENTENV_GUEST_*`, which may carry the access token): the base of every
+/// process's environment.
+pub fn base_env() -> BTreeMap<String, String> {
+    std::env::vars()
+        .filter(|(k, _)| !k.starts_with("AGENTENV_GUEST_"))
+        .collect()
+}
+
 fn handle_envs(state: &AgentState) -> Response<RespBody> {
-    let mut all: BTreeMap<String, String> = std::env::vars().collect();
+    let mut all = base_env();
     all.extend(state.init_envs());
     let mut r = Response::new(connect::full(serde_json::to_vec(&all).unwrap_or_default()));
     r.headers_mut().insert(

@@ -58,6 +58,7 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
         .arg(env!("CARGO_BIN_EXE_agentenv-guest"))
         .args(["--init", "--addr", "127.0.0.1", "--port", &port.to_string()])
         .env("RUST_LOG", "warn")
+        .env("AGENTENV_GUEST_DEFAULT_WORKDIR", "/")
         .stdin(Stdio::null())
         .spawn()
         .unwrap();
@@ -73,6 +74,15 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
     // We are in a new PID namespace with a fresh /proc: PID 1 is init mode.
     let cmdline = run_sh(&c, "tr '\\0' ' ' < /proc/1/cmdline").await;
     assert!(cmdline.contains("--init"), "PID 1 is {cmdline:?}");
+
+    // The agent's own configuration variables do not reach processes.
+    let leaked = run_sh(&c, "env | grep -c '^AGENTENV_GUEST_' || true").await;
+    assert_eq!(
+        leaked.trim(),
+        "0",
+        "agent configuration leaked into a process"
+    );
+    assert_eq!(run_sh(&c, "pwd").await.trim(), "/");
 
     // An orphan is re-parented to PID 1 and reaped when it exits.
     run_sh(&c, "sleep 0.3 & exit 0").await;
