@@ -125,6 +125,30 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     let mut want = vec![id1.clone(), id2.clone()];
     want.sort();
     assert_eq!(got, want);
+    // The server pages at limit=1 (so the next call really follows a token)...
+    let (st, hdrs, body) = agentenv_tests::http(
+        cluster.gateway,
+        "GET",
+        "/v2/sandboxes?limit=1",
+        &[("x-api-key", API_KEY)],
+        "",
+    );
+    assert_eq!(st, 200);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(
+        hdrs.iter()
+            .any(|(k, v)| k == "x-next-token" && !v.is_empty()),
+        "{hdrs:?}"
+    );
+    // ...and `ls` fetches every page (one sandbox per request here), in the server's order.
+    assert_eq!(ids(&listed(&a, &["ls", "--page-size", "1"])), ids(&all));
     assert_eq!(all[0]["state"], "running");
     assert_eq!(all[0]["templateID"], "base");
     assert_eq!(
@@ -270,6 +294,25 @@ fn aenv_commands_against_gateway_and_two_nodes() {
         ids(&listed(&a, &["ls", "--state", "running"])),
         vec![id1.clone()]
     );
+    // Completion offers running sandboxes for exec and paused ones for resume.
+    let complete = |words: &[&str]| {
+        let mut c = a.cmd(&["--", "aenv"]);
+        c.args(words)
+            .env("COMPLETE", "bash")
+            .env("_CLAP_COMPLETE_INDEX", words.len().to_string());
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+            .lines()
+            .filter(|w| !w.starts_with('-'))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(complete(&["exec", ""]), vec![id1.clone()]);
+    assert_eq!(complete(&["resume", ""]), vec![id2.clone()]);
+    let mut both = vec![id1.clone(), id2.clone()];
+    both.sort();
+    assert_eq!(complete(&["rm", ""]), both);
     let o = a.run(&["exec", &id2, "true"]);
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(

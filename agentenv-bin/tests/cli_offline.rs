@@ -52,23 +52,53 @@ fn every_command_has_help_with_examples_and_needs_no_credentials() {
 }
 
 #[test]
-fn completion_scripts_for_bash_zsh_and_fish_name_the_subcommands() {
+fn completion_scripts_call_back_into_aenv_which_completes_commands_and_flags() {
     let a = Aenv::new();
     let bash = a.ok(&["completion", "bash"]);
     assert!(
-        bash.contains("complete -F _aenv") && bash.contains("upload"),
+        bash.contains("COMPLETE=\"bash\"") && bash.contains("-F _clap_complete_aenv aenv"),
         "{bash}"
     );
+    assert!(
+        bash.contains(cli_common::aenv_bin()),
+        "calls back into this binary: {bash}"
+    );
     let zsh = a.ok(&["completion", "zsh"]);
-    assert!(zsh.starts_with("#compdef aenv") && zsh.contains("download"));
+    assert!(
+        zsh.contains("#compdef aenv") && zsh.contains("COMPLETE=\"zsh\""),
+        "{zsh}"
+    );
     let fish = a.ok(&["completion", "fish"]);
-    assert!(fish.contains("complete -c aenv") && fish.contains("snapshot"));
+    assert!(
+        fish.contains("complete") && fish.contains("COMPLETE=fish"),
+        "{fish}"
+    );
     let o = a.run(&["completion", "tcsh"]);
     assert_eq!(
         o.status.code(),
         Some(2),
         "an unknown shell is a usage error"
     );
+
+    // What the scripts run: `COMPLETE=bash aenv -- aenv <words>`.
+    let complete = |words: &[&str]| {
+        let mut c = a.cmd(&["--", "aenv"]);
+        c.args(words)
+            .env("COMPLETE", "bash")
+            .env("_CLAP_COMPLETE_INDEX", words.len().to_string());
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let subs = complete(&["d"]);
+    assert!(
+        subs.lines().any(|l| l == "download") && subs.lines().any(|l| l == "delete"),
+        "{subs}"
+    );
+    let flags = complete(&["download", "--"]);
+    assert!(flags.lines().any(|l| l == "--force"), "{flags}");
+    // Without credentials there are no sandbox IDs to offer, and no error.
+    assert!(complete(&["exec", ""]).lines().all(|l| l.starts_with('-')));
 }
 
 #[test]

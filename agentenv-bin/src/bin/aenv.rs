@@ -1,8 +1,12 @@
 //! `aenv`: the AgentENV command line.
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 fn main() {
+    // `COMPLETE=<shell> aenv -- <words>`: answer a completion request and exit.
+    clap_complete::CompleteEnv::with_factory(agentenv_bin::cli::Cli::command)
+        .var(agentenv_bin::cli::complete::VAR)
+        .complete();
     let cli = agentenv_bin::cli::Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

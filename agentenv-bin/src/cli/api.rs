@@ -260,12 +260,13 @@ impl Api {
     pub async fn list_all(
         &self,
         query: &[(String, String)],
+        page_size: u32,
     ) -> Result<Vec<ListedSandbox>, ApiError> {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
             let mut q: Vec<(String, String)> = query.to_vec();
-            q.push(("limit".into(), "100".into()));
+            q.push(("limit".into(), page_size.to_string()));
             if let Some(t) = &token {
                 q.push(("nextToken".into(), t.clone()));
             }

@@ -6,6 +6,7 @@
 //! base URL, routed by the `x-agentenv-sandbox-id` and `x-agentenv-target-port` headers.
 
 pub mod api;
+pub mod complete;
 pub mod credentials;
 pub mod files;
 pub mod output;
@@ -14,7 +15,8 @@ pub mod term;
 
 use std::io::{BufRead, IsTerminal, Write};
 
-use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap_complete::ArgValueCandidates;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
 
@@ -140,6 +142,9 @@ Examples:
         /// Only sandboxes whose metadata has KEY=VALUE; repeatable (all must match).
         #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
         metadata: Vec<(String, String)>,
+        /// Sandboxes per request (every page is fetched either way).
+        #[arg(long, hide = true, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100))]
+        page_size: u32,
     },
     /// Create a sandbox and open an interactive shell in it.
     #[command(after_help = "\
@@ -184,7 +189,10 @@ Examples:
   aenv cn <id>
 Exit codes: the shell's exit code; 130 when the sandbox is paused, deleted or lost."
     )]
-    Connect { sandbox_id: String },
+    Connect {
+        #[arg(add = ArgValueCandidates::new(complete::any))]
+        sandbox_id: String,
+    },
     /// Run one command in a sandbox (no shell); exits with its exit code.
     #[command(after_help = "\
 Examples:
@@ -204,6 +212,7 @@ the remote command (twice: SIGKILL) and exits with 130.")]
         /// Stream local standard input to the command (closed at end of input).
         #[arg(long, short = 'i')]
         stdin: bool,
+        #[arg(add = ArgValueCandidates::new(complete::running))]
         sandbox_id: String,
         /// The program and its arguments.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -211,10 +220,14 @@ the remote command (twice: SIGKILL) and exits with 130.")]
     },
     /// Pause a sandbox (memory and files are kept).
     #[command(after_help = "Example:\n  aenv pause <id>")]
-    Pause { sandbox_id: String },
+    Pause {
+        #[arg(add = ArgValueCandidates::new(complete::running))]
+        sandbox_id: String,
+    },
     /// Resume a paused sandbox.
     #[command(after_help = "Example:\n  aenv resume <id> --timeout 600")]
     Resume {
+        #[arg(add = ArgValueCandidates::new(complete::paused))]
         sandbox_id: String,
         /// New time to live in seconds.
         #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
@@ -222,14 +235,18 @@ the remote command (twice: SIGKILL) and exits with 130.")]
     },
     /// Set a sandbox's remaining time to live.
     #[command(after_help = "Example:\n  aenv timeout <id> 3600")]
-    Timeout { sandbox_id: String, seconds: u64 },
+    Timeout {
+        #[arg(add = ArgValueCandidates::new(complete::running))]
+        sandbox_id: String,
+        seconds: u64,
+    },
     /// Delete sandboxes.
     #[command(
         visible_alias = "rm",
         after_help = "Examples:\n  aenv rm <id>\n  aenv rm <id1> <id2>"
     )]
     Delete {
-        #[arg(required = true)]
+        #[arg(required = true, add = ArgValueCandidates::new(complete::any))]
         sandbox_ids: Vec<String>,
     },
     /// Upload a file or directory into a sandbox (existing files are replaced).
@@ -239,6 +256,7 @@ Examples:
   aenv upload <id> ./data.csv /home/user/        # keeps the name
   aenv upload <id> ./project /home/user/          # directory tree -> /home/user/project")]
     Upload {
+        #[arg(add = ArgValueCandidates::new(complete::running))]
         sandbox_id: String,
         local_path: std::path::PathBuf,
         remote_path: String,
@@ -253,6 +271,7 @@ Examples:
   aenv download <id> /home/user/results ./        # directory tree -> ./results
   aenv download <id> /etc/hosts hosts --force      # replace an existing file")]
     Download {
+        #[arg(add = ArgValueCandidates::new(complete::running))]
         sandbox_id: String,
         remote_path: String,
         local_path: Option<std::path::PathBuf>,
@@ -337,6 +356,7 @@ pub enum SnapshotCmd {
     /// Snapshot a sandbox.
     #[command(after_help = "Example:\n  aenv snapshot create <id> --name my-snap")]
     Create {
+        #[arg(add = ArgValueCandidates::new(complete::running))]
         sandbox_id: String,
         #[arg(long)]
         name: Option<String>,
@@ -388,9 +408,19 @@ pub async fn run(cli: Cli) -> Result<i32, CliError> {
             no_verify,
         } => auth(url, api_key, api_key_stdin, no_verify).await,
         Command::Completion { shell } => {
-            let mut cmd = Cli::command();
+            // The script calls back into this binary: by name when it was run from PATH,
+            // else by its absolute path.
+            let argv0 = std::env::args().next().unwrap_or_else(|| "aenv".into());
+            let completer = if argv0.contains('/') {
+                std::env::current_exe()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or(argv0)
+            } else {
+                argv0
+            };
             let mut out = Vec::new();
-            clap_complete::generate(shell, &mut cmd, "aenv", &mut out);
+            complete::write_registration(shell, &completer, &mut out)
+                .map_err(io_err("writing the script"))?;
             match std::io::stdout().write_all(&out) {
                 Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
                     Err(io_err("writing the script")(e))
@@ -412,6 +442,7 @@ async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
             output,
             state,
             metadata,
+            page_size,
         } => {
             let mut q = Vec::new();
             if !state.is_empty() {
@@ -421,7 +452,7 @@ async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
                 let m: Vec<(String, String)> = metadata;
                 q.push(("metadata".to_string(), api::encode_query(&m)));
             }
-            let mut items = api.list_all(&q).await?;
+            let mut items = api.list_all(&q, page_size).await?;
             // Older servers ignore filters; apply them here as well.
             items.retain(|s| {
                 (state.is_empty() || s.state.as_ref().is_some_and(|st| state.contains(st)))
