@@ -532,6 +532,7 @@ impl Up {
         let tag = name.to_string();
         let tail2 = tail.clone();
         tokio::spawn(async move {
+            let mut progress = Progress::default();
             while let Some(l) = lrx.recv().await {
                 let _ = writeln!(file, "{l}");
                 {
@@ -542,7 +543,9 @@ impl Up {
                     t.push_back(l.clone());
                 }
                 let json = serde_json::from_str::<serde_json::Value>(&l).ok();
-                if let Some(show) = shown_line(json.as_ref(), &l, verbose) {
+                if let Some(show) = shown_line(json.as_ref(), &l, verbose)
+                    && (verbose || !progress.repeats(&show))
+                {
                     out(&format!("  [{tag}] {show}"));
                 }
                 let _ = tx.send(Line { child: idx, json });
@@ -881,6 +884,33 @@ pub fn leftover_interfaces(iface_prefix: &str, nodes: u8) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Condenses debootstrap's per-package lines (`I: Retrieving x`, `I: Validating x`, ...):
+/// within a stretch of such lines only the first of each kind is shown, so a template
+/// build shows a dozen lines, not hundreds.
+#[derive(Default)]
+struct Progress {
+    seen: std::collections::HashSet<String>,
+}
+
+impl Progress {
+    /// Whether `line` is one more per-package line of a kind already shown.
+    fn repeats(&mut self, line: &str) -> bool {
+        let verb = line
+            .strip_prefix("I: ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_default();
+        let per_package = matches!(
+            verb,
+            "Retrieving" | "Validating" | "Extracting" | "Unpacking" | "Configuring" | "Installing"
+        );
+        if !per_package {
+            self.seen.clear();
+            return false;
+        }
+        !self.seen.insert(verb.to_string())
+    }
+}
+
 /// Which child log lines the user sees: warnings, errors, template build progress, and
 /// anything that is not a JSON log line (a fatal error printed on stderr).
 fn shown_line(json: Option<&serde_json::Value>, raw: &str, verbose: bool) -> Option<String> {
@@ -965,5 +995,42 @@ pub async fn run_command(
             "the command ended with {other:?}; output: {}",
             String::from_utf8_lossy(&stdout)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_progress_shows_the_first_line_of_each_debootstrap_stage() {
+        let mut p = Progress::default();
+        let shown: Vec<&str> = [
+            "building template base: debootstrap --variant=minbase bookworm",
+            "I: Retrieving InRelease",
+            "I: Checking Release signature",
+            "I: Retrieving adduser 3.134",
+            "I: Validating adduser 3.134",
+            "I: Retrieving apt 2.6.1",
+            "I: Validating apt 2.6.1",
+            "I: Extracting bash",
+            "I: Extracting dash",
+            "I: Base system installed successfully.",
+        ]
+        .into_iter()
+        .filter(|l| !p.repeats(l))
+        .collect();
+        assert_eq!(
+            shown,
+            [
+                "building template base: debootstrap --variant=minbase bookworm",
+                "I: Retrieving InRelease",
+                "I: Checking Release signature",
+                "I: Retrieving adduser 3.134",
+                "I: Validating adduser 3.134",
+                "I: Extracting bash",
+                "I: Base system installed successfully.",
+            ]
+        );
     }
 }
