@@ -80,6 +80,10 @@ pub struct NodeConfig {
     pub jail_cgroup_parent: String,
     /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
     pub proxy_domains: Vec<String>,
+    /// `[sandbox_proxy].upload_idle_timeout_ms` (30 s).
+    pub proxy_upload_idle_timeout: Duration,
+    /// `[sandbox_proxy].response_header_timeout_ms` (30 s after the request body ends).
+    pub proxy_response_header_timeout: Duration,
     pub default_timeout: Duration,
     pub auto_evict_interval: Duration,
     pub auto_resume_min_timeout: Duration,
@@ -155,6 +159,8 @@ struct FileSandbox {
 #[serde(deny_unknown_fields)]
 struct FileProxy {
     domains: Option<Vec<String>>,
+    upload_idle_timeout_ms: Option<u64>,
+    response_header_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -331,6 +337,16 @@ impl NodeConfig {
                 "use at least 1 second",
             ));
         }
+        let proxy_upload_idle_timeout =
+            Duration::from_millis(file.sandbox_proxy.upload_idle_timeout_ms.unwrap_or(30_000));
+        let proxy_response_header_timeout = Duration::from_millis(
+            file.sandbox_proxy
+                .response_header_timeout_ms
+                .unwrap_or(30_000),
+        );
+        if proxy_upload_idle_timeout.is_zero() || proxy_response_header_timeout.is_zero() {
+            return Err(invalid("sandbox_proxy timeouts", "0", "use at least 1 ms"));
+        }
         let proxy_domains = env("AENV_SANDBOX_PROXY_DOMAINS")
             .map(|s| s.split(',').map(str::to_string).collect::<Vec<_>>())
             .or(file.sandbox_proxy.domains)
@@ -384,6 +400,8 @@ impl NodeConfig {
                 .or(file.jail.cgroup_parent)
                 .unwrap_or_else(|| "agentenv".into()),
             proxy_domains,
+            proxy_upload_idle_timeout,
+            proxy_response_header_timeout,
             default_timeout: Duration::from_secs(o.default_sandbox_timeout_secs.unwrap_or(15)),
             auto_evict_interval: Duration::from_millis(evict_ms),
             auto_resume_min_timeout: Duration::from_secs(

@@ -131,7 +131,16 @@ impl Daemon {
             version: env!("CARGO_PKG_VERSION").into(),
             commit: option_env!("AENV_GIT_COMMIT").unwrap_or("unknown").into(),
         };
-        let state = ApiState::new(orch.clone(), api_key, identity, cfg.proxy_domains.clone());
+        let state = ApiState::new(
+            orch.clone(),
+            api_key,
+            identity,
+            cfg.proxy_domains.clone(),
+            crate::dataplane::RelayTimeouts {
+                upload_idle: cfg.proxy_upload_idle_timeout,
+                response_headers: cfg.proxy_response_header_timeout,
+            },
+        );
         let listener =
             TcpListener::bind(cfg.api_addr)
                 .await

@@ -211,3 +211,64 @@ async fn large_files_stream_both_ways_through_the_data_plane() {
     assert_eq!(format!("{:x}", got.finalize()), want);
     node.stop().await;
 }
+
+const SILENT_SERVER: &str = r#"
+import socket, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 9001))
+s.listen(8)
+open("/tmp/silent", "w").close()
+held = []
+while True:
+    c, _ = s.accept()
+    held.append(c)
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sandboxes_and_stalled_uploads_time_out() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let mut cfg = node_common::config(home.path(), 44);
+    cfg.proxy_response_header_timeout = Duration::from_millis(300);
+    cfg.proxy_upload_idle_timeout = Duration::from_millis(300);
+    let node = Node::start(cfg).await;
+    let addr = node.addr;
+    let id = create(addr, r#"{"templateID":"base"}"#).await;
+    let script = format!(
+        "cat > /tmp/silent.py <<'EOF'\n{SILENT_SERVER}\nEOF\n(python3 /tmp/silent.py >/dev/null 2>&1 &); while [ ! -f /tmp/silent ]; do sleep 0.02; done"
+    );
+    run(addr, &id, None, &script).await.unwrap();
+    let h = [
+        ("e2b-sandbox-id", id.as_str()),
+        ("e2b-sandbox-port", "9001"),
+    ];
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        request(addr, "GET", "/proxy/slow", &h, ""),
+    )
+    .await
+    .expect("the node answers");
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("no response headers")
+    );
+
+    // A client that stops sending its body mid-way: the relay gives up.
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /proxy/upload HTTP/1.1\r\nHost: {addr}\r\ne2b-sandbox-id: {id}\r\ne2b-sandbox-port: 9001\r\nContent-Length: 1000\r\n\r\npartial"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf))
+        .await
+        .expect("the node answers a stalled upload")
+        .unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+    node.stop().await;
+}

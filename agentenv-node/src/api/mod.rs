@@ -59,6 +59,8 @@ pub struct ApiState {
     pub api_key: String,
     pub identity: NodeIdentity,
     pub domains: Vec<String>,
+    /// Timeouts of data-plane relays.
+    pub relay_timeouts: dataplane::RelayTimeouts,
     registry: Mutex<Registry>,
     http: Family<HttpLabels, Histogram>,
     host: Mutex<Option<sysinfo::System>>,
@@ -89,6 +91,7 @@ impl ApiState {
         api_key: String,
         identity: NodeIdentity,
         domains: Vec<String>,
+        relay_timeouts: dataplane::RelayTimeouts,
     ) -> Arc<Self> {
         let http = Family::<HttpLabels, Histogram>::new_with_constructor(
             agentenv_core::metrics::latency_histogram as fn() -> Histogram,
@@ -104,6 +107,7 @@ impl ApiState {
             api_key,
             identity,
             domains,
+            relay_timeouts,
             registry: Mutex::new(registry),
             http,
             host: Mutex::new(sysinfo::System::new().ok()),
@@ -304,6 +308,7 @@ async fn proxy(
     };
     let relay = Relay {
         upstream: addr.port(target.port),
+        timeouts: state.relay_timeouts,
         target: &target,
         keep_access_token,
         api_key: &state.api_key,
@@ -322,6 +327,9 @@ async fn proxy(
                     target.sandbox_id, target.port
                 ),
             )
+        }
+        Err(e @ dataplane::ProxyError::HeaderTimeout(_)) => {
+            json_error(StatusCode::GATEWAY_TIMEOUT, e.to_string())
         }
         Err(e) => json_error(StatusCode::BAD_GATEWAY, e.to_string()),
     }

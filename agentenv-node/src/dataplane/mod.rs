@@ -35,6 +35,85 @@ pub enum ProxyError {
     Upstream(#[from] hyper::Error),
     #[error("building the upstream request: {0}")]
     Request(#[from] http::Error),
+    #[error("the sandbox sent no response headers within {0:?} after the request body ended")]
+    HeaderTimeout(Duration),
+}
+
+/// Timeouts of a relay.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayTimeouts {
+    /// How long the client may pause while sending the request body.
+    pub upload_idle: Duration,
+    /// How long the sandbox may take to send response headers once the body has ended.
+    pub response_headers: Duration,
+}
+
+impl Default for RelayTimeouts {
+    fn default() -> Self {
+        Self {
+            upload_idle: Duration::from_secs(30),
+            response_headers: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A request body that reports its end and fails when the client stalls.
+struct Upload {
+    inner: Incoming,
+    idle: Duration,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    done: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the client sent no request data for {0:?}")]
+struct UploadIdle(Duration);
+
+impl hyper::body::Body for Upload {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(f))) => {
+                let deadline = tokio::time::Instant::now() + this.idle;
+                this.timer.as_mut().reset(deadline);
+                if this.inner.is_end_stream()
+                    && let Some(d) = this.done.take()
+                {
+                    // The client (hyper) may not poll a body that says it has ended.
+                    let _ = d.send(());
+                }
+                Poll::Ready(Some(Ok(f)))
+            }
+            Poll::Ready(other) => {
+                if let Some(d) = this.done.take() {
+                    let _ = d.send(());
+                }
+                Poll::Ready(other.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
+            }
+            Poll::Pending => match this.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.done.take();
+                    Poll::Ready(Some(Err(Box::new(UploadIdle(this.idle)))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Where a data-plane request goes.
@@ -277,6 +356,7 @@ fn is_upgrade<B>(req: &Request<B>) -> bool {
 /// Options of one relay.
 pub struct Relay<'a> {
     pub upstream: SocketAddr,
+    pub timeouts: RelayTimeouts,
     pub target: &'a Target,
     pub keep_access_token: bool,
     pub api_key: &'a str,
@@ -336,11 +416,26 @@ pub async fn relay(mut req: Request<Incoming>, r: Relay<'_>) -> Result<Response<
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, u.clone());
     }
-    let mut up = Request::builder()
+    let up = Request::builder()
         .method(parts.method)
         .uri(r.target.path_and_query.as_str())
         .version(Version::HTTP_11)
-        .body(body)?;
+        .body(())?;
+    let (body_done, body_ended) = tokio::sync::oneshot::channel();
+    let body_done = if hyper::body::Body::is_end_stream(&body) {
+        // Nothing to send: the header clock starts now.
+        let _ = body_done.send(());
+        None
+    } else {
+        Some(body_done)
+    };
+    let body = Upload {
+        inner: body,
+        idle: r.timeouts.upload_idle,
+        timer: Box::pin(tokio::time::sleep(r.timeouts.upload_idle)),
+        done: body_done,
+    };
+    let mut up = up.map(|()| body);
     *up.headers_mut() = headers;
 
     let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(r.upstream)).await {
@@ -367,7 +462,17 @@ pub async fn relay(mut req: Request<Incoming>, r: Relay<'_>) -> Result<Response<
             tracing::debug!(error = %e, "upstream connection ended");
         }
     });
-    let mut resp = sender.send_request(up).await?;
+    let header_limit = r.timeouts.response_headers;
+    let mut resp = tokio::select! {
+        resp = sender.send_request(up) => resp?,
+        () = async {
+            // Only once the whole body is sent does the header clock start.
+            if body_ended.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(header_limit).await;
+        } => return Err(ProxyError::HeaderTimeout(header_limit)),
+    };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
         && let Some(client_upgrade) = client_upgrade
     {
