@@ -45,6 +45,17 @@ fn is_mountpoint(target: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// True when /proc is mounted and `/proc/self` names this process, i.e. the
+/// proc instance belongs to our PID namespace.
+fn proc_shows_our_namespace() -> bool {
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str().and_then(|s| s.parse::<libc::pid_t>().ok()))
+        == Some(pid)
+}
+
 fn mount(
     what: &'static str,
     fstype: &str,
@@ -81,11 +92,11 @@ fn mount(
 /// /tmp, skipping those already mounted.
 pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
     let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
-    // As PID 1 of a new PID namespace, an inherited /proc shows the wrong
-    // namespace: mount a fresh one (our mount namespace is private).
-    // SAFETY: getpid has no preconditions.
-    let is_pid1 = unsafe { libc::getpid() } == 1;
-    if is_pid1 || !Path::new("/proc/self").exists() {
+    // An inherited /proc of another PID namespace shows the wrong processes:
+    // mount a fresh one (our mount namespace is private). A /proc that already
+    // belongs to our namespace (the jail mounts one before exec, and a jail
+    // may not mount) is kept.
+    if !proc_shows_our_namespace() {
         mount("proc", "proc", "/proc", nosuid_nodev_noexec, "")?;
     }
     if !is_mountpoint("/sys")
