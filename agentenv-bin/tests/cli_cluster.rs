@@ -196,6 +196,7 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     let o = a.run_with_input(&["exec", "-i", &id1, "wc", "-c"], "abcde");
     assert_eq!(stdout(&o).trim(), "5", "stdin streamed and closed at EOF");
     exec_ctrl_c(&a, &id1);
+    exec_closed_stdout(&a, &id1);
 
     // -- upload/download: a file, a tree, 200 MB, checksums compared.
     let work = tempfile::tempdir().unwrap();
@@ -387,6 +388,42 @@ fn exec_ctrl_c(a: &Aenv, id: &str) {
         !ps.contains("sleep 300"),
         "the remote command was stopped:\n{ps}"
     );
+}
+
+/// A reader that goes away (`aenv exec … yes | head -1`) stops the remote command and
+/// exits 141 like SIGPIPE would.
+fn exec_closed_stdout(a: &Aenv, id: &str) {
+    use std::io::BufRead;
+    let mut child = a
+        .cmd(&["exec", id, "yes", "closed-pipe"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn aenv exec");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "closed-pipe");
+    drop(lines);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "aenv exec kept writing to a closed pipe"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(141));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while a
+        .ok(&["exec", id, "ps", "-eo", "args"])
+        .contains("yes closed-pipe")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the remote command kept running"
+        );
+    }
 }
 
 /// The local terminal is back in cooked mode (canonical input, echo).

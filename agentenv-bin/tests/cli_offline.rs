@@ -154,6 +154,12 @@ fn an_unreachable_server_is_named_in_the_error() {
         stderr(&o)
     );
     assert!(!b.credentials_path().exists());
+    // An empty sandbox ID is refused before any request.
+    let o = a.run(&["exec", "", "true"]);
+    assert_eq!(
+        stderr(&o).trim(),
+        "Error: the sandbox ID is empty; list sandboxes with `aenv ls`"
+    );
     let o = b.run_with_input(&["auth", "--url", &url, "--api-key-stdin"], "\n");
     assert_eq!(stderr(&o).trim(), "Error: API key cannot be empty");
 }

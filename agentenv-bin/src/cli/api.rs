@@ -38,6 +38,8 @@ pub enum ApiError {
     Unreachable { url: String, reason: String },
     #[error("the server at {url} did not answer within {secs} s")]
     Timeout { url: String, secs: u64 },
+    #[error("the sandbox ID is empty; list sandboxes with `aenv ls`")]
+    EmptyId,
     #[error("sandbox {0} not found; list sandboxes with `aenv ls`")]
     SandboxNotFound(String),
     #[error("the server does not support {what} ({method} {path} answered 404: {message})")]
@@ -215,6 +217,9 @@ impl Api {
         body: Option<&serde_json::Value>,
         sandbox: Option<&str>,
     ) -> Result<Reply, ApiError> {
+        if sandbox.is_some_and(|id| id.trim().is_empty()) {
+            return Err(ApiError::EmptyId);
+        }
         let r = self.call(method.clone(), path, body).await?;
         if r.status.is_success() {
             return Ok(r);

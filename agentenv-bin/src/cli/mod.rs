@@ -730,12 +730,24 @@ async fn exec(
             }
             Some(Event::Data(d)) => match d.output {
                 Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
-                    out.write_all(&b).await.map_err(io_err("writing stdout"))?;
-                    out.flush().await.map_err(io_err("writing stdout"))?;
+                    let w = async {
+                        out.write_all(&b).await?;
+                        out.flush().await
+                    }
+                    .await;
+                    if let Err(e) = w {
+                        return broken_pipe(&agent, pid, e, "writing stdout").await;
+                    }
                 }
                 Some(Output::Stderr(b)) => {
-                    err.write_all(&b).await.map_err(io_err("writing stderr"))?;
-                    err.flush().await.map_err(io_err("writing stderr"))?;
+                    let w = async {
+                        err.write_all(&b).await?;
+                        err.flush().await
+                    }
+                    .await;
+                    if let Err(e) = w {
+                        return broken_pipe(&agent, pid, e, "writing stderr").await;
+                    }
                 }
                 None => {}
             },
@@ -749,6 +761,24 @@ async fn exec(
         }
     }
     Err(gone_or(api, id, CliError::NoExitEvent).await)
+}
+
+/// A closed local output (e.g. `aenv exec … | head`) stops the remote command and
+/// exits like a process killed by SIGPIPE (141); other write errors are reported.
+async fn broken_pipe(
+    agent: &agentenv_guest::client::GuestClient,
+    pid: Option<u32>,
+    e: std::io::Error,
+    what: &str,
+) -> Result<i32, CliError> {
+    if let Some(p) = pid {
+        let _ = agent.send_signal(selector(p), pr::Signal::Sigkill).await;
+    }
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        Ok(141)
+    } else {
+        Err(io_err(what)(e))
+    }
 }
 
 fn selector(pid: u32) -> pr::ProcessSelector {
