@@ -205,6 +205,16 @@ async fn nodes_report_this_node_with_counts() {
         .await
         .json();
     assert_eq!(other, serde_json::json!([]));
+    // Stage timings of the creates and the pause are on /metrics.
+    let m = request(addr, "GET", "/metrics", &[], "").await.text();
+    for needle in [
+        "agentenv_sandbox_stage_duration_seconds_count{operation=\"create_warm\",stage=\"total\",status=\"success\"} 2",
+        "agentenv_sandbox_stage_duration_seconds_count{operation=\"create_warm\",stage=\"agent_ready\",status=\"success\"} 2",
+        "agentenv_sandbox_stage_duration_seconds_count{operation=\"pause\",stage=\"total\",status=\"success\"} 1",
+        "agentenv_sandbox_stage_inflight{operation=\"pause\",stage=\"total\"} 0",
+    ] {
+        assert!(m.contains(needle), "{needle} not in:\n{m}");
+    }
     let _ = running;
     node.stop().await;
 }

@@ -102,6 +102,7 @@ impl ApiState {
             "HTTP request duration",
             http.clone(),
         );
+        orch.metrics().register(&mut registry);
         Arc::new(Self {
             orch,
             api_key,

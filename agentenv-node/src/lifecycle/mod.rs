@@ -11,8 +11,10 @@
 //! sandbox's processes across a node restart (the jail) starts a restored sandbox afresh
 //! from its template on resume.
 
+mod metrics;
 mod persist;
 
+pub use metrics::{LifecycleMetrics, StageTimer};
 pub use persist::{PausedStore, PersistError};
 
 use std::collections::{BTreeMap, HashMap};
@@ -220,6 +222,7 @@ pub struct Orchestrator {
     events: Mutex<Option<mpsc::UnboundedSender<SandboxEvent>>>,
     create_successes: AtomicU64,
     create_fails: AtomicU64,
+    metrics: LifecycleMetrics,
 }
 
 /// Whether a connect resumed the sandbox (201) or found it running (200).
@@ -262,7 +265,13 @@ impl Orchestrator {
             events: Mutex::new(None),
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
+            metrics: LifecycleMetrics::default(),
         }))
+    }
+
+    /// Stage timings, for the node's `/metrics`.
+    pub fn metrics(&self) -> &LifecycleMetrics {
+        &self.metrics
     }
 
     /// The token issuer of this node.
@@ -401,13 +410,16 @@ impl Orchestrator {
             rec: Mutex::new(rec.clone()),
         });
         let _op = slot.op.clone().lock_owned().await;
+        let total = self.metrics.start("create_warm", "total");
         self.slots.lock().insert(id.clone(), slot.clone());
         if self.is_shutting_down() {
             // Shutdown has (or will have) taken its list of sandboxes: do not start one.
             self.slots.lock().remove(&id);
             return Err(LifecycleError::ShuttingDown);
         }
-        match self.start_backend(&rec).await {
+        let started = self.start_backend(&rec).await;
+        total.finish(started.is_ok());
+        match started {
             Ok(addr) => {
                 let mut r = slot.rec.lock();
                 r.address = Some(addr);
@@ -432,8 +444,11 @@ impl Orchestrator {
     /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
     /// On failure nothing is left behind.
     async fn start_backend(&self, rec: &SandboxRecord) -> Result<SandboxAddress, LifecycleError> {
-        let info = self.backend.create(rec.spec()).await?;
-        let addr = info.address;
+        let stage = self.metrics.start("create_warm", "backend_start");
+        let info = self.backend.create(rec.spec()).await;
+        stage.finish(info.is_ok());
+        let addr = info?.address;
+        let stage = self.metrics.start("create_warm", "agent_ready");
         let ready = async {
             wait_ready(
                 addr.agent(),
@@ -445,6 +460,7 @@ impl Orchestrator {
             self.init_agent(rec, addr).await
         }
         .await;
+        stage.finish(ready.is_ok());
         if let Err(reason) = ready {
             if let Err(e) = self.backend.destroy(&rec.id).await {
                 tracing::warn!(sandbox = %rec.id, error = %e, "cleanup after a failed start");
@@ -514,6 +530,7 @@ impl Orchestrator {
         if !self.slots.lock().contains_key(&rec.id) {
             return Err(LifecycleError::NotFound(rec.id));
         }
+        let timer = self.metrics.start("pause", "total");
         let result = async {
             self.backend.pause(&rec.id).await?;
             let mut paused = rec.clone();
@@ -526,6 +543,7 @@ impl Orchestrator {
             Ok(())
         }
         .await;
+        timer.finish(result.is_ok());
         let mut r = slot.rec.lock();
         match result {
             Ok(()) => {
@@ -627,6 +645,7 @@ impl Orchestrator {
             r.state = State::Resuming;
             r.clone()
         };
+        let timer = self.metrics.start("resume", "total");
         let result = if rec.restored {
             self.start_backend(&rec).await
         } else {
@@ -635,6 +654,7 @@ impl Orchestrator {
                 Err(e) => Err(e.into()),
             }
         };
+        timer.finish(result.is_ok());
         let mut r = slot.rec.lock();
         match result {
             Ok(addr) => {

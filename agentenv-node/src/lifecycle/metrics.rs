@@ -1,0 +1,112 @@
+//! Prometheus metrics of lifecycle operations: `agentenv_sandbox_stage_duration_seconds`
+//! `{operation,stage,status}` and `agentenv_sandbox_stage_inflight{operation,stage}`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::time::Instant;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StageLabels {
+    operation: &'static str,
+    stage: &'static str,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InflightLabels {
+    operation: &'static str,
+    stage: &'static str,
+}
+
+/// Stage timings of create, pause and resume.
+#[derive(Clone)]
+pub struct LifecycleMetrics {
+    durations: Family<StageLabels, Histogram>,
+    inflight: Family<InflightLabels, Gauge>,
+}
+
+impl Default for LifecycleMetrics {
+    fn default() -> Self {
+        Self {
+            durations: Family::new_with_constructor(
+                agentenv_core::metrics::latency_histogram as fn() -> Histogram,
+            ),
+            inflight: Family::default(),
+        }
+    }
+}
+
+impl LifecycleMetrics {
+    /// Adds the families to `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "agentenv_sandbox_stage_duration_seconds",
+            "Duration of sandbox lifecycle stages",
+            self.durations.clone(),
+        );
+        registry.register(
+            "agentenv_sandbox_stage_inflight",
+            "Sandbox lifecycle stages in progress",
+            self.inflight.clone(),
+        );
+    }
+
+    /// Starts timing `stage` of `operation`.
+    pub fn start(&self, operation: &'static str, stage: &'static str) -> StageTimer {
+        self.inflight
+            .get_or_create(&InflightLabels { operation, stage })
+            .inc();
+        StageTimer {
+            metrics: self.clone(),
+            operation,
+            stage,
+            started: Instant::now(),
+            done: false,
+        }
+    }
+}
+
+/// A running stage; dropping it unfinished counts as an error.
+pub struct StageTimer {
+    metrics: LifecycleMetrics,
+    operation: &'static str,
+    stage: &'static str,
+    started: Instant,
+    done: bool,
+}
+
+impl StageTimer {
+    /// Records the stage as finished, successfully or not.
+    pub fn finish(mut self, ok: bool) {
+        self.record(ok);
+    }
+
+    fn record(&mut self, ok: bool) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let (operation, stage) = (self.operation, self.stage);
+        self.metrics
+            .inflight
+            .get_or_create(&InflightLabels { operation, stage })
+            .dec();
+        self.metrics
+            .durations
+            .get_or_create(&StageLabels {
+                operation,
+                stage,
+                status: if ok { "success" } else { "error" },
+            })
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for StageTimer {
+    fn drop(&mut self) {
+        self.record(false);
+    }
+}
