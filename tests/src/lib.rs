@@ -253,6 +253,8 @@ pub fn start_node(
 pub struct Cluster {
     pub gateway: SocketAddr,
     pub scheduler: String,
+    /// The scheduler's Prometheus address.
+    pub scheduler_metrics: SocketAddr,
     pub nodes: Vec<NodeProc>,
     pub gateway_proc: Proc,
     pub scheduler_proc: Proc,
@@ -300,6 +302,11 @@ impl Cluster {
         let scheduler_proc = Proc::spawn("scheduler", cmd);
         let v = scheduler_proc.wait_for("scheduler listening", Duration::from_secs(30));
         let scheduler = v["grpc_addr"].as_str().expect("grpc_addr").to_string();
+        let scheduler_metrics: SocketAddr = v["metrics_addr"]
+            .as_str()
+            .expect("metrics_addr")
+            .parse()
+            .expect("metrics address");
 
         let node_procs: Vec<NodeProc> = nodes
             .iter()
@@ -339,6 +346,7 @@ impl Cluster {
         Cluster {
             gateway,
             scheduler,
+            scheduler_metrics,
             nodes: node_procs,
             gateway_proc,
             scheduler_proc,

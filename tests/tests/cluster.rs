@@ -149,6 +149,22 @@ fn heartbeat_roster_carries_paused_sandboxes_and_gateway_lists_the_cluster() {
     }
     let (_, all) = api(gw, "GET", "/v2/sandboxes", "");
     assert!(ids(&all).is_empty(), "{all}");
+
+    // The nodes sent sandbox events (create, pause, resume, delete) to the scheduler.
+    let count = poll(
+        Duration::from_secs(15),
+        "sandbox events at the scheduler",
+        || {
+            let (st, _, text) = http(cluster.scheduler_metrics, "GET", "/metrics", &[], "");
+            let prefix = "agentenv_scheduler_rpc_duration_seconds_count{rpc=\"ReportSandboxEvent\",status=\"ok\"} ";
+            let n: u64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(prefix))
+                .and_then(|v| v.trim().parse().ok())?;
+            (st == 200 && n > 0).then_some(n)
+        },
+    );
+    assert!(count >= 1);
 }
 
 #[test]
