@@ -162,6 +162,7 @@ if [ $want_cp = 1 ]; then
   for u in agentenv-scheduler agentenv-gateway; do
     install -m 0644 "$here/systemd/$u.service" "$root/etc/systemd/system/$u.service"
   done
+  install -m 0755 "$here/verify-cluster.sh" "$root/usr/local/bin/agentenv-verify-cluster"
 fi
 
 # --- runtime node -------------------------------------------------------------------

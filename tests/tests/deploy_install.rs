@@ -184,7 +184,12 @@ fn install_creates_users_dirs_modes_and_shared_secrets_and_systemd_analyze_accep
     assert_eq!(mode(&r.join("var/lib/aenv")), 0o750);
     assert_eq!(mode(&r.join("var/lib/aenv/secrets")), 0o700);
     assert!(r.join("var/lib/aenv/bin/agentenv-guest").is_file());
-    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
+    for b in [
+        "agentenv-scheduler",
+        "agentenv-gateway",
+        "agentenv-node",
+        "agentenv-verify-cluster",
+    ] {
         assert_eq!(mode(&r.join("usr/local/bin").join(b)), 0o755, "{b}");
     }
 

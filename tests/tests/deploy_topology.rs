@@ -321,6 +321,20 @@ fn guide_topology_in_namespaces_routes_fails_over_and_survives_a_scheduler_resta
                 .then_some(())
         },
     );
+    // deploy/verify-cluster.sh, run on the control-plane host, agrees.
+    let out = Command::new("ip")
+        .args(["netns", "exec", &net.ns("cp")])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/verify-cluster.sh"))
+        .arg("--config")
+        .arg(&cfg_path)
+        .env("AENV_API_KEY", API_KEY)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.ends_with("cluster OK\n"),
+        "{text}"
+    );
     // Without the key, the gateway refuses.
     assert_eq!(net.curl("client", &[&format!("{GW}/nodes")]).0, 401);
 

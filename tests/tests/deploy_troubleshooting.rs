@@ -147,6 +147,35 @@ fn healthy_node_with_heartbeats_off_is_not_ready_its_log_names_both_variables_an
     let (st, body) = api(gw, "POST", "/sandboxes", r#"{"templateID":"base"}"#);
     assert_eq!(st, 503, "{body}");
     assert_eq!(body["message"], "no nodes available");
+    // deploy/verify-cluster.sh: the node is healthy and takes the key, but is not ready,
+    // and the hint names the variables.
+    let (ok, out) = verify_cluster(&cfg, gw);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("ok    node-t1: accepts the shared API key"),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAIL  node-t1: ")
+            && out.contains("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED=\"true\""),
+        "{out}"
+    );
+}
+
+/// Runs deploy/verify-cluster.sh with the test key: (passed, stdout).
+fn verify_cluster(cfg: &Path, gw: SocketAddr) -> (bool, String) {
+    let out =
+        Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/verify-cluster.sh"))
+            .arg("--config")
+            .arg(cfg)
+            .args(["--gateway", &format!("http://{gw}")])
+            .env("AENV_API_KEY", API_KEY)
+            .output()
+            .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 #[test]
@@ -372,4 +401,15 @@ fn node_with_another_api_key_rejects_what_the_gateway_forwards_while_the_right_n
     // Today the gateway passes node-kb's 401 through, so a client with the right key
     // sees 401 for the whole list: loud, though it does not yet name the node.
     assert_eq!(st, 401, "a mismatched node is not hidden: {body}");
+    // deploy/verify-cluster.sh names the node and the fix.
+    let (ok, out) = verify_cluster(&cfg, gw);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("ok    node-ka: accepts the shared API key"),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAIL  node-kb: rejects the API key the gateway uses: set AENV_API_KEY in that host's /etc/default/aenv"),
+        "{out}"
+    );
 }
