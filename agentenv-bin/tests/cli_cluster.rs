@@ -169,6 +169,35 @@ fn aenv_commands_against_gateway_and_two_nodes() {
         "{table}"
     );
 
+    if Tmux::available() {
+        // On a terminal, `ls` prints a table without being asked.
+        let cmd = format!(
+            "XDG_CONFIG_HOME={} {} ls; sleep 60",
+            a.config.path().display(),
+            cli_common::aenv_bin()
+        );
+        let t = Tmux::start(&cmd, 200, 20);
+        t.wait_for("a table", Duration::from_secs(10), |s| {
+            s.contains("SANDBOX ID") && s.contains(&id2) && s.contains('└')
+        });
+    }
+
+    // -- the CLI pointed at a node directly: its own sandboxes, exec on them.
+    let direct = Aenv::new();
+    let node_url = format!("http://{}", cluster.nodes[0].addr);
+    direct.ok(&["auth", "--url", &node_url, "--api-key", API_KEY]);
+    let own = ids(&listed(&direct, &["ls"]));
+    assert_eq!(
+        own.len(),
+        1,
+        "round robin put one sandbox on each node: {own:?}"
+    );
+    assert_eq!(
+        direct.ok(&["exec", &own[0], "hostname"]).trim(),
+        own[0],
+        "the jail's hostname is its sandbox id"
+    );
+
     // -- exec: stdout and stderr apart, exit code propagated, no shell in between.
     let o = a.run(&["exec", &id1, "sh", "-c", "echo out; echo err >&2; exit 7"]);
     assert_eq!(o.status.code(), Some(7));
