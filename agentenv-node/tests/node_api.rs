@@ -22,6 +22,14 @@ async fn create_get_list_delete_and_commands_through_the_data_plane() {
     .await;
     let got = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
     assert_eq!(got.status, 200, "{}", got.text());
+    let upper = api(
+        addr,
+        "GET",
+        &format!("/sandboxes/{}", id.to_uppercase()),
+        "",
+    )
+    .await;
+    assert_eq!(upper.status, 200, "ids are case-insensitive UUIDs");
     let v = got.json();
     assert_eq!(v["sandboxID"], id.as_str());
     assert_eq!(v["templateID"], "base");

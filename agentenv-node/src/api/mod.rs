@@ -170,14 +170,18 @@ fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::POST, ["sandboxes"]) | (Method::POST, ["v2", "sandboxes"]) => Route::Create,
         (Method::GET, ["sandboxes"]) => Route::ListV1,
         (Method::GET, ["v2", "sandboxes"]) => Route::ListV2,
-        (Method::GET, ["sandboxes", id]) if !id.is_empty() => Route::Get(id.to_string()),
-        (Method::DELETE, ["sandboxes", id]) if !id.is_empty() => Route::Delete(id.to_string()),
-        (Method::POST, ["sandboxes", id, "pause"]) => Route::Pause(id.to_string()),
-        (Method::POST, ["sandboxes", id, "resume"]) => Route::Resume(id.to_string()),
+        (Method::GET, ["sandboxes", id]) if !id.is_empty() => Route::Get(id.to_ascii_lowercase()),
+        (Method::DELETE, ["sandboxes", id]) if !id.is_empty() => {
+            Route::Delete(id.to_ascii_lowercase())
+        }
+        (Method::POST, ["sandboxes", id, "pause"]) => Route::Pause(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "resume"]) => Route::Resume(id.to_ascii_lowercase()),
         (Method::POST, ["sandboxes", id, "connect"])
-        | (Method::POST, ["v2", "sandboxes", id, "connect"]) => Route::Connect(id.to_string()),
-        (Method::POST, ["sandboxes", id, "timeout"]) => Route::Timeout(id.to_string()),
-        (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_string()),
+        | (Method::POST, ["v2", "sandboxes", id, "connect"]) => {
+            Route::Connect(id.to_ascii_lowercase())
+        }
+        (Method::POST, ["sandboxes", id, "timeout"]) => Route::Timeout(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_ascii_lowercase()),
         (Method::GET, ["nodes"]) => Route::Nodes,
         (Method::GET, ["nodes", id]) if !id.is_empty() => Route::Node(id.to_string()),
         _ => return None,
