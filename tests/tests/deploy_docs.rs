@@ -251,3 +251,72 @@ fn the_node_example_environment_matches_the_guide() {
         assert!(doc.contains(&format!("`{k}`")), "{k} is not documented");
     }
 }
+
+/// TOML key paths of the node config file, read from the `File*` structs of
+/// agentenv-node/src/config.rs.
+fn node_toml_keys() -> BTreeSet<String> {
+    let src = read("agentenv-node/src/config.rs");
+    let section = |name: &str| -> &'static str {
+        match name {
+            "FileConfig" => "",
+            "FileIdentity" => "node_identity.",
+            "FileCluster" => "cluster.",
+            "FileObservability" => "observability.",
+            "FileReport" => "observability.scheduler_report.",
+            "FileSandbox" => "sandbox.",
+            "FileProxy" => "sandbox_proxy.",
+            "FileOrchestrator" => "orchestrator.",
+            "FileMachine" => "machine.",
+            "FileJail" => "jail.",
+            other => panic!(
+                "node config struct {other} is new: map it to its TOML section in node_toml_keys()"
+            ),
+        }
+    };
+    let mut keys = BTreeSet::new();
+    let mut current: Option<&str> = None;
+    for line in src.lines() {
+        let t = line.trim();
+        if let Some(rest) = t.strip_prefix("struct File") {
+            let name = format!("File{}", rest.split([' ', '{']).next().unwrap());
+            current = Some(section(&name));
+            continue;
+        }
+        if t == "}" {
+            current = None;
+            continue;
+        }
+        if let Some(p) = current
+            && !t.starts_with('#')
+            && !t.starts_with("//")
+            && let Some((field, ty)) = t.split_once(':')
+        {
+            // Sub-tables are listed through their own fields.
+            if !ty.trim().starts_with("File") {
+                keys.insert(format!("{p}{}", field.trim()));
+            }
+        }
+    }
+    keys
+}
+
+#[test]
+fn every_node_toml_key_in_the_code_is_in_the_configuration_reference() {
+    let doc = read("docs/configuration.md");
+    let keys = node_toml_keys();
+    for k in [
+        "api_addr",
+        "jail.address_pool",
+        "observability.scheduler_report.enabled",
+    ] {
+        assert!(keys.contains(k), "{k} missing from the scan: {keys:?}");
+    }
+    let missing: Vec<_> = keys
+        .iter()
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "node TOML keys not documented in docs/configuration.md: {missing:?}"
+    );
+}
