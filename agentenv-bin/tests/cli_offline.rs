@@ -28,6 +28,8 @@ const COMMANDS: &[&[&str]] = &[
     &["snapshot", "list"],
     &["completion"],
     &["pull"],
+    &["template"],
+    &["snapshot"],
 ];
 
 #[test]

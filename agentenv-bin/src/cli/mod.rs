@@ -315,10 +315,18 @@ Examples:
         timeout: Option<u64>,
     },
     /// Templates (list, delete, watch a build).
-    #[command(visible_alias = "templates", subcommand)]
+    #[command(
+        visible_alias = "templates",
+        subcommand,
+        after_help = "Examples:\n  aenv template ls\n  aenv template watch ubuntu\n  aenv template rm ubuntu"
+    )]
     Template(TemplateCmd),
     /// Snapshots of sandboxes.
-    #[command(visible_alias = "snap", subcommand)]
+    #[command(
+        visible_alias = "snap",
+        subcommand,
+        after_help = "Examples:\n  aenv snapshot create <id> --name before-upgrade\n  aenv snapshot ls --sandbox-id <id>\nDelete a snapshot with `aenv template rm <snapshot>`."
+    )]
     Snapshot(SnapshotCmd),
     /// Print a shell completion script.
     #[command(after_help = "\

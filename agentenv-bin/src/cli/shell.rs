@@ -20,6 +20,7 @@ pub const GONE_EXIT: i32 = 130;
 const WATCHDOG_EVERY: Duration = Duration::from_secs(2);
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(10);
 const REFRESH_EVERY: Duration = Duration::from_secs(60);
+const READY_WITHIN: Duration = Duration::from_secs(30);
 
 /// Errors of the interactive session.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +31,10 @@ pub enum ShellError {
     Start { id: String, source: ClientError },
     #[error(transparent)]
     Term(#[from] TermError),
+    #[error(
+        "sandbox {0} envd not healthy within 30s; check it with `aenv exec {0} true` or recreate it"
+    )]
+    NotReady(String),
 }
 
 enum Ending {
@@ -95,6 +100,7 @@ async fn start_shell(
 pub async fn attach(api: &Api, id: &str) -> Result<i32, ShellError> {
     let sb = api.connect(id, DEFAULT_TIMEOUT_SECS).await?;
     let agent = api.agent(id, sb.envd_access_token.as_deref())?;
+    wait_ready(&agent, id).await?;
     let (cols, rows) = term::size().unwrap_or((80, 24));
     let mut stream = match start_shell(&agent, "/bin/bash", cols, rows).await {
         Ok(s) => s,
@@ -158,6 +164,21 @@ pub async fn attach(api: &Api, id: &str) -> Result<i32, ShellError> {
         }
     };
     Ok(code)
+}
+
+/// Waits until the sandbox's agent answers `Process/List` (a fresh or just resumed
+/// sandbox may need a moment).
+async fn wait_ready(agent: &GuestClient, id: &str) -> Result<(), ShellError> {
+    let deadline = tokio::time::Instant::now() + READY_WITHIN;
+    loop {
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), agent.list()).await {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ShellError::NotReady(id.to_string()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Reads standard input on its own thread (a blocking read cannot be cancelled; the
