@@ -154,6 +154,33 @@ fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_be
         .find_map(|l| l.strip_prefix("KEPT="))
         .expect("kept sandbox id")
         .to_string();
+    // The banner's aenv line: with its exports, `aenv auth` saves them and `aenv exec`
+    // runs a command in the kept sandbox through the gateway.
+    let aenv = binary("aenv").expect("aenv binary");
+    let home = tempfile::tempdir().unwrap();
+    let aenv_cmd = |args: &[&str]| {
+        Command::new(&aenv)
+            .args(args)
+            .env("HOME", home.path())
+            .env("AENV_URL", &gateway)
+            .env("AENV_API_KEY", &key)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run aenv")
+    };
+    let out = aenv_cmd(&["auth"]);
+    assert!(
+        out.status.success(),
+        "aenv auth: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = aenv_cmd(&["exec", &kept, "uname", "-n"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        kept,
+        "aenv exec: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         !interfaces_with_prefix(&["upa", "upb"]).is_empty(),
         "a sandbox is running"
