@@ -221,7 +221,8 @@ async fn session(
     let mut stream: Events = stream.map(|r| r.map(|m| m.event)).boxed();
     use pr::process_event::Event;
     use pr::process_event::data_event::Output;
-    let (mut input, mut input_task) = agent.stream_input(sel.clone(), true);
+    // The input call runs as its own task; a failed one is noticed when sending to it.
+    let (mut input, _input_task) = agent.stream_input(sel.clone(), true);
     let mut stdin = stdin_reader();
     let mut stdin_open = true;
     let mut winch =
@@ -277,9 +278,8 @@ async fn session(
                         // The input stream ended: open a new one, and send this chunk
                         // with a unary call so it is not lost.
                         let _ = agent.send_input(sel.clone(), d, true).await;
-                        let (i, t) = agent.stream_input(sel.clone(), true);
+                        let (i, _task) = agent.stream_input(sel.clone(), true);
                         input = i;
-                        input_task = t;
                     }
                 }
                 None => stdin_open = false,
@@ -305,7 +305,6 @@ async fn session(
                 }
             }
         }
-        let _ = &input_task;
     }
 }
 
