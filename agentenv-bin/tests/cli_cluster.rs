@@ -351,13 +351,27 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     );
     assert_eq!(a.ok(&["resume", &id2]).trim(), format!("Resumed {id2}"));
     assert_eq!(a.ok(&["exec", &id2, "echo", "back"]), "back\n");
+    let end_at = || {
+        let (_, d) = api(cluster.gateway, "GET", &format!("/sandboxes/{id2}"), "");
+        d["endAt"].as_str().expect("endAt").to_string()
+    };
+    let before = end_at();
     assert_eq!(
         a.ok(&["timeout", &id2, "1200"]).trim(),
         format!("Timeout for {id2} set to 1200s")
     );
-    let (_, d) = api(cluster.gateway, "GET", &format!("/sandboxes/{id2}"), "");
-    let end = d["endAt"].as_str().unwrap().to_string();
-    assert!(end.as_str() > d["startedAt"].as_str().unwrap(), "{d}");
+    let longer = end_at();
+    assert!(
+        longer > before,
+        "1200 s from now is later than 300 s: {before} -> {longer}"
+    );
+    a.ok(&["timeout", &id2, "100"]);
+    let shorter = end_at();
+    assert!(
+        shorter < longer,
+        "the TTL was set, not only extended: {longer} -> {shorter}"
+    );
+    a.ok(&["timeout", &id2, "1200"]);
 
     // -- template and snapshot commands say what the server does not support.
     for args in [
