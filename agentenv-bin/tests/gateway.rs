@@ -186,7 +186,11 @@ async fn gateway_binary_routes_creates_and_sandbox_requests_through_the_schedule
     assert_eq!(status, 503, "{body}");
     let err: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(err["code"], 503);
-    assert_eq!(err["message"], "no nodes available");
+    let m = err["message"].as_str().unwrap();
+    assert!(
+        m.starts_with("no nodes available: ") && m.contains("GET /nodes"),
+        "{m}"
+    );
 
     let mut sched = SchedulerClient::connect(format!("http://{grpc}"))
         .await

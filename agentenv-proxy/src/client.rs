@@ -65,19 +65,25 @@ impl<T: SchedulerClient + ?Sized> SchedulerClient for Arc<T> {
 #[derive(Clone)]
 pub struct GrpcSchedulerClient {
     primary: GrpcClient<Channel>,
-    query: Option<GrpcClient<Channel>>,
+    primary_addr: String,
+    query: Option<(GrpcClient<Channel>, String)>,
 }
 
 impl GrpcSchedulerClient {
     /// `primary` and `query_only` are gRPC targets without a scheme
     /// (`host:port`); an empty `query_only` means lookups use the primary.
     pub fn connect_lazy(primary: &str, query_only: &str) -> Result<Self, ClientError> {
+        let primary_addr = primary.trim().to_string();
         let primary = GrpcClient::new(lazy_channel(primary)?);
         let query = match query_only.trim() {
             "" => None,
-            addr => Some(GrpcClient::new(lazy_channel(addr)?)),
+            addr => Some((GrpcClient::new(lazy_channel(addr)?), addr.to_string())),
         };
-        Ok(Self { primary, query })
+        Ok(Self {
+            primary,
+            primary_addr,
+            query,
+        })
     }
 }
 
@@ -99,10 +105,13 @@ fn lazy_channel(addr: &str) -> Result<Channel, ClientError> {
 }
 
 /// A status made by the transport (connection refused, reset) rather than
-/// sent by the scheduler says so in its message.
-fn unreachable_scheduler(status: Status) -> Status {
+/// sent by the scheduler says so in its message, with the address tried.
+fn unreachable_scheduler(addr: &str, status: Status) -> Status {
     if status.code() == tonic::Code::Unavailable && std::error::Error::source(&status).is_some() {
-        Status::unavailable(format!("scheduler unreachable: {}", status.message()))
+        Status::unavailable(format!(
+            "scheduler unreachable: {} at {addr}; check that agentenv-scheduler runs there and that gateway.scheduler_addr names it",
+            status.message()
+        ))
     } else {
         status
     }
@@ -116,18 +125,21 @@ impl SchedulerClient for GrpcSchedulerClient {
             .clone()
             .schedule(pb::ScheduleRequest { hint })
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         Ok(resp.into_inner().node.unwrap_or_default())
     }
 
     async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status> {
-        let mut client = self.query.as_ref().unwrap_or(&self.primary).clone();
+        let (mut client, addr) = match &self.query {
+            Some((c, addr)) => (c.clone(), addr.as_str()),
+            None => (self.primary.clone(), self.primary_addr.as_str()),
+        };
         let resp = client
             .lookup_node(pb::LookupNodeRequest {
                 sandbox_id: sandbox_id.to_string(),
             })
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(addr, s))?;
         Ok(resp.into_inner().node.unwrap_or_default())
     }
 
@@ -139,7 +151,7 @@ impl SchedulerClient for GrpcSchedulerClient {
                 node: Some(node),
             })
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         Ok(())
     }
 
@@ -149,7 +161,7 @@ impl SchedulerClient for GrpcSchedulerClient {
             .clone()
             .list_nodes(pb::ListNodesRequest {})
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         Ok(resp.into_inner().nodes)
     }
 
@@ -161,7 +173,7 @@ impl SchedulerClient for GrpcSchedulerClient {
                 cluster_id: cluster_id.to_string(),
             })
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         Ok(resp.into_inner().nodes)
     }
 
@@ -174,7 +186,7 @@ impl SchedulerClient for GrpcSchedulerClient {
                 cluster_id: cluster_id.to_string(),
             })
             .await
-            .map_err(unreachable_scheduler)?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         resp.into_inner()
             .node
             .ok_or_else(|| Status::not_found("observed node not found"))

@@ -655,7 +655,7 @@ impl Gateway {
             Err(Some(e)) => {
                 upstream_metric("5xx");
                 tracing::warn!(node_id = %plan.node.node_id, endpoint = %plan.node.endpoint, error = ?e, "upstream request failed");
-                return error_response(StatusCode::BAD_GATEWAY, "upstream unavailable");
+                return upstream_unavailable(&plan.node);
             }
         };
         upstream_metric(status_label(resp.status().as_u16()));
@@ -697,7 +697,7 @@ impl Gateway {
                         }
                         Some(Err(e)) => {
                             tracing::warn!(node_id = %plan.node.node_id, error = %e, "upstream response body failed");
-                            return error_response(StatusCode::BAD_GATEWAY, "upstream unavailable");
+                            return upstream_unavailable(&plan.node);
                         }
                         None => body = empty(),
                     }
@@ -979,11 +979,29 @@ fn upstream_client(request_timeout: Duration) -> UpstreamClient {
         .build(http)
 }
 
+/// 502 for a node that did not answer, naming it.
+fn upstream_unavailable(node: &pb::Node) -> Response<GatewayBody> {
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        &format!(
+            "upstream unavailable: node {} at {} did not answer",
+            node.node_id, node.endpoint
+        ),
+    )
+}
+
+/// What to check when the scheduler has no healthy node.
+pub const NO_NODES_HINT: &str = "no runtime node has sent a heartbeat within scheduler.report_ttl; check GET /nodes, and that every node sets AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED=true and AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=http://<scheduler>:9090";
+
 /// A scheduler error as an HTTP response.
 pub fn scheduler_error(status: &Status) -> Response<GatewayBody> {
     match status.code() {
         Code::InvalidArgument => error_response(StatusCode::BAD_REQUEST, status.message()),
         Code::NotFound => error_response(StatusCode::NOT_FOUND, status.message()),
+        Code::Unavailable if status.message() == "no nodes available" => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("no nodes available: {NO_NODES_HINT}"),
+        ),
         Code::Unavailable => error_response(StatusCode::SERVICE_UNAVAILABLE, status.message()),
         _ => {
             tracing::warn!(code = ?status.code(), message = status.message(), "scheduler error");

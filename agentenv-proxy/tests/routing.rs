@@ -515,7 +515,12 @@ async fn no_healthy_node_answers_503() {
     )
     .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(message(&body), "no nodes available");
+    let m = message(&body);
+    assert!(m.starts_with("no nodes available: "), "{m}");
+    assert!(
+        m.contains("GET /nodes") && m.contains("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT"),
+        "the message names what to check: {m}"
+    );
     assert!(log.lock().is_empty());
 }
 
@@ -528,7 +533,10 @@ async fn a_dead_node_is_502_upstream_unavailable() {
     c.heartbeat("node-a", &["sbx-1"]).await;
     let (status, _, body) = get(&c.url("/sandboxes/sbx-1")).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
-    assert_eq!(message(&body), "upstream unavailable");
+    assert_eq!(
+        message(&body),
+        format!("upstream unavailable: node node-a at {endpoint} did not answer")
+    );
 }
 
 #[tokio::test]

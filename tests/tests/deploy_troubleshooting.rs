@@ -146,7 +146,12 @@ fn healthy_node_with_heartbeats_off_is_not_ready_its_log_names_both_variables_an
     assert!(ready_ids(&v).is_empty(), "{v}");
     let (st, body) = api(gw, "POST", "/sandboxes", r#"{"templateID":"base"}"#);
     assert_eq!(st, 503, "{body}");
-    assert_eq!(body["message"], "no nodes available");
+    let m = body["message"].as_str().unwrap_or_default();
+    assert!(
+        m.starts_with("no nodes available: ")
+            && m.contains("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED"),
+        "the 503 names the heartbeat settings: {body}"
+    );
     // deploy/verify-cluster.sh: the node is healthy and takes the key, but is not ready,
     // and the hint names the variables.
     let (ok, out) = verify_cluster(&cfg, gw);
@@ -295,8 +300,8 @@ fn gateway_that_cannot_reach_the_scheduler_answers_503_naming_the_scheduler() {
     assert_eq!(st, 503, "{body}");
     let m = body["message"].as_str().unwrap_or_default();
     assert!(
-        m.starts_with("scheduler unreachable"),
-        "the 503 says the scheduler is the problem: {body}"
+        m.starts_with("scheduler unreachable") && m.contains("gateway.scheduler_addr"),
+        "the 503 says the scheduler is the problem and where it was looked for: {body}"
     );
     // Health is answered by the gateway alone, so a load balancer keeps it.
     let (st, _, _) = http(gw, "GET", "/health", &[], "");
