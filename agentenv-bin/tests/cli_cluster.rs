@@ -44,7 +44,7 @@ fn aenv_commands_against_gateway_and_two_nodes() {
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let cluster = Cluster::start(2, 6);
+    let mut cluster = Cluster::start(2, 6);
     wait_two_nodes(&cluster);
     let gw = format!("http://{}", cluster.gateway);
     let a = Aenv::new();
@@ -400,6 +400,32 @@ fn aenv_commands_against_gateway_and_two_nodes() {
         format!("Error: sandbox {id1} not found; list sandboxes with `aenv ls`")
     );
     assert_eq!(listed(&a, &["ls"]).len(), 0);
+
+    // -- last: the gateway goes away under an open session, which ends as "lost" (130).
+    if Tmux::available() {
+        let id = a.ok(&["start", "base", "-d"]).trim().to_string();
+        let status = work.path().join("lost.txt");
+        let cmd = format!(
+            "XDG_CONFIG_HOME={} {} cn {id}; echo EXIT=$? > {st}.tmp; stty -a >> {st}.tmp; mv {st}.tmp {st}; sleep 60",
+            a.config.path().display(),
+            cli_common::aenv_bin(),
+            st = status.display()
+        );
+        let t = Tmux::start(&cmd, 100, 30);
+        t.line("echo alive-$((5*5))");
+        t.wait_for("the session", Duration::from_secs(20), |s| {
+            s.contains("alive-25")
+        });
+        cluster.gateway_proc.stop();
+        let out = wait_file(&status, Duration::from_secs(60));
+        assert!(out.starts_with("EXIT=130\n"), "{out}");
+        assert_cooked(&out);
+        let pane = t.capture();
+        assert!(
+            pane.contains(&format!("Terminal session lost contact with sandbox {id}")),
+            "{pane}"
+        );
+    }
 }
 
 /// A local Ctrl-C (SIGINT to `aenv exec`) stops the remote command; exit code 130.
