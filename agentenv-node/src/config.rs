@@ -67,8 +67,9 @@ pub struct NodeConfig {
     pub backend: BackendKind,
     /// The static guest agent binary (`AENV_GUEST_BINARY_PATH`).
     pub guest_binary: PathBuf,
-    /// Run the agent in init mode (`--init`) as PID 1 (`AENV_GUEST_INIT_MODE`); off by
-    /// default because a jail sandbox may not mount its own /proc.
+    /// Run the agent in init mode (`--init`: PID 1 duties such as reaping orphans) as the
+    /// sandbox's first process (`AENV_GUEST_INIT_MODE`, default on); off runs it as a
+    /// plain server.
     pub guest_init_mode: bool,
     /// Template store root (`AENV_TEMPLATE_PATH`), default `<home>/templates`.
     pub template_path: PathBuf,
@@ -284,7 +285,7 @@ impl NodeConfig {
             .unwrap_or_else(|| home.join("bin").join("agentenv-guest"));
         let guest_init_mode = match env("AENV_GUEST_INIT_MODE") {
             Some(v) => parse_bool("AENV_GUEST_INIT_MODE", &v)?,
-            None => file.guest_init_mode.unwrap_or(false),
+            None => file.guest_init_mode.unwrap_or(true),
         };
         let template_path = env("AENV_TEMPLATE_PATH")
             .map(PathBuf::from)

@@ -43,6 +43,16 @@ async fn create_get_list_delete_and_commands_through_the_data_plane() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("yes\n{id}\n"));
 
+    // The agent is the sandbox's PID 1, in init mode.
+    let out = run(addr, &id, None, "tr '\\0' ' ' < /proc/1/cmdline")
+        .await
+        .unwrap();
+    let cmdline = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        cmdline.starts_with("/agentenv/agentenv-guest --init"),
+        "{cmdline}"
+    );
+
     // /proxy/... forwards the rest of the path to the agent.
     let h = request(addr, "GET", "/proxy/health", &[("e2b-sandbox-id", &id)], "").await;
     assert_eq!(h.status, 204, "{}", h.text());
