@@ -28,6 +28,7 @@ const COMMANDS: &[&[&str]] = &[
     &["snapshot", "list"],
     &["completion"],
     &["pull"],
+    &["build"],
     &["template"],
     &["snapshot"],
 ];
@@ -156,6 +157,17 @@ fn an_unreachable_server_is_named_in_the_error() {
         stderr(&o)
     );
     assert!(!b.credentials_path().exists());
+    // A Dockerfile that cannot be built is refused before any request, naming the line.
+    let df = a.config.path().join("Dockerfile");
+    std::fs::write(&df, "FROM ubuntu\nCOPY . /app\n").unwrap();
+    let o = a.run(&["build", df.to_str().unwrap(), "--name", "x"]);
+    assert_eq!(
+        stderr(&o).trim(),
+        format!(
+            "Error: {}: line 2: COPY instructions are not supported by AENV template builds yet",
+            df.display()
+        )
+    );
     // An empty sandbox ID is refused before any request.
     let o = a.run(&["exec", "", "true"]);
     assert_eq!(

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod complete;
 pub mod credentials;
+pub mod dockerfile;
 pub mod files;
 pub mod output;
 pub mod shell;
@@ -25,6 +26,9 @@ use agentenv_guest::proto::process as pr;
 use api::{Api, ApiError};
 use credentials::{Credentials, CredentialsError};
 use output::Format;
+
+/// How long `exec` waits after a Ctrl-C's SIGTERM before it sends SIGKILL.
+pub const KILL_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The TTL `start`, `connect` and `resume` ask for, in seconds.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
@@ -49,6 +53,11 @@ pub enum CliError {
     },
     #[error(transparent)]
     Files(#[from] files::FilesError),
+    #[error("{}: {source}", path.display())]
+    Dockerfile {
+        path: std::path::PathBuf,
+        source: dockerfile::DockerfileError,
+    },
     #[error(transparent)]
     Shell(#[from] shell::ShellError),
     #[error(
@@ -201,7 +210,7 @@ Examples:
   aenv exec --env A=1 --cwd /tmp <id> env
   tar c ./src | aenv exec -i <id> tar x -C /tmp      # stream local input
 Standard output and standard error are forwarded separately. Ctrl-C sends SIGTERM to
-the remote command (twice: SIGKILL) and exits with 130.")]
+the remote command, SIGKILL 3 s later (or on a second Ctrl-C), and exits with 130.")]
     Exec {
         /// Environment variable KEY=VALUE for the command; repeatable.
         #[arg(long, short = 'e', value_name = "KEY=VALUE", value_parser = parse_kv)]
@@ -313,6 +322,28 @@ Examples:
         /// Give up waiting after this many seconds.
         #[arg(long, conflicts_with = "detach")]
         timeout: Option<u64>,
+    },
+    /// Start a template build from a Dockerfile (RUN, ENV, ARG, WORKDIR, USER, CMD,
+    /// ENTRYPOINT); does not wait.
+    #[command(after_help = "\
+Examples:
+  aenv build ./Dockerfile --name my-env
+  aenv build ./Dockerfile --name my-env --image ubuntu:24.04 --cpu 2 --memory 2048
+  aenv template watch <template-id>               # follow the build
+COPY and ADD are not supported yet; EXPOSE, VOLUME and LABEL are ignored.")]
+    Build {
+        dockerfile: std::path::PathBuf,
+        /// Template name.
+        #[arg(long, required = true)]
+        name: String,
+        #[arg(long, visible_alias = "cpu-count")]
+        cpu: Option<u32>,
+        /// Memory in MiB.
+        #[arg(long, visible_alias = "memory-mb", alias = "mem")]
+        memory: Option<u32>,
+        /// Base image (overrides the Dockerfile's first usable FROM).
+        #[arg(long, visible_alias = "user-image")]
+        image: Option<String>,
     },
     /// Templates (list, delete, watch a build).
     #[command(
@@ -613,6 +644,13 @@ async fn with_api(api: &Api, cmd: Command) -> Result<i32, CliError> {
             )
             .await
         }
+        Command::Build {
+            dockerfile,
+            name,
+            cpu,
+            memory,
+            image,
+        } => build(api, &dockerfile, name, cpu, memory, image).await,
         Command::Template(t) => template(api, t).await,
         Command::Snapshot(s) => snapshot(api, s).await,
     }
@@ -670,8 +708,8 @@ async fn agent_for(
 
 /// `aenv exec`: one process, no shell, stdout and stderr forwarded as they come.
 /// With `stdin`, local standard input is streamed to the process (closed at EOF). A
-/// local Ctrl-C sends SIGTERM to the remote process (a second one SIGKILL) and the
-/// command exits with 130.
+/// local Ctrl-C sends SIGTERM to the remote process (SIGKILL after [`KILL_GRACE`], or at
+/// once on a second Ctrl-C) and the command exits with 130.
 async fn exec(
     api: &Api,
     id: &str,
@@ -708,17 +746,32 @@ async fn exec(
     // Registered before the first event so that no Ctrl-C is lost.
     let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .map_err(io_err("installing the Ctrl-C handler"))?;
+    // After a SIGTERM, SIGKILL follows if the command has not ended within the grace time.
+    let mut kill_at: Option<tokio::time::Instant> = None;
     loop {
         let msg = tokio::select! {
             m = stream.next() => m,
             _ = sigint.recv() => {
                 interrupts += 1;
-                let sig = if interrupts == 1 { pr::Signal::Sigterm } else { pr::Signal::Sigkill };
-                match pid {
-                    Some(p) => {
-                        let _ = agent.send_signal(selector(p), sig).await;
-                    }
-                    None => return Ok(130),
+                let Some(p) = pid else { return Ok(130) };
+                if interrupts == 1 {
+                    let _ = agent.send_signal(selector(p), pr::Signal::Sigterm).await;
+                    kill_at = Some(tokio::time::Instant::now() + KILL_GRACE);
+                } else {
+                    let _ = agent.send_signal(selector(p), pr::Signal::Sigkill).await;
+                    kill_at = None;
+                }
+                continue;
+            }
+            _ = async {
+                match kill_at {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                kill_at = None;
+                if let Some(p) = pid {
+                    let _ = agent.send_signal(selector(p), pr::Signal::Sigkill).await;
                 }
                 continue;
             }
@@ -1012,6 +1065,61 @@ async fn watch_build(
         }
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
+}
+
+/// Creates a template and starts its build from a Dockerfile.
+async fn build(
+    api: &Api,
+    path: &std::path::Path,
+    name: String,
+    cpu: Option<u32>,
+    memory: Option<u32>,
+    image: Option<String>,
+) -> Result<i32, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Io {
+        what: format!("reading {}", path.display()),
+        source,
+    })?;
+    let derr = |source| CliError::Dockerfile {
+        path: path.to_path_buf(),
+        source,
+    };
+    let plan = dockerfile::parse(&text).map_err(derr)?;
+    for w in &plan.warnings {
+        eprintln!("{w}");
+    }
+    let from = image
+        .or(plan.from_image)
+        .ok_or_else(|| derr(dockerfile::DockerfileError::NoBase))?;
+    let mut body = serde_json::json!({ "name": name });
+    if let Some(c) = cpu {
+        body["cpuCount"] = c.into();
+    }
+    if let Some(m) = memory {
+        body["memoryMB"] = m.into();
+    }
+    let (v, _) = api
+        .json_call(http::Method::POST, "/v3/templates", Some(&body))
+        .await?;
+    let field = |k: &str| {
+        v[k].as_str().map(str::to_string).ok_or_else(|| {
+            CliError::Api(ApiError::BadResponse {
+                path: "/v3/templates".into(),
+                reason: format!("no {k}"),
+            })
+        })
+    };
+    let (tid, bid) = (field("templateID")?, field("buildID")?);
+    let mut req = serde_json::json!({ "fromImage": from, "steps": plan.steps });
+    if let Some(c) = plan.start_cmd {
+        req["startCmd"] = c.into();
+    }
+    let p = format!("/v2/templates/{}/builds/{}", api::seg(&tid), api::seg(&bid));
+    api.json_call(http::Method::POST, &p, Some(&req)).await?;
+    println!("Created template {tid} (build {bid})");
+    println!("Build started.");
+    println!("Watch with: aenv template watch {tid}");
+    Ok(0)
 }
 
 /// The default template name for an image: its last path component without tag or
