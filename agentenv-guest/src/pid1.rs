@@ -202,7 +202,24 @@ fn sigset(signals: &[libc::c_int]) -> libc::sigset_t {
 }
 
 fn spawn_agent(exe: &Path, args: &[OsString]) -> Option<libc::pid_t> {
-    match std::process::Command::new(exe).args(args).spawn() {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(args);
+    // Init blocks the signals it waits for; the agent and every process it
+    // starts must not inherit that mask (SIGTERM and Ctrl-C would do nothing).
+    // SAFETY: the closure runs in the forked child before exec and only calls
+    // the async-signal-safe sigemptyset and sigprocmask.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            if libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    match cmd.spawn() {
         Ok(child) => {
             let pid = child.id() as libc::pid_t;
             // The child is reaped by the waitpid(-1) loop, not through `child`.

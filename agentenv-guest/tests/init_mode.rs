@@ -84,6 +84,19 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
     );
     assert_eq!(run_sh(&c, "pwd").await.trim(), "/");
 
+    // Processes start with no blocked signal (init's own mask is not
+    // inherited), so SIGTERM and Ctrl-C reach them.
+    let blocked = run_sh(&c, "grep SigBlk /proc/self/status").await;
+    assert_eq!(blocked.trim(), "SigBlk:\t0000000000000000", "{blocked:?}");
+    let killed = c
+        .run("/bin/sh", &["-c", "kill -TERM $$; sleep 5; echo survived"])
+        .await
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&killed.stdout).contains("survived"),
+        "SIGTERM was ignored"
+    );
+
     // An orphan is re-parented to PID 1 and reaped when it exits.
     run_sh(&c, "sleep 0.3 & exit 0").await;
     let zombies = "for f in /proc/[0-9]*/stat; do read -r l < $f && case \"$l\" in *') Z '*) echo \"$l\";; esac; done 2>/dev/null";

@@ -123,5 +123,10 @@ async fn guest_agent_in_init_mode_is_pid_1_and_runs_a_command() {
         lines[2].starts_with("/agentenv/agentenv-guest --init"),
         "{lines:?}"
     );
+    // Commands start with no blocked signal, so SIGTERM and Ctrl-C reach them.
+    let blocked = run(&info, "grep SigBlk /proc/self/status").await;
+    assert_eq!(blocked, ["SigBlk:\t0000000000000000"], "{blocked:?}");
+    let after_term = run(&info, "kill -TERM $$; echo survived").await;
+    assert!(after_term.is_empty(), "SIGTERM was ignored: {after_term:?}");
     b.destroy(&info.id).await.unwrap();
 }
