@@ -5,6 +5,7 @@
 mod common;
 
 use std::net::Ipv4Addr;
+use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::probe_health;
@@ -322,16 +323,18 @@ async fn pause_stops_a_counter_and_resume_continues_it() {
 async fn destroy_leaves_nothing_behind() {
     require_jail!();
     let (b, _data) = common::backend().await;
-    let namespaces_before = common::host_namespaces();
     let links_before = b.host_interfaces().await;
     let info = common::create_ready(&b, common::spec(&common::id("destroy"))).await;
     common::spawn_bg(&info, "exec sleep 1000").await;
     let t = common::traces(&b, &info);
     let ns_now = common::host_namespaces();
     for n in &t.namespaces {
+        let host = std::fs::metadata(format!("/proc/self/ns/{}", n.0))
+            .unwrap()
+            .ino();
         assert!(
-            !namespaces_before.contains(n) && ns_now.contains(n),
-            "{n:?} is the sandbox's own"
+            n.1 != host && ns_now.contains(n),
+            "{n:?} is the sandbox's own, not the host's"
         );
     }
     assert!(b.host_interfaces().await.contains(&t.host_if));

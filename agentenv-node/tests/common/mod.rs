@@ -275,6 +275,22 @@ pub fn host_namespaces() -> std::collections::HashSet<(String, u64)> {
     out
 }
 
+/// The processes whose namespace of kind `n.0` has inode `n.1`.
+pub fn namespace_holders(n: &(String, u64)) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            if std::fs::metadata(e.path().join("ns").join(&n.0)).is_ok_and(|m| m.ino() == n.1) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
 pub fn host_links() -> String {
     let out = std::process::Command::new("ip")
         .args(["-o", "link", "show"])
@@ -299,9 +315,22 @@ pub fn assert_gone(b: &JailBackend, t: &Traces) {
         "{}: PID 1 still exists",
         t.id
     );
-    let ns = host_namespaces();
+    // Namespace inode numbers are reused at once, possibly by a sandbox of a
+    // test running in parallel: a namespace counts as left behind only when
+    // a process holding it still belongs to this sandbox's cgroup.
     for n in &t.namespaces {
-        assert!(!ns.contains(n), "{}: namespace {n:?} still in use", t.id);
+        let ours: Vec<u32> = namespace_holders(n)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                    .is_ok_and(|c| c.contains(&t.id))
+            })
+            .collect();
+        assert!(
+            ours.is_empty(),
+            "{}: namespace {n:?} still in use by {ours:?}",
+            t.id
+        );
     }
     for d in &t.cgroup_dirs {
         assert!(!d.exists(), "{}: cgroup {} still exists", t.id, d.display());
