@@ -28,6 +28,28 @@ pub fn go_style_args<I: IntoIterator<Item = String>>(args: I) -> Vec<String> {
     out
 }
 
+/// Runs a daemon's async `main` on a multi-threaded runtime. A failure is
+/// printed as one line, `<name>: <error and its causes>`, and exits 1.
+pub fn run_daemon<F>(name: &str, main: F) -> std::process::ExitCode
+where
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{name}: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Resolves when the process receives SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};

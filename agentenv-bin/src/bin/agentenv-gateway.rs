@@ -27,20 +27,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse_from(agentenv_bin::go_style_args(std::env::args()));
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("agentenv-gateway: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("agentenv-gateway: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    agentenv_bin::run_daemon("agentenv-gateway", run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
