@@ -268,7 +268,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let b_args = cfg.agent_args.clone();
     let b = Arc::new(JailBackend::new(cfg).await?);
-    b.reconcile().await?;
+    b.reconcile(&[]).await?;
     let progress: Progress = Arc::new(|l| eprintln!("[template base] {l}"));
     b.templates().ensure(BASE_TEMPLATE, progress).await?;
     let n = args.count;

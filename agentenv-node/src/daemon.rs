@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use crate::access::{self, KeyOrigin, TokenIssuer};
 use crate::api::{self, ApiState, NodeIdentity};
 use crate::backend::jail::{JailBackend, JailConfig, net::Ipv4Net};
-use crate::backend::{BackendError, SandboxBackend};
+use crate::backend::{BackendError, KeptState, SandboxBackend};
 use crate::config::{BackendKind, NodeConfig};
 use crate::lifecycle::{
     LifecycleConfig, LifecycleError, Orchestrator, PausedStore, ReporterSource,
@@ -55,8 +55,12 @@ pub struct Daemon {
     ticker: tokio::task::JoinHandle<()>,
 }
 
-/// Builds the jail backend of `cfg`.
-pub async fn jail_backend(cfg: &NodeConfig) -> Result<JailBackend, DaemonError> {
+/// Builds the jail backend of `cfg`; reconciliation keeps the layers in `kept` (what the
+/// paused-sandbox records reference).
+pub async fn jail_backend(
+    cfg: &NodeConfig,
+    kept: &[KeptState],
+) -> Result<JailBackend, DaemonError> {
     let mut j = JailConfig::new(&cfg.home, &cfg.guest_binary);
     j.runtime_dir = cfg.runtime_path.clone();
     if !cfg.guest_init_mode {
@@ -70,7 +74,7 @@ pub async fn jail_backend(cfg: &NodeConfig) -> Result<JailBackend, DaemonError> 
     j.iface_prefix = cfg.jail_iface_prefix.clone();
     j.cgroup_parent = cfg.jail_cgroup_parent.clone();
     let b = JailBackend::new(j).await?;
-    let report = b.reconcile().await?;
+    let report = b.reconcile(kept).await?;
     if !report.removed_sandboxes.is_empty() {
         tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
     }
@@ -104,15 +108,21 @@ impl Daemon {
             }
         }
         let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
+        let kept: Vec<KeptState> = store
+            .load_all()
+            .map_err(LifecycleError::from)?
+            .into_iter()
+            .filter_map(|r| r.kept)
+            .collect();
         let backend: Arc<dyn SandboxBackend> = match cfg.backend {
             BackendKind::Microvm => return Err(DaemonError::MicrovmUnavailable),
             BackendKind::Auto => {
                 tracing::info!(
                     "AENV_BACKEND=auto: using the jail backend (the microvm backend is not part of this build)"
                 );
-                Arc::new(jail_backend(&cfg).await?)
+                Arc::new(jail_backend(&cfg, &kept).await?)
             }
-            BackendKind::Jail => Arc::new(jail_backend(&cfg).await?),
+            BackendKind::Jail => Arc::new(jail_backend(&cfg, &kept).await?),
         };
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,

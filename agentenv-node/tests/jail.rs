@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::probe_health;
 use agentenv_node::backend::jail::spawn::KEPT_CAPABILITIES;
-use agentenv_node::backend::{SandboxBackend, SandboxState};
+use agentenv_node::backend::{BackendError, KeptState, SandboxBackend, SandboxState};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_agent_answers_at_the_sandbox_address_and_runs_a_command() {
@@ -515,7 +515,7 @@ async fn reconcile_cleans_up_after_a_crashed_node_process() {
     let restarted = agentenv_node::backend::jail::JailBackend::new(cfg)
         .await
         .unwrap();
-    let report = restarted.reconcile().await.unwrap();
+    let report = restarted.reconcile(&[]).await.unwrap();
     assert_eq!(report.removed_sandboxes, vec![info.id.clone()]);
     let deadline = Instant::now() + Duration::from_secs(5);
     while std::path::Path::new(&format!("/proc/{}", t.pid)).exists() {
@@ -527,8 +527,102 @@ async fn reconcile_cleans_up_after_a_crashed_node_process() {
     }
     common::assert_gone(&restarted, &t);
     // A second pass finds nothing.
-    let again = restarted.reconcile().await.unwrap();
+    let again = restarted.reconcile(&[]).await.unwrap();
     assert!(again.removed_sandboxes.is_empty(), "{again:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_layer_is_reused_and_reconcile_removes_unreferenced_ones() {
+    require_jail!();
+    let data = tempfile::tempdir().unwrap();
+    let cfg = common::config(data.path());
+    let (b, _unused) = common::backend_with(|c| *c = cfg.clone()).await;
+    let first = common::create_ready(&b, common::spec(&common::id("keep"))).await;
+    let out = common::sh(&first, "echo mine > /root/file && rm /etc/issue && sync").await;
+    assert_eq!(out.exit, 0, "{out:?}");
+    // Only a paused sandbox is kept.
+    let refused = b.keep(&first.id).await.unwrap_err();
+    assert!(
+        matches!(refused, BackendError::InvalidState { .. }),
+        "{refused}"
+    );
+    let t = common::traces(&b, &first);
+    b.pause(&first.id).await.unwrap();
+    let kept = b.keep(&first.id).await.unwrap();
+    assert_eq!(kept.path.parent(), Some(b.kept_dir()));
+    assert!(kept.path.join("upper/root/file").is_file());
+    // Everything but the layer is released.
+    common::assert_gone(&b, &t);
+    assert!(matches!(
+        b.get(&first.id).await,
+        Err(BackendError::NotFound(_))
+    ));
+
+    // A create from the kept layer has the sandbox's files, at a new address.
+    let mut spec = common::spec(&first.id);
+    spec.kept = Some(kept.clone());
+    let again = common::create_ready(&b, spec).await;
+    let out = common::sh(
+        &again,
+        "cat /root/file; test -e /etc/issue && echo issue-back || echo issue-gone; cat /etc/hostname",
+    )
+    .await;
+    assert_eq!(
+        out.stdout,
+        format!("mine\nissue-gone\n{}\n", first.id),
+        "{out:?}"
+    );
+    assert!(!kept.path.exists(), "the sandbox took the layer over");
+    let t = common::traces(&b, &again);
+    b.pause(&again.id).await.unwrap();
+    let referenced = b.keep(&again.id).await.unwrap();
+    common::assert_gone(&b, &t);
+    let other = common::create_ready(&b, common::spec(&common::id("stray"))).await;
+    let t_other = common::traces(&b, &other);
+    b.pause(&other.id).await.unwrap();
+    let stray = b.keep(&other.id).await.unwrap();
+    common::assert_gone(&b, &t_other);
+
+    // A kept path outside the backend's kept directory is refused.
+    let mut bad = common::spec(&common::id("bad"));
+    bad.kept = Some(KeptState {
+        path: data.path().to_path_buf(),
+    });
+    let e = b.create(bad).await.unwrap_err();
+    assert!(matches!(e, BackendError::BadKeptState { .. }), "{e}");
+
+    // After a restart, reconciliation keeps the referenced layer and removes the other.
+    drop(b);
+    let restarted = agentenv_node::backend::jail::JailBackend::new(cfg)
+        .await
+        .unwrap();
+    let report = restarted
+        .reconcile(std::slice::from_ref(&referenced))
+        .await
+        .unwrap();
+    assert!(report.removed_sandboxes.is_empty(), "{report:?}");
+    assert!(
+        report
+            .removed_other
+            .contains(&format!("kept layer {}", stray.path.display())),
+        "{report:?}"
+    );
+    assert!(!stray.path.exists());
+    assert!(referenced.path.join("upper/root/file").is_file());
+    // Discarding the last one leaves the kept directory empty.
+    restarted.discard_kept(&referenced).await.unwrap();
+    assert!(!referenced.path.exists());
+    let left: Vec<_> = std::fs::read_dir(restarted.kept_dir()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+    let again = restarted.reconcile(&[]).await.unwrap();
+    assert!(
+        again.removed_sandboxes.is_empty()
+            && !again
+                .removed_other
+                .iter()
+                .any(|r| r.starts_with("kept layer")),
+        "{again:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -550,7 +644,7 @@ async fn reconcile_kills_and_removes_a_cgroup_without_an_address() {
     for d in &dirs {
         std::fs::write(d.join("cgroup.procs"), stray.id().to_string()).unwrap();
     }
-    let report = b.reconcile().await.unwrap();
+    let report = b.reconcile(&[]).await.unwrap();
     assert!(
         report.removed_other.contains(&format!("cgroup {orphan}")),
         "{report:?}"

@@ -1,6 +1,6 @@
 //! Lifecycle of sandboxes through the node's REST API: TTL expiry (pause or kill),
 //! connect/resume, auto-resume on data-plane traffic, serialized concurrent operations,
-//! and paused sandboxes that survive a node restart.
+//! and paused sandboxes that survive a node restart with their files.
 
 mod node_common;
 
@@ -207,6 +207,18 @@ async fn paused_sandboxes_survive_a_node_restart() {
     )
     .await;
     let running = create(addr, r#"{"templateID":"base"}"#).await;
+    let dropped = create(addr, r#"{"templateID":"base"}"#).await;
+    // Files written before the restart: in a new file, over a template file, and a
+    // template file deleted.
+    let out = run(
+        addr,
+        &running,
+        None,
+        "echo kept-across-restart > /root/note && echo changed > /etc/motd && rm /etc/issue && sync",
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.end.as_ref().map(|e| e.exit_code), Some(0), "{out:?}");
     let p = api(addr, "POST", &format!("/sandboxes/{paused}/pause"), "").await;
     assert_eq!(p.status, 204);
     let record = home
@@ -235,7 +247,7 @@ async fn paused_sandboxes_survive_a_node_restart() {
         .map(|s| s["sandboxID"].as_str().unwrap())
         .collect();
     ids.sort();
-    let mut expected = vec![paused.as_str(), running.as_str()];
+    let mut expected = vec![paused.as_str(), running.as_str(), dropped.as_str()];
     expected.sort();
     assert_eq!(ids, expected);
     let d = api(addr, "GET", &format!("/sandboxes/{paused}"), "")
@@ -255,6 +267,37 @@ async fn paused_sandboxes_survive_a_node_restart() {
     let out = run(addr, &paused, Some(&token), "hostname").await.unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{paused}\n"));
     assert!(!record.exists(), "a resumed sandbox has no paused record");
+    let r = api(
+        addr,
+        "POST",
+        &format!("/v2/sandboxes/{running}/connect"),
+        "{}",
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let out = run(
+        addr,
+        &running,
+        None,
+        "cat /root/note /etc/motd; test -e /etc/issue && echo issue-back || echo issue-gone",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "kept-across-restart\nchanged\nissue-gone\n",
+        "the sandbox's files survive the restart: {out:?}"
+    );
+    let kept_dir = home.path().join("jail").join("kept");
+    assert_eq!(std::fs::read_dir(&kept_dir).unwrap().count(), 1);
+    // Deleting a restored paused sandbox deletes its kept layer.
+    let r = api(addr, "DELETE", &format!("/sandboxes/{dropped}"), "").await;
+    assert_eq!(r.status, 204);
+    let kept: Vec<_> = std::fs::read_dir(&kept_dir).unwrap().collect();
+    assert!(
+        kept.is_empty(),
+        "resumed sandboxes own their layers, deleted ones have none: {kept:?}"
+    );
     let r = api(addr, "DELETE", &format!("/sandboxes/{running}"), "").await;
     assert_eq!(r.status, 204);
     assert!(

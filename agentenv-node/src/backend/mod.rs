@@ -21,6 +21,7 @@ pub mod jail;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -49,6 +50,20 @@ pub struct SandboxSpec {
     pub allow_internet_access: bool,
     /// Most processes (threads included) at once; `None` uses the backend's default.
     pub max_processes: Option<u32>,
+    /// State kept by [`SandboxBackend::keep`] to start from instead of the bare template
+    /// (jail: the writable layer; microvm: the snapshot). Create takes it over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptState>,
+}
+
+/// What a backend kept of a stopped sandbox so that it can start again from it after a
+/// node restart (jail: the overlay's writable layer; microvm: the snapshot). Record it
+/// durably; a later [`SandboxSpec::kept`] reuses it, [`SandboxBackend::discard_kept`]
+/// deletes it, and [`SandboxBackend::reconcile`] deletes every one not passed to it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptState {
+    /// Where the backend keeps it, under the node's data directory.
+    pub path: PathBuf,
 }
 
 /// The smallest memory limit a sandbox may have, in MiB.
@@ -65,6 +80,7 @@ impl SandboxSpec {
             env: BTreeMap::new(),
             allow_internet_access: true,
             max_processes: None,
+            kept: None,
         }
     }
 }
@@ -164,6 +180,14 @@ pub enum BackendError {
     },
     #[error("{0}")]
     Setup(String),
+    #[error("the {backend} backend cannot {op}: {hint}")]
+    Unsupported {
+        backend: &'static str,
+        op: &'static str,
+        hint: &'static str,
+    },
+    #[error("the kept state {} cannot be used: {reason}; delete the sandbox and create it again", path.display())]
+    BadKeptState { path: PathBuf, reason: String },
 }
 
 impl BackendError {
@@ -222,9 +246,34 @@ pub trait SandboxBackend: Send + Sync {
     /// Every sandbox this backend runs, for reconciliation with the node's records.
     async fn list(&self) -> Vec<SandboxInfo>;
 
+    /// Stops a paused sandbox and releases what it holds (processes, namespaces, cgroup,
+    /// address) except its state, which moves to a durable place under the node's data
+    /// directory (jail: the writable layer; microvm: the snapshot). The sandbox is gone
+    /// from the backend afterwards; create it again with [`SandboxSpec::kept`].
+    async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
+        let _ = id;
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "keep a sandbox's state",
+            hint: "its paused sandboxes start afresh after a node restart",
+        })
+    }
+
+    /// Deletes state kept by [`SandboxBackend::keep`] (absent is fine).
+    async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
+        let _ = kept;
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "discard kept state",
+            hint: "it never keeps any",
+        })
+    }
+
     /// Finds leftovers of sandboxes from an earlier node process that did not shut down
-    /// cleanly and removes them. Called once at startup, before the first create.
-    async fn reconcile(&self) -> Result<ReconcileReport, BackendError>;
+    /// cleanly and removes them, together with kept state that is not in `kept` (what
+    /// the node's records still reference). Called once at startup, before the first
+    /// create.
+    async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError>;
 }
 
 #[cfg(test)]

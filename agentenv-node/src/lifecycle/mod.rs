@@ -7,9 +7,10 @@
 //! that disconnects never leaves a half-done step behind.
 //!
 //! Paused sandboxes are recorded on disk (one JSON file each, written with fsync); at
-//! start the records come back as paused sandboxes. A backend that cannot keep a
-//! sandbox's processes across a node restart (the jail) starts a restored sandbox afresh
-//! from its template on resume.
+//! start the records come back as paused sandboxes. At shutdown the backend keeps each
+//! paused sandbox's state (jail: its writable layer) and the record names it, so a
+//! restored sandbox resumes from it; a backend that cannot keep processes across a node
+//! restart (the jail) starts them afresh, on the sandbox's own files.
 
 mod metrics;
 mod persist;
@@ -30,7 +31,7 @@ use tokio::time::Instant;
 
 use crate::access::TokenIssuer;
 use crate::backend::agent::wait_ready;
-use crate::backend::{BackendError, SandboxAddress, SandboxBackend, SandboxSpec};
+use crate::backend::{BackendError, KeptState, SandboxAddress, SandboxBackend, SandboxSpec};
 use crate::reporter::{NodeSource, SandboxUsage};
 
 /// Internal states of a sandbox.
@@ -161,6 +162,10 @@ pub struct SandboxRecord {
     /// Restored from disk after a node restart: no backend sandbox exists yet.
     #[serde(skip)]
     pub restored: bool,
+    /// What the backend kept of the stopped sandbox (see [`SandboxBackend::keep`]); a
+    /// restored sandbox starts from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptState>,
 }
 
 impl SandboxRecord {
@@ -175,6 +180,7 @@ impl SandboxRecord {
         spec.memory_mb = self.memory_mb;
         spec.env = self.env_vars.clone();
         spec.allow_internet_access = self.allow_internet_access.unwrap_or(true);
+        spec.kept = self.kept.clone();
         spec
     }
 }
@@ -404,6 +410,7 @@ impl Orchestrator {
             deadline: None,
             address: None,
             restored: false,
+            kept: None,
         };
         let slot = Arc::new(Slot {
             op: Arc::new(tokio::sync::Mutex::new(())),
@@ -417,7 +424,7 @@ impl Orchestrator {
             self.slots.lock().remove(&id);
             return Err(LifecycleError::ShuttingDown);
         }
-        let started = self.start_backend(&rec).await;
+        let started = self.start_backend(&mut rec.clone()).await;
         total.finish(started.is_ok());
         match started {
             Ok(addr) => {
@@ -442,8 +449,12 @@ impl Orchestrator {
     }
 
     /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
-    /// On failure nothing is left behind.
-    async fn start_backend(&self, rec: &SandboxRecord) -> Result<SandboxAddress, LifecycleError> {
+    /// On failure nothing is left behind but the kept state `rec` started from (kept
+    /// again, with `rec` and its paused record updated).
+    async fn start_backend(
+        &self,
+        rec: &mut SandboxRecord,
+    ) -> Result<SandboxAddress, LifecycleError> {
         let stage = self.metrics.start("create_warm", "backend_start");
         let info = self.backend.create(rec.spec()).await;
         stage.finish(info.is_ok());
@@ -462,7 +473,21 @@ impl Orchestrator {
         .await;
         stage.finish(ready.is_ok());
         if let Err(reason) = ready {
-            if let Err(e) = self.backend.destroy(&rec.id).await {
+            if rec.kept.is_some() {
+                // The kept state was taken over by the backend sandbox: keep it again.
+                rec.kept = match self.keep_backend(&rec.id).await {
+                    Ok(kept) => Some(kept),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %rec.id, error = %e, "keeping the state after a failed start; the sandbox's files are lost");
+                        None
+                    }
+                };
+                let mut paused = rec.clone();
+                paused.state = State::Paused;
+                if let Err(e) = self.store.save(&paused) {
+                    tracing::warn!(sandbox = %rec.id, error = %e, "recording the kept state");
+                }
+            } else if let Err(e) = self.backend.destroy(&rec.id).await {
                 tracing::warn!(sandbox = %rec.id, error = %e, "cleanup after a failed start");
             }
             return Err(LifecycleError::Agent {
@@ -471,6 +496,22 @@ impl Orchestrator {
             });
         }
         Ok(addr)
+    }
+
+    /// Pauses a backend sandbox and has the backend keep its state; on failure the
+    /// sandbox is destroyed.
+    async fn keep_backend(&self, id: &str) -> Result<KeptState, BackendError> {
+        let kept = match self.backend.pause(id).await {
+            Ok(()) => self.backend.keep(id).await,
+            Err(e) => Err(e),
+        };
+        if kept.is_err() {
+            match self.backend.destroy(id).await {
+                Ok(()) | Err(BackendError::NotFound(_)) => {}
+                Err(e) => tracing::warn!(sandbox = %id, error = %e, "releasing the sandbox"),
+            }
+        }
+        kept
     }
 
     async fn init_agent(&self, rec: &SandboxRecord, addr: SandboxAddress) -> Result<(), String> {
@@ -640,14 +681,16 @@ impl Orchestrator {
         slot: &Slot,
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
-        let rec = {
+        let mut rec = {
             let mut r = slot.rec.lock();
             r.state = State::Resuming;
             r.clone()
         };
         let timer = self.metrics.start("resume", "total");
         let result = if rec.restored {
-            self.start_backend(&rec).await
+            let started = self.start_backend(&mut rec).await;
+            slot.rec.lock().kept = rec.kept.clone();
+            started
         } else {
             match self.backend.resume(&rec.id).await {
                 Ok(info) => Ok(info.address),
@@ -663,6 +706,8 @@ impl Orchestrator {
                 }
                 r.state = State::Running;
                 r.restored = false;
+                // The backend sandbox owns what was kept now.
+                r.kept = None;
                 r.address = Some(addr);
                 r.set_deadline(timeout);
                 let out = r.clone();
@@ -701,11 +746,14 @@ impl Orchestrator {
             r.state = State::Killing;
             (r.clone(), prev)
         };
-        let result = match self.backend.destroy(&rec.id).await {
+        let mut result = match self.backend.destroy(&rec.id).await {
             Ok(()) => Ok(()),
             Err(BackendError::NotFound(_)) => Ok(()),
             Err(e) => Err(e),
         };
+        if let (Ok(()), Some(kept)) = (&result, &rec.kept) {
+            result = self.backend.discard_kept(kept).await;
+        }
         match result {
             Ok(()) => {
                 if let Err(e) = self.store.remove(&rec.id) {
@@ -882,14 +930,41 @@ impl Orchestrator {
             {
                 tracing::warn!(sandbox = %id, error = %e, "pause at shutdown failed; the sandbox is lost");
             }
-            match self.backend.destroy(&id).await {
-                Ok(()) | Err(BackendError::NotFound(_)) => {}
-                Err(e) => {
-                    tracing::warn!(sandbox = %id, error = %e, "releasing the sandbox at shutdown")
+            let paused = slot.rec.lock().state == State::Paused;
+            let kept = if paused {
+                match self.backend.keep(&id).await {
+                    Ok(k) => Some(k),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "keeping the sandbox's state at shutdown failed; it resumes from its template");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            if kept.is_none() {
+                match self.backend.destroy(&id).await {
+                    Ok(()) | Err(BackendError::NotFound(_)) => {}
+                    Err(e) => {
+                        tracing::warn!(sandbox = %id, error = %e, "releasing the sandbox at shutdown")
+                    }
                 }
             }
-            // No backend sandbox is left: a later resume starts it afresh.
-            slot.rec.lock().restored = true;
+            // No backend sandbox is left: a later resume starts it afresh, from what
+            // was kept.
+            let rec = {
+                let mut r = slot.rec.lock();
+                r.restored = true;
+                if kept.is_some() {
+                    r.kept = kept;
+                }
+                r.clone()
+            };
+            if rec.kept.is_some() {
+                if let Err(e) = self.store.save(&rec) {
+                    tracing::warn!(sandbox = %id, error = %e, "recording the kept state at shutdown");
+                }
+            }
         }
         *self.events.lock() = None;
         tracing::info!("lifecycle stopped; paused sandboxes are recorded");

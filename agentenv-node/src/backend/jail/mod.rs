@@ -12,6 +12,10 @@
 //!   dropped to [`spawn::KEPT_CAPABILITIES`], `no_new_privs`, and the seccomp filters of
 //!   [`seccomp`].
 //!
+//! A sandbox's writable layer outlives it when [`JailBackend::keep`] moves `upper/` and
+//! `work/` to `<data>/jail/kept/<id>.<nonce>/`; a create whose spec names that directory
+//! builds its overlay on it instead of on empty directories.
+//!
 //! Pause freezes the cgroup; resume thaws it. Destroy kills PID 1 (the kernel kills the
 //! rest of the PID namespace), deletes the veth, removes the cgroups, releases the address
 //! and deletes the directory; the namespaces go away with their last process.
@@ -39,8 +43,8 @@ use tokio::sync::watch;
 use self::cgroup::{Hierarchy, Limits, SandboxCgroup};
 use self::net::{AddressPool, HostRules, Ipv4Net, SandboxNet, Slot};
 use super::{
-    AGENT_PORT, BackendError, MIN_MEMORY_MB, ReconcileReport, ResourceUsage, SandboxAddress,
-    SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, validate_sandbox_id,
+    AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
+    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, validate_sandbox_id,
 };
 use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
 
@@ -150,6 +154,7 @@ pub struct JailBackend {
     dns: Vec<Ipv4Addr>,
     sandboxes_dir: PathBuf,
     trash_dir: PathBuf,
+    kept_dir: PathBuf,
     host_cpus: u32,
     host_memory: u64,
     sandboxes: Mutex<HashMap<String, Entry>>,
@@ -179,7 +184,8 @@ impl JailBackend {
         }
         let sandboxes_dir = cfg.data_dir.join("jail").join("sandboxes");
         let trash_dir = cfg.data_dir.join("jail").join("trash");
-        for d in [&sandboxes_dir, &trash_dir] {
+        let kept_dir = cfg.data_dir.join("jail").join("kept");
+        for d in [&sandboxes_dir, &trash_dir, &kept_dir] {
             std::fs::create_dir_all(d)
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
         }
@@ -227,6 +233,7 @@ impl JailBackend {
             dns,
             sandboxes_dir,
             trash_dir,
+            kept_dir,
             host_cpus,
             host_memory,
             sandboxes: Mutex::new(HashMap::new()),
@@ -246,6 +253,37 @@ impl JailBackend {
     /// The directory of a sandbox.
     pub fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.sandboxes_dir.join(id)
+    }
+
+    /// Where kept writable layers live (see [`SandboxBackend::keep`]).
+    pub fn kept_dir(&self) -> &Path {
+        &self.kept_dir
+    }
+
+    /// Checks that `kept` is a layer this backend kept: a directory right under
+    /// [`Self::kept_dir`] holding `upper/` and `work/`.
+    fn check_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
+        let bad = |reason: &str| BackendError::BadKeptState {
+            path: kept.path.clone(),
+            reason: reason.to_string(),
+        };
+        let under = kept.path.parent() == Some(self.kept_dir.as_path())
+            && kept
+                .path
+                .file_name()
+                .is_some_and(|n| !n.to_string_lossy().starts_with('.'));
+        if !under {
+            return Err(bad(&format!(
+                "it is not a directory of {}",
+                self.kept_dir.display()
+            )));
+        }
+        for d in ["upper", "work"] {
+            if !kept.path.join(d).is_dir() {
+                return Err(bad(&format!("{d}/ is missing")));
+            }
+        }
+        Ok(())
     }
 
     /// The cgroup directories of a sandbox (present while it exists).
@@ -341,6 +379,9 @@ impl JailBackend {
     ) -> Result<SandboxInfo, BackendError> {
         validate_sandbox_id(&spec.id)?;
         let limits = self.check_limits(&spec)?;
+        if let Some(kept) = &spec.kept {
+            self.check_kept(kept)?;
+        }
         {
             let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
             if map.contains_key(&spec.id) || self.sandbox_dir(&spec.id).exists() {
@@ -387,6 +428,16 @@ impl JailBackend {
         let dir = self.sandbox_dir(&spec.id);
         let (upper, work, root) = (dir.join("upper"), dir.join("work"), dir.join("root"));
         undo.dir = Some(dir.clone());
+        if let Some(kept) = &spec.kept {
+            // The kept directory holds `upper/` and `work/`: it becomes the sandbox's.
+            std::fs::rename(&kept.path, &dir).map_err(|e| {
+                BackendError::io(
+                    format!("moving {} to {}", kept.path.display(), dir.display()),
+                    e,
+                )
+            })?;
+            undo.kept = Some(kept.path.clone());
+        }
         for d in [&upper, &work, &root] {
             std::fs::create_dir_all(d)
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
@@ -532,8 +583,9 @@ impl JailBackend {
         Ok(())
     }
 
-    /// Kills a sandbox and removes all it holds. Errors are collected; every step runs.
-    async fn teardown(&self, sbx: &Sandbox) -> Result<(), BackendError> {
+    /// Kills a sandbox and removes all it holds, except its writable layer when `keep`
+    /// names where to move it. Errors are collected; every step runs.
+    async fn teardown(&self, sbx: &Sandbox, keep: Option<&Path>) -> Result<(), BackendError> {
         let timeout = self.cfg.op_timeout;
         let mut phases = Phases::new();
         let _ = kill(sbx.pid, Signal::SIGKILL);
@@ -576,6 +628,12 @@ impl JailBackend {
             self.pool.release(slot);
         } else if let Err(e) = sbx.cgroup.remove(timeout).await {
             errors.push(e.to_string());
+        }
+        if let Some(kept) = keep {
+            if let Err(e) = keep_layer(&sbx.dir, kept) {
+                errors.push(e);
+            }
+            phases.mark("keep");
         }
         if let Err(e) = self.remove_dir(&sbx.dir) {
             errors.push(e);
@@ -711,6 +769,8 @@ struct Undo<'a> {
     backend: &'a JailBackend,
     armed: bool,
     dir: Option<PathBuf>,
+    /// The kept layer the sandbox directory was made from: it goes back there.
+    kept: Option<PathBuf>,
     slot: Option<Slot>,
     cgroup: Option<SandboxCgroup>,
     link: Option<String>,
@@ -723,6 +783,7 @@ impl<'a> Undo<'a> {
             backend,
             armed: true,
             dir: None,
+            kept: None,
             slot: None,
             cgroup: None,
             link: None,
@@ -760,9 +821,38 @@ impl Drop for Undo<'_> {
             self.backend.pool.release(slot);
         }
         if let Some(dir) = &self.dir {
+            if let Some(kept) = &self.kept
+                && let Err(e) = keep_layer(dir, kept)
+            {
+                tracing::warn!(path = %kept.display(), error = %e, "returning a kept layer after a failed create");
+            }
             let _ = std::fs::remove_dir_all(dir);
         }
     }
+}
+
+/// Moves the writable layer (`upper/`, `work/`) of the sandbox directory `dir` to `kept`
+/// and syncs it to disk.
+fn keep_layer(dir: &Path, kept: &Path) -> Result<(), String> {
+    std::fs::create_dir(kept).map_err(|e| format!("creating {}: {e}", kept.display()))?;
+    for d in ["upper", "work"] {
+        std::fs::rename(dir.join(d), kept.join(d)).map_err(|e| {
+            format!(
+                "moving {} to {}: {e}",
+                dir.join(d).display(),
+                kept.display()
+            )
+        })?;
+    }
+    let sync = |p: &Path| -> std::io::Result<()> {
+        let f = std::fs::File::open(p)?;
+        // SAFETY: syncfs takes a descriptor `f` keeps open for the call.
+        if unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    sync(kept).map_err(|e| format!("syncing {}: {e}", kept.display()))
 }
 
 fn write_state(dir: &Path, state: &StateFile) -> Result<(), BackendError> {
@@ -860,7 +950,42 @@ impl SandboxBackend for JailBackend {
             }
         };
         let _op = sbx.op.lock().await;
-        self.teardown(&sbx).await
+        self.teardown(&sbx, None).await
+    }
+
+    async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
+        let sbx = {
+            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            let state = match map.get(id) {
+                Some(Entry::Ready(s)) => s.info.lock().unwrap_or_else(|e| e.into_inner()).state,
+                _ => return Err(BackendError::NotFound(id.to_string())),
+            };
+            if state != SandboxState::Paused {
+                return Err(BackendError::InvalidState {
+                    id: id.to_string(),
+                    state,
+                    needed: SandboxState::Paused,
+                });
+            }
+            match map.remove(id) {
+                Some(Entry::Ready(s)) => s,
+                _ => return Err(BackendError::NotFound(id.to_string())),
+            }
+        };
+        let _op = sbx.op.lock().await;
+        let nonce: u64 = rand::random();
+        let path = self.kept_dir.join(format!("{id}.{nonce:016x}"));
+        self.teardown(&sbx, Some(&path)).await?;
+        tracing::debug!(id, path = %path.display(), "sandbox stopped, writable layer kept");
+        Ok(KeptState { path })
+    }
+
+    async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
+        if !kept.path.exists() {
+            return Ok(());
+        }
+        self.check_kept(kept)?;
+        self.remove_dir(&kept.path).map_err(setup)
     }
 
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
@@ -893,7 +1018,7 @@ impl SandboxBackend for JailBackend {
         out
     }
 
-    async fn reconcile(&self) -> Result<ReconcileReport, BackendError> {
+    async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
         let mut report = ReconcileReport::default();
         let live: Vec<String> = self
             .sandboxes
@@ -918,6 +1043,21 @@ impl SandboxBackend for JailBackend {
                     report
                         .removed_other
                         .push(format!("trash {}", entry.path().display()));
+                }
+            }
+        }
+        // Kept layers no record references belong to nobody.
+        if let Ok(entries) = std::fs::read_dir(&self.kept_dir) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if kept.iter().any(|k| k.path == path) {
+                    continue;
+                }
+                match self.remove_dir(&path) {
+                    Ok(()) => report
+                        .removed_other
+                        .push(format!("kept layer {}", path.display())),
+                    Err(e) => tracing::warn!(error = %e, "removing an unreferenced kept layer"),
                 }
             }
         }
