@@ -1,8 +1,8 @@
 //! The official E2B Python SDK (PyPI `e2b`, debug mode) against the agent
 //! binary on localhost:49983.
 //!
-//! The SDK is installed into `target/e2b-venv` (created on first run with
-//! `python3 -m venv` and `pip install e2b`). Debug mode pins port 49983, so
+//! The SDK comes from the virtual environment `agentenv_tests::e2b_python`
+//! creates once under the target dir (`python3 -m venv`, `pip install e2b`). Debug mode pins port 49983, so
 //! this is the only test that uses it, and a file lock keeps two runs of it
 //! apart.
 
@@ -10,41 +10,9 @@ mod common;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn venv_python() -> Result<PathBuf, String> {
-    let venv = common::target_dir().join("e2b-venv");
-    let py = venv.join("bin/python");
-    let has_sdk = |py: &Path| {
-        Command::new(py)
-            .args(["-c", "import e2b"])
-            .stderr(Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false)
-    };
-    if py.exists() && has_sdk(&py) {
-        return Ok(py);
-    }
-    let st = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .status()
-        .map_err(|e| format!("python3 not runnable: {e}"))?;
-    if !st.success() {
-        return Err("`python3 -m venv` failed (install python3-venv)".into());
-    }
-    let st = Command::new(venv.join("bin/pip"))
-        .args(["install", "-q", "e2b"])
-        .status()
-        .map_err(|e| format!("pip not runnable: {e}"))?;
-    if !st.success() || !has_sdk(&py) {
-        return Err("`pip install e2b` failed (is PyPI reachable?)".into());
-    }
-    Ok(py)
-}
 
 struct KillOnDrop(std::process::Child);
 impl Drop for KillOnDrop {
@@ -56,7 +24,7 @@ impl Drop for KillOnDrop {
 
 #[test]
 fn official_e2b_python_sdk_drives_the_agent() {
-    let py = match venv_python() {
+    let py = match agentenv_tests::e2b_python() {
         Ok(p) => p,
         Err(why) => {
             eprintln!("SKIPPED official_e2b_python_sdk_drives_the_agent: {why}");
