@@ -1,0 +1,128 @@
+//! virtio devices and their MMIO transport.
+//!
+//! Every device implements [`VirtioDevice`] and knows nothing about the transport; the
+//! virtio-mmio transport (`mmio`) owns the register file, feature negotiation and queue
+//! setup, and activates the device once the driver sets DRIVER_OK. An active device
+//! processes its queues on its own worker thread, woken by the queue's notification
+//! [`EventFd`] (an ioeventfd registered with KVM in a VM, written directly in tests), and
+//! signals the guest through [`VirtioInterrupt`].
+//!
+//! A malformed descriptor chain (a loop, an address outside guest memory, a length the
+//! device cannot take) is an error of that request only: the device completes or skips
+//! it, counts it in its metrics, logs it, and keeps running. Nothing a guest writes may
+//! panic the VMM.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::InterruptLine;
+use crate::memory::GuestMemoryMmap;
+
+/// `InterruptStatus` bit: the device used buffers in a queue.
+pub const INT_USED_RING: u32 = 0x1;
+/// `InterruptStatus` bit: the device configuration changed.
+pub const INT_CONFIG_CHANGE: u32 = 0x2;
+
+/// The interrupt of one virtio-mmio device: the status register the driver reads and
+/// acknowledges, and the line that raises the interrupt.
+pub struct VirtioInterrupt {
+    status: AtomicU32,
+    line: Arc<dyn InterruptLine>,
+}
+
+impl VirtioInterrupt {
+    pub fn new(line: Arc<dyn InterruptLine>) -> Self {
+        Self {
+            status: AtomicU32::new(0),
+            line,
+        }
+    }
+
+    /// Tells the driver that used buffers are ready.
+    pub fn signal_used_queue(&self) -> std::io::Result<()> {
+        self.status.fetch_or(INT_USED_RING, Ordering::SeqCst);
+        self.line.trigger()
+    }
+
+    /// Tells the driver that the device configuration changed.
+    pub fn signal_config_change(&self) -> std::io::Result<()> {
+        self.status.fetch_or(INT_CONFIG_CHANGE, Ordering::SeqCst);
+        self.line.trigger()
+    }
+
+    /// The `InterruptStatus` register.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// `InterruptACK`: clears the acknowledged bits.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// Sets the status register (snapshot restore).
+    pub fn set_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
+    }
+}
+
+/// What a device gets when the driver has finished setting it up.
+pub struct ActivateContext {
+    pub mem: GuestMemoryMmap,
+    pub interrupt: Arc<VirtioInterrupt>,
+    /// The queues the driver set up, in index order, with the features already acked.
+    pub queues: Vec<Queue>,
+    /// One notification event per queue, same order.
+    pub queue_events: Vec<EventFd>,
+}
+
+/// Why a device could not be activated.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("the driver set up {got} queues, the device needs {want}")]
+    QueueCount { got: usize, want: usize },
+    #[error("the device's backend failed: {0}")]
+    Backend(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A virtio device, independent of its transport.
+pub trait VirtioDevice: Send {
+    /// The virtio device id (`VIRTIO_ID_BLOCK` = 2, net = 1, rng = 4, balloon = 5, vsock = 19).
+    fn device_type(&self) -> u32;
+
+    /// The maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+
+    /// Features the device offers (`VIRTIO_F_VERSION_1` included).
+    fn avail_features(&self) -> u64;
+
+    /// Records the features the driver acknowledged (a subset of the offered ones).
+    fn set_acked_features(&mut self, features: u64);
+
+    /// Reads the device-specific configuration space; bytes past its end read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+
+    /// Writes the device-specific configuration space; writes to read-only fields are
+    /// ignored.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+
+    /// Starts processing the queues (the driver set DRIVER_OK).
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError>;
+
+    /// Stops processing and hands back the queues and their events, so that the
+    /// transport can snapshot them and activate again (or reset). `None` when not active.
+    fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)>;
+
+    /// The device-specific state for a snapshot (configuration, backend position, acked
+    /// features are saved by the transport).
+    fn save_state(&self) -> serde_json::Value;
+
+    /// Restores what [`VirtioDevice::save_state`] produced, before the transport
+    /// re-activates the device.
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+}

@@ -1,0 +1,17 @@
+//! agentenv-vmm: the microVM monitor of AgentENV, on KVM through rust-vmm crates.
+//!
+//! A [`config::VmConfig`] is checked as a whole before anything is created; only a valid
+//! configuration becomes a live VM (guest memory, vCPUs, in-kernel irqchip and PIT, the
+//! kernel loaded through linux-loader, legacy devices and virtio-mmio devices).
+//!
+//! Layout:
+//! * [`hypervisor`]: the seam over KVM (`Hypervisor` → `Vm` → `Vcpu`), so a test double
+//!   and other hypervisors fit.
+//! * [`memory`]: guest memory (anonymous, or file-backed and shared for snapshots) and
+//!   dirty-page tracking.
+//! * [`devices`]: the I/O and MMIO buses, the legacy devices (8250 UART, i8042) and the
+//!   virtio-mmio transport with its devices (block, net, vsock, balloon, rng).
+//! * [`config`]: the validated VM configuration.
+
+pub mod devices;
+pub mod memory;
