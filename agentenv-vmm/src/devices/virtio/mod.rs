@@ -12,6 +12,8 @@
 //! it, counts it in its metrics, logs it, and keeps running. Nothing a guest writes may
 //! panic the VMM.
 
+pub mod worker;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
