@@ -12,6 +12,11 @@
 //! * [`devices`]: the I/O and MMIO buses, the legacy devices (8250 UART, i8042) and the
 //!   virtio-mmio transport with its devices (block, net, vsock, balloon, rng).
 //! * [`config`]: the validated VM configuration.
+//! * [`control`]: the control protocol of a VMM process (JSON lines over a unix socket)
+//!   and the node's client of it.
+//! * [`seccomp`]: the VMM process's system call filter.
 
+pub mod control;
 pub mod devices;
 pub mod memory;
+pub mod seccomp;

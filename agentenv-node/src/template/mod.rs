@@ -16,6 +16,7 @@
 //! (`--variant=minbase bookworm` plus [`BASE_PACKAGES`]). The Debian mirror is the
 //! configured one, else the one the host's apt uses.
 
+pub mod image;
 mod mirror;
 
 pub use mirror::{MirrorError, find_host_mirror, parse_deb822_sources, parse_one_line_sources};
