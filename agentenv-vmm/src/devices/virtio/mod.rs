@@ -12,6 +12,9 @@
 //! it, counts it in its metrics, logs it, and keeps running. Nothing a guest writes may
 //! panic the VMM.
 
+pub mod mmio;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod worker;
 
 use std::sync::Arc;
@@ -32,6 +35,7 @@ pub const INT_CONFIG_CHANGE: u32 = 0x2;
 /// acknowledges, and the line that raises the interrupt.
 pub struct VirtioInterrupt {
     status: AtomicU32,
+    config_generation: AtomicU32,
     line: Arc<dyn InterruptLine>,
 }
 
@@ -39,6 +43,7 @@ impl VirtioInterrupt {
     pub fn new(line: Arc<dyn InterruptLine>) -> Self {
         Self {
             status: AtomicU32::new(0),
+            config_generation: AtomicU32::new(0),
             line,
         }
     }
@@ -50,9 +55,22 @@ impl VirtioInterrupt {
     }
 
     /// Tells the driver that the device configuration changed.
+    /// Bumps the `ConfigGeneration` register, so a driver that read the configuration
+    /// across the change reads it again.
     pub fn signal_config_change(&self) -> std::io::Result<()> {
+        self.config_generation.fetch_add(1, Ordering::SeqCst);
         self.status.fetch_or(INT_CONFIG_CHANGE, Ordering::SeqCst);
         self.line.trigger()
+    }
+
+    /// The `ConfigGeneration` register.
+    pub fn config_generation(&self) -> u32 {
+        self.config_generation.load(Ordering::SeqCst)
+    }
+
+    /// Sets the `ConfigGeneration` register (snapshot restore).
+    pub fn set_config_generation(&self, generation: u32) {
+        self.config_generation.store(generation, Ordering::SeqCst);
     }
 
     /// The `InterruptStatus` register.
