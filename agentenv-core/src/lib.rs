@@ -9,5 +9,6 @@ pub mod error;
 pub mod logging;
 pub mod metrics;
 pub mod proto;
+pub mod storage;
 
 pub use config::{Config, ConfigError, LoadOptions, Loaded, Service};

@@ -1,0 +1,453 @@
+//! The `Storage` seam against real stores: a local directory (the `fs` service, as on a
+//! shared POSIX mount) and a real S3-compatible server (moto's server, from PyPI, on a
+//! loopback port).
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use agentenv_core::storage::{OpendalStorage, S3Config, Storage, StorageConfig, StorageError};
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+}
+
+/// `moto_server` in a virtual environment (`target/moto-venv`, created once under an
+/// inter-process lock).
+fn moto_server_binary() -> PathBuf {
+    let venv = target_dir().join("moto-venv");
+    let bin = venv.join("bin/moto_server");
+    let works = |b: &Path| {
+        b.is_file()
+            && Command::new(venv.join("bin/python"))
+                .args(["-c", "import moto.server"])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+    };
+    if works(&bin) {
+        return bin;
+    }
+    std::fs::create_dir_all(target_dir()).unwrap();
+    let lock = target_dir().join("moto-venv.lock");
+    let f = std::fs::File::create(&lock).unwrap();
+    let _guard = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+        .unwrap_or_else(|(_, e)| panic!("locking {}: {e}", lock.display()));
+    if works(&bin) {
+        return bin;
+    }
+    let st = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .expect("python3 runs");
+    assert!(
+        st.success(),
+        "`python3 -m venv` failed (install python3-venv)"
+    );
+    let st = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "moto[server]"])
+        .status()
+        .expect("pip runs");
+    assert!(
+        st.success() && works(&bin),
+        "`pip install moto[server]` failed (is PyPI reachable?)"
+    );
+    bin
+}
+
+/// A moto S3 server on a free loopback port, killed when dropped.
+struct Moto {
+    addr: SocketAddr,
+    child: Child,
+}
+
+impl Moto {
+    fn start(enforce_auth: bool) -> Moto {
+        let bin = moto_server_binary();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut cmd = Command::new(bin);
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if enforce_auth {
+            // Every request is authenticated against moto's (empty) IAM: any key is refused.
+            cmd.env("INITIAL_NO_AUTH_ACTION_COUNT", "0");
+        }
+        let child = cmd.spawn().expect("starting moto_server");
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "moto_server did not listen on {addr}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Moto { addr, child }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Creates a bucket (moto takes unsigned requests unless auth is enforced).
+    fn create_bucket(&self, name: &str) {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        write!(
+            s,
+            "PUT /{name} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.addr
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "create bucket: {resp}");
+    }
+
+    fn config(&self, bucket: &str, prefix: &str) -> S3Config {
+        S3Config {
+            endpoint: self.endpoint(),
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            region: "us-east-1".into(),
+            access_key_id: "test-access-key".into(),
+            secret_access_key: "test-secret-key".into(),
+            security_token: None,
+            addressing_style: None,
+        }
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `len` bytes of a fixed pattern, produced as they are read (never all in memory).
+struct Pattern {
+    left: u64,
+    pos: u64,
+}
+
+impl AsyncRead for Pattern {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let n = (buf.remaining() as u64).min(self.left).min(64 << 10) as usize;
+        let start = self.pos;
+        let chunk: Vec<u8> = (0..n as u64)
+            .map(|i| ((start + i) * 31 % 251) as u8)
+            .collect();
+        buf.put_slice(&chunk);
+        self.left -= n as u64;
+        self.pos += n as u64;
+        Poll::Ready(Ok(()))
+    }
+}
+
+fn pattern_digest(len: u64) -> Vec<u8> {
+    let mut h = Sha256::new();
+    let mut i = 0u64;
+    while i < len {
+        let n = (len - i).min(1 << 20);
+        let chunk: Vec<u8> = (i..i + n).map(|j| (j * 31 % 251) as u8).collect();
+        h.update(&chunk);
+        i += n;
+    }
+    h.finalize().to_vec()
+}
+
+/// An `AsyncWrite` that only hashes what it gets.
+#[derive(Default)]
+struct Hasher(Sha256, u64);
+
+impl AsyncWrite for Hasher {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.0.update(buf);
+        self.1 += buf.len() as u64;
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The behaviour every store must have.
+async fn exercise(store: Arc<dyn Storage>) {
+    store.check().await.expect("check");
+
+    // A 20 MiB object streams up (more than two upload chunks) and down intact.
+    let len = 20u64 << 20;
+    let n = store
+        .put("artifacts/s1/layer.tar", &mut Pattern { left: len, pos: 0 })
+        .await
+        .expect("put");
+    assert_eq!(n, len);
+    let meta = store.stat("artifacts/s1/layer.tar").await.unwrap().unwrap();
+    assert_eq!(meta.size, len);
+    let mut h = Hasher::default();
+    assert_eq!(
+        store.get("artifacts/s1/layer.tar", &mut h).await.unwrap(),
+        len
+    );
+    assert_eq!(h.1, len);
+    assert_eq!(h.0.finalize().to_vec(), pattern_digest(len));
+
+    // Files both ways.
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.bin");
+    std::fs::write(&src, b"manifest bytes").unwrap();
+    store
+        .put_file("artifacts/s1/manifest.json", &src)
+        .await
+        .unwrap();
+    let dst = dir.path().join("dst.bin");
+    store
+        .get_file("artifacts/s1/manifest.json", &dst)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dst).unwrap(), b"manifest bytes");
+    // A put replaces.
+    store
+        .put("artifacts/s1/manifest.json", &mut &b"v2"[..])
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .read("artifacts/s1/manifest.json", 1024)
+            .await
+            .unwrap()
+            .unwrap(),
+        b"v2"
+    );
+
+    // Listing by prefix: sorted, recursive, nothing from other prefixes.
+    store.put("artifacts/s2/a", &mut &b"x"[..]).await.unwrap();
+    store
+        .put("catalog/records/s1.json", &mut &b"{}"[..])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.list("artifacts/").await.unwrap(),
+        [
+            "artifacts/s1/layer.tar",
+            "artifacts/s1/manifest.json",
+            "artifacts/s2/a"
+        ]
+    );
+    assert_eq!(
+        store.list("artifacts/s1/").await.unwrap(),
+        ["artifacts/s1/layer.tar", "artifacts/s1/manifest.json"]
+    );
+    assert!(store.list("nothing-here/").await.unwrap().is_empty());
+
+    // Small reads are bounded.
+    match store.read("artifacts/s1/layer.tar", 1024).await {
+        Err(StorageError::TooLarge { limit: 1024, .. }) => {}
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert!(
+        store
+            .read("catalog/records/none.json", 10)
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // Absent objects.
+    assert!(store.stat("artifacts/none").await.unwrap().is_none());
+    let mut sink = Hasher::default();
+    match store.get("artifacts/none", &mut sink).await {
+        Err(StorageError::NotFound { key, .. }) => assert_eq!(key, "artifacts/none"),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+
+    // Delete is idempotent; delete_prefix removes a whole artifact directory.
+    store.delete("artifacts/s2/a").await.unwrap();
+    store.delete("artifacts/s2/a").await.unwrap();
+    assert!(store.stat("artifacts/s2/a").await.unwrap().is_none());
+    store.delete_prefix("artifacts/s1/").await.unwrap();
+    assert!(store.list("artifacts/").await.unwrap().is_empty());
+
+    // create_new: the first writer wins, the content stays, and among racing writers
+    // exactly one succeeds.
+    assert!(
+        store
+            .create_new("catalog/aliases/web", Bytes::from_static(b"\"id-1\""))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .create_new("catalog/aliases/web", Bytes::from_static(b"\"id-2\""))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store
+            .read("catalog/aliases/web", 64)
+            .await
+            .unwrap()
+            .unwrap(),
+        b"\"id-1\""
+    );
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let s = store.clone();
+        tasks.push(tokio::spawn(async move {
+            s.create_new("catalog/aliases/race", Bytes::from(format!("{i}")))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut won = 0;
+    for t in tasks {
+        if t.await.unwrap() {
+            won += 1;
+        }
+    }
+    assert_eq!(won, 1, "exactly one racing create_new wins");
+    assert_eq!(
+        store.list("catalog/aliases/").await.unwrap(),
+        ["catalog/aliases/race", "catalog/aliases/web"]
+    );
+
+    // Bad keys are refused before anything is touched.
+    assert!(matches!(
+        store.put("../escape", &mut &b"x"[..]).await,
+        Err(StorageError::InvalidKey(_))
+    ));
+    assert!(matches!(
+        store.stat("/abs").await,
+        Err(StorageError::InvalidKey(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_directory_stores_streams_lists_and_creates_atomically() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("snapshot-store");
+    let store: Arc<dyn Storage> =
+        Arc::new(OpendalStorage::open(&StorageConfig::Fs { root: root.clone() }).unwrap());
+    exercise(store.clone()).await;
+    // Objects are plain files under the root: another node mounting it sees them.
+    assert_eq!(
+        std::fs::read(root.join("catalog/aliases/web")).unwrap(),
+        b"\"id-1\""
+    );
+    // A second store on the same directory (another node) sees the same objects.
+    let other = OpendalStorage::open(&StorageConfig::Fs { root }).unwrap();
+    assert!(
+        !other
+            .create_new("catalog/aliases/web", Bytes::from_static(b"x"))
+            .await
+            .unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_that_cannot_be_written_is_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let e = match OpendalStorage::open(&StorageConfig::Fs {
+        root: file.join("store"),
+    }) {
+        Ok(store) => store.check().await.unwrap_err(),
+        Err(e) => e,
+    };
+    assert!(matches!(e, StorageError::NotWritable { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("not writable") && msg.contains("a-file/store"),
+        "{msg}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_bucket_stores_streams_lists_and_creates_atomically() {
+    let moto = tokio::task::spawn_blocking(|| Moto::start(false))
+        .await
+        .unwrap();
+    moto.create_bucket("snapshots");
+    let store: Arc<dyn Storage> = Arc::new(
+        OpendalStorage::open(&StorageConfig::S3(moto.config("snapshots", "cluster-a/"))).unwrap(),
+    );
+    exercise(store).await;
+    // The prefix keeps stores apart inside one bucket.
+    let other =
+        OpendalStorage::open(&StorageConfig::S3(moto.config("snapshots", "cluster-b"))).unwrap();
+    assert!(other.list("catalog/").await.unwrap().is_empty());
+    let same =
+        OpendalStorage::open(&StorageConfig::S3(moto.config("snapshots", "cluster-a"))).unwrap();
+    assert_eq!(
+        same.read("catalog/aliases/web", 64).await.unwrap().unwrap(),
+        b"\"id-1\""
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_errors_say_what_to_fix() {
+    let moto = tokio::task::spawn_blocking(|| Moto::start(false))
+        .await
+        .unwrap();
+    let store =
+        OpendalStorage::open(&StorageConfig::S3(moto.config("no-such-bucket", ""))).unwrap();
+    let e = store.check().await.unwrap_err();
+    assert!(matches!(e, StorageError::BucketMissing { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("\"no-such-bucket\" does not exist"),
+        "{e}"
+    );
+
+    let strict = tokio::task::spawn_blocking(|| Moto::start(true))
+        .await
+        .unwrap();
+    let store = OpendalStorage::open(&StorageConfig::S3(strict.config("snapshots", ""))).unwrap();
+    let e = store.check().await.unwrap_err();
+    assert!(
+        matches!(e, StorageError::CredentialsRefused { .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("refused the credentials"), "{e}");
+
+    // Nothing listens on a port that was just released.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cfg = moto.config("snapshots", "");
+    cfg.endpoint = format!("http://127.0.0.1:{port}");
+    let store = OpendalStorage::open(&StorageConfig::S3(cfg)).unwrap();
+    let e = store.check().await.unwrap_err();
+    assert!(matches!(e, StorageError::Unreachable { .. }), "{e:?}");
+    assert!(e.to_string().contains("cannot reach"), "{e}");
+}
