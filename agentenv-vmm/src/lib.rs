@@ -5,18 +5,31 @@
 //! kernel loaded through linux-loader, legacy devices and virtio-mmio devices).
 //!
 //! Layout:
-//! * [`hypervisor`]: the seam over KVM (`Hypervisor` → `Vm` → `Vcpu`), so a test double
-//!   and other hypervisors fit.
+//! * [`hypervisor`]: the seam over KVM (`Hypervisor` → `HypervisorVm` → `HypervisorVcpu`),
+//!   so a test double and other hypervisors fit.
 //! * [`memory`]: guest memory (anonymous, or file-backed and shared for snapshots) and
 //!   dirty-page tracking.
-//! * [`devices`]: the I/O and MMIO buses, the legacy devices (8250 UART, i8042) and the
-//!   virtio-mmio transport with its devices (block, net, vsock, balloon, rng).
+//! * [`arch`]: x86_64 setup (CPUID, MSRs, registers, page tables, MP table, layout).
+//! * [`loader`]: the kernel, initrd and command line into guest memory.
+//! * [`devices`]: the I/O and MMIO buses, the legacy devices (8250 UART, i8042, the
+//!   debug-exit port) and the virtio-mmio transport with its devices.
 //! * [`config`]: the validated VM configuration.
 //! * [`control`]: the control protocol of a VMM process (JSON lines over a unix socket)
 //!   and the node's client of it.
 //! * [`seccomp`]: the VMM process's system call filter.
+//! * [`vm`]: the VM lifecycle (start, pause, resume, snapshot, stop).
+//! * [`snapshot`]: the snapshot format.
 
+pub mod arch;
+pub mod config;
 pub mod control;
 pub mod devices;
+pub mod hypervisor;
+pub mod loader;
 pub mod memory;
 pub mod seccomp;
+pub mod snapshot;
+pub mod vm;
+
+pub use config::VmConfig;
+pub use vm::{ExitReason, SnapshotInfo, SnapshotKind, Vm, VmError, VmMetrics};

@@ -1,0 +1,198 @@
+//! Legacy port-I/O devices: the 8250 UART (COM1), the i8042 controller (its reset line
+//! ends the VM) and the debug-exit port the VMM's test guests end with.
+//!
+//! ## The debug-exit port
+//! A guest write to port [`DEBUG_EXIT_PORT`] (`0x501`, where QEMU's `isa-debug-exit` sits)
+//! of 1, 2 or 4 bytes ends the VM with [`ExitReason::Done`] carrying the value written.
+//! Reads return `0xff`. Linux never touches the port.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use vm_superio::{I8042Device, Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::BusDevice;
+use crate::vm::{ExitReason, ExitState};
+
+/// COM1.
+pub const SERIAL_PORT: u64 = 0x3f8;
+pub const SERIAL_PORT_LEN: u64 = 8;
+/// COM1's IRQ.
+pub const SERIAL_IRQ: u32 = 4;
+/// The i8042 controller (data 0x60, command/status 0x64).
+pub const I8042_PORT: u64 = 0x60;
+pub const I8042_PORT_LEN: u64 = 5;
+/// The debug-exit port.
+pub const DEBUG_EXIT_PORT: u64 = 0x501;
+pub const DEBUG_EXIT_PORT_LEN: u64 = 4;
+
+/// An [`EventFd`] as a vm-superio interrupt trigger (an irqfd in a VM).
+pub struct EventFdTrigger(pub EventFd);
+
+impl Trigger for EventFdTrigger {
+    type E = std::io::Error;
+    fn trigger(&self) -> std::io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// The 8250 UART: what the guest writes goes to `out`.
+pub struct SerialDevice {
+    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
+}
+
+impl SerialDevice {
+    pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
+        Self {
+            serial: Serial::new(EventFdTrigger(irq), out),
+        }
+    }
+}
+
+impl BusDevice for SerialDevice {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if data.len() == 1 && offset < SERIAL_PORT_LEN {
+            data[0] = self.serial.read(offset as u8);
+        } else {
+            data.fill(0xff);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if data.len() == 1 && offset < SERIAL_PORT_LEN {
+            if let Err(e) = self.serial.write(offset as u8, data[0]) {
+                tracing::warn!("serial console write failed: {e:?}");
+            }
+            if offset == 0 && data[0] == b'\n' {
+                let _ = self.serial.writer_mut().flush();
+            }
+        }
+    }
+}
+
+/// Ends the VM with a given reason when triggered.
+pub struct ExitTrigger {
+    state: Arc<ExitState>,
+    reason: ExitReason,
+}
+
+impl Trigger for ExitTrigger {
+    type E = std::convert::Infallible;
+    fn trigger(&self) -> Result<(), Self::E> {
+        self.state.set(self.reason.clone());
+        Ok(())
+    }
+}
+
+/// The i8042 controller: `out 0x64, 0xfe` (pulse the reset line) ends the VM with
+/// [`ExitReason::Reset`].
+pub struct I8042 {
+    dev: I8042Device<ExitTrigger>,
+}
+
+impl I8042 {
+    pub fn new(exit: Arc<ExitState>) -> Self {
+        Self {
+            dev: I8042Device::new(ExitTrigger {
+                state: exit,
+                reason: ExitReason::Reset,
+            }),
+        }
+    }
+}
+
+impl BusDevice for I8042 {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if data.len() == 1 && offset < I8042_PORT_LEN {
+            data[0] = self.dev.read(offset as u8);
+        } else {
+            data.fill(0xff);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if data.len() == 1 && offset < I8042_PORT_LEN {
+            let _ = self.dev.write(offset as u8, data[0]);
+        }
+    }
+}
+
+/// The debug-exit port (see the module documentation).
+pub struct DebugExit {
+    exit: Arc<ExitState>,
+}
+
+impl DebugExit {
+    pub fn new(exit: Arc<ExitState>) -> Self {
+        Self { exit }
+    }
+}
+
+impl BusDevice for DebugExit {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+        data.fill(0xff);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset != 0 {
+            return;
+        }
+        let mut b = [0u8; 4];
+        let n = data.len().min(4);
+        b[..n].copy_from_slice(&data[..n]);
+        self.exit.set(ExitReason::Done(u32::from_le_bytes(b)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+    impl Write for Sink {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn serial_writes_reach_the_output_and_raise_the_irq_when_enabled() {
+        let sink = Sink::default();
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut s = SerialDevice::new(irq.try_clone().unwrap(), Box::new(sink.clone()));
+        // IER: THR-empty interrupt on.
+        s.write(1, &[0x02]);
+        for b in b"hi\n" {
+            s.write(0, &[*b]);
+        }
+        assert_eq!(&*sink.0.lock().unwrap(), b"hi\n");
+        assert!(irq.read().unwrap() >= 1);
+        // LSR says the transmitter is empty.
+        let mut lsr = [0u8];
+        s.read(5, &mut lsr);
+        assert_ne!(lsr[0] & 0x20, 0);
+    }
+
+    #[test]
+    fn i8042_reset_and_debug_exit_end_the_vm_with_their_reason() {
+        let exit = Arc::new(ExitState::default());
+        let mut k = I8042::new(exit.clone());
+        k.write(4, &[0xfe]);
+        assert_eq!(exit.get(), Some(ExitReason::Reset));
+
+        let exit = Arc::new(ExitState::default());
+        let mut d = DebugExit::new(exit.clone());
+        d.write(0, &[0x2a, 0x01]);
+        assert_eq!(exit.get(), Some(ExitReason::Done(0x12a)));
+        // The first reason wins.
+        d.write(0, &[7]);
+        assert_eq!(exit.get(), Some(ExitReason::Done(0x12a)));
+    }
+}
