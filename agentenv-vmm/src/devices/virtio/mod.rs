@@ -13,6 +13,8 @@
 //! panic the VMM.
 
 pub mod mmio;
+pub mod queue_util;
+pub mod rng;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod worker;

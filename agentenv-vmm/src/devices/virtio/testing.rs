@@ -6,10 +6,10 @@ use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_queue::Queue;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::desc::split::{Descriptor as SplitDescriptor, VirtqUsedElem};
-use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::mock::{AvailRing, DescriptorTable, UsedRing};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{GuestAddress, GuestMemoryRegion};
@@ -22,6 +22,8 @@ pub const PAGE: usize = 4096;
 pub fn guest_memory(size: usize) -> GuestMemoryMmap {
     let bitmap = AtomicBitmap::new(size, NonZeroUsize::new(PAGE).unwrap());
     let region = MmapRegionBuilder::new_with_bitmap(size, Some(bitmap))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_ANONYMOUS | libc::MAP_PRIVATE | libc::MAP_NORESERVE)
         .build()
         .unwrap();
     let region = GuestRegionMmap::new(region, GuestAddress(0)).unwrap();
@@ -60,18 +62,34 @@ pub fn wr(addr: u64, len: u32) -> D {
     }
 }
 
-/// The driver side of one split queue.
+/// The driver side of one split queue, built from virtio-queue's mock rings. (The mock's own
+/// `MockSplitQueue::create` lays the used ring over the tail of the available ring for
+/// queues of 8 entries or more, so the layout is computed here.)
 pub struct Driver<'a> {
-    pub mock: MockSplitQueue<'a, GuestMemoryMmap>,
+    desc: DescriptorTable<'a, GuestMemoryMmap>,
+    avail: AvailRing<'a, GuestMemoryMmap>,
+    used: UsedRing<'a, GuestMemoryMmap>,
+    desc_addr: u64,
+    avail_addr: u64,
+    used_addr: u64,
     next_desc: u16,
     size: u16,
 }
 
 impl<'a> Driver<'a> {
-    /// A queue of `size` entries whose rings start at `base`.
+    /// A queue of `size` entries whose rings start at `base` (page aligned; the rings take
+    /// `16 * size + 0x2000` bytes).
     pub fn new(mem: &'a GuestMemoryMmap, base: u64, size: u16) -> Self {
+        let desc_addr = base;
+        let avail_addr = base + 16 * u64::from(size);
+        let used_addr = (avail_addr + 6 + 2 * u64::from(size) + 0xfff) & !0xfff;
         Self {
-            mock: MockSplitQueue::create(mem, GuestAddress(base), size),
+            desc: DescriptorTable::new(mem, GuestAddress(desc_addr), size),
+            avail: AvailRing::new(mem, GuestAddress(avail_addr), size),
+            used: UsedRing::new(mem, GuestAddress(used_addr), size),
+            desc_addr,
+            avail_addr,
+            used_addr,
             next_desc: 0,
             size,
         }
@@ -79,7 +97,21 @@ impl<'a> Driver<'a> {
 
     /// The device-side queue, configured and ready.
     pub fn queue(&self) -> Queue {
-        self.mock.create_queue::<Queue>().unwrap()
+        let mut q = Queue::new(self.size).unwrap();
+        q.try_set_size(self.size).unwrap();
+        q.try_set_desc_table_address(GuestAddress(self.desc_addr))
+            .unwrap();
+        q.try_set_avail_ring_address(GuestAddress(self.avail_addr))
+            .unwrap();
+        q.try_set_used_ring_address(GuestAddress(self.used_addr))
+            .unwrap();
+        q.set_ready(true);
+        q
+    }
+
+    /// (descriptor table, available ring, used ring) addresses.
+    pub fn addrs(&self) -> (u64, u64, u64) {
+        (self.desc_addr, self.avail_addr, self.used_addr)
     }
 
     fn take(&mut self, n: u16) -> u16 {
@@ -91,57 +123,77 @@ impl<'a> Driver<'a> {
         first
     }
 
+    fn publish(&mut self, head: u16) {
+        let idx = self.avail.idx().load();
+        self.avail
+            .ring()
+            .ref_at(usize::from(idx % self.size))
+            .unwrap()
+            .store(head);
+        self.avail.idx().store(idx.wrapping_add(1));
+    }
+
+    fn write_chain(&mut self, descs: &[D], looped: bool) -> u16 {
+        let first = self.take(descs.len() as u16);
+        for (i, d) in descs.iter().enumerate() {
+            let last = i + 1 == descs.len();
+            let mut flags = if d.write { VRING_DESC_F_WRITE } else { 0 } as u16;
+            if !last || looped {
+                flags |= VRING_DESC_F_NEXT as u16;
+            }
+            let next = match (last, looped) {
+                (true, true) => first,
+                (true, false) => 0,
+                _ => first + i as u16 + 1,
+            };
+            self.desc
+                .store(
+                    first + i as u16,
+                    RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next)),
+                )
+                .unwrap();
+        }
+        self.publish(first);
+        first
+    }
+
     /// Offers a well-formed chain; returns its head index.
     pub fn add(&mut self, descs: &[D]) -> u16 {
-        let first = self.take(descs.len() as u16);
-        let raw: Vec<RawDescriptor> = descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let last = i + 1 == descs.len();
-                let mut flags = if d.write { VRING_DESC_F_WRITE } else { 0 } as u16;
-                if !last {
-                    flags |= VRING_DESC_F_NEXT as u16;
-                }
-                let next = if last { 0 } else { first + i as u16 + 1 };
-                RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next))
-            })
-            .collect();
-        self.mock.add_desc_chains(&raw, first).unwrap();
-        first
+        self.write_chain(descs, false)
     }
 
     /// Offers a chain whose last descriptor points back to its first (a loop).
     pub fn add_loop(&mut self, descs: &[D]) -> u16 {
-        let first = self.take(descs.len() as u16);
-        let raw: Vec<RawDescriptor> = descs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let last = i + 1 == descs.len();
-                let mut flags = VRING_DESC_F_NEXT as u16;
-                if d.write {
-                    flags |= VRING_DESC_F_WRITE as u16;
-                }
-                let next = if last { first } else { first + i as u16 + 1 };
-                RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, next))
-            })
-            .collect();
-        // `add_desc_chains` adds an avail entry per descriptor whose predecessor has no NEXT
-        // flag: here only the head.
-        self.mock.add_desc_chains(&raw, first).unwrap();
+        self.write_chain(descs, true)
+    }
+
+    /// Offers a chain whose head has NEXT set with a next index past the table.
+    pub fn add_dangling(&mut self, d: D) -> u16 {
+        let first = self.take(1);
+        let flags = VRING_DESC_F_NEXT as u16
+            | if d.write {
+                VRING_DESC_F_WRITE as u16
+            } else {
+                0
+            };
+        self.desc
+            .store(
+                first,
+                RawDescriptor::from(SplitDescriptor::new(d.addr, d.len, flags, self.size + 3)),
+            )
+            .unwrap();
+        self.publish(first);
         first
     }
 
     /// The used ring index.
     pub fn used_idx(&self) -> u16 {
-        self.mock.used().idx().load()
+        self.used.idx().load()
     }
 
     /// Used ring entry `i`.
     pub fn used(&self, i: u16) -> VirtqUsedElem {
-        self.mock
-            .used()
+        self.used
             .ring()
             .ref_at(usize::from(i % self.size))
             .unwrap()
@@ -162,6 +214,9 @@ impl<'a> Driver<'a> {
         self.used(n - 1)
     }
 }
+
+/// A named way of offering one malformed request.
+pub type BadChain = (&'static str, fn(&mut Driver));
 
 /// Polls `cond` until it holds or 10 s pass.
 pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {

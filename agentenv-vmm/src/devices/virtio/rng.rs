@@ -1,0 +1,444 @@
+//! virtio-rng (entropy device): fills the driver's device-writable buffers from the host
+//! kernel's CSPRNG (`getrandom(2)`), at most [`MAX_BYTES_PER_REQUEST`] per request.
+
+use std::os::unix::io::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::Bytes;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::queue_util::{add_used, collect_chain, notify_used};
+use super::worker::{Worker, WorkerCtl, WorkerHandler};
+use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
+use crate::memory::GuestMemoryMmap;
+
+/// Entries of the request queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Bytes given for one request at most; the driver asks again for more.
+pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
+
+/// Counters of the entropy device.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RngMetrics {
+    /// Requests completed with entropy.
+    pub requests: u64,
+    /// Bytes of entropy given to the guest.
+    pub bytes: u64,
+    /// Requests refused (malformed chain, no writable buffer, entropy source failure).
+    pub errors: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// The virtio entropy device.
+pub struct Rng {
+    acked_features: u64,
+    counters: Arc<Counters>,
+    worker: Option<Worker<RngWorker>>,
+}
+
+impl Default for Rng {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Rng {
+    pub fn new() -> Self {
+        Self {
+            acked_features: 0,
+            counters: Arc::new(Counters::default()),
+            worker: None,
+        }
+    }
+
+    pub fn metrics(&self) -> RngMetrics {
+        RngMetrics {
+            requests: self.counters.requests.load(Ordering::Relaxed),
+            bytes: self.counters.bytes.load(Ordering::Relaxed),
+            errors: self.counters.errors.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the worker thread is serving requests.
+    pub fn is_running(&self) -> bool {
+        self.worker.as_ref().is_some_and(|w| w.is_running())
+    }
+}
+
+/// Fills `buf` from the kernel CSPRNG.
+fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is a valid, writable buffer of `rest.len()` bytes for the duration
+        // of the call; getrandom writes at most that many bytes.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+struct RngWorker {
+    queue: Queue,
+    event: EventFd,
+    mem: GuestMemoryMmap,
+    interrupt: Arc<VirtioInterrupt>,
+    counters: Arc<Counters>,
+    buf: Vec<u8>,
+}
+
+impl RngWorker {
+    fn process_queue(&mut self) {
+        let mut used_any = false;
+        while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
+            let head = chain.head_index();
+            let written = match Self::serve(&self.mem, &mut self.buf, chain) {
+                Ok(n) => {
+                    self.counters.requests.fetch_add(1, Ordering::Relaxed);
+                    self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    n as u32
+                }
+                Err(why) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(head, "virtio-rng: request refused: {why}");
+                    0
+                }
+            };
+            add_used(&mut self.queue, &self.mem, head, written);
+            used_any = true;
+        }
+        if used_any {
+            notify_used(&mut self.queue, &self.mem, &self.interrupt);
+        }
+    }
+
+    fn serve(
+        mem: &GuestMemoryMmap,
+        buf: &mut Vec<u8>,
+        chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+    ) -> Result<usize, String> {
+        let descs = collect_chain(chain, mem).map_err(|e| e.to_string())?;
+        if descs.iter().any(|d| !d.write) {
+            return Err(
+                "a request buffer is device-readable; entropy buffers must be writable".into(),
+            );
+        }
+        let mut written = 0usize;
+        for d in descs {
+            let n = (d.len as usize).min(MAX_BYTES_PER_REQUEST - written);
+            if n == 0 {
+                break;
+            }
+            buf.resize(n, 0);
+            fill_random(&mut buf[..n]).map_err(|e| format!("getrandom failed: {e}"))?;
+            mem.write_slice(&buf[..n], d.addr)
+                .map_err(|e| format!("writing guest memory failed: {e}"))?;
+            written += n;
+        }
+        if written == 0 {
+            return Err("the request has no room for entropy".into());
+        }
+        Ok(written)
+    }
+}
+
+impl WorkerHandler for RngWorker {
+    fn on_start(&mut self, _ctl: &WorkerCtl) {
+        self.process_queue();
+    }
+
+    fn handle_event(&mut self, _ctl: &WorkerCtl, _token: u64, _events: EventSet) {
+        // The counter may be zero if a notification raced with the start; nothing to do then.
+        let _ = self.event.read();
+        self.process_queue();
+    }
+}
+
+impl VirtioDevice for Rng {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_RNG
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn avail_features(&self) -> u64 {
+        1 << VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, _offset: u64, data: &mut [u8]) {
+        // The entropy device has no configuration space.
+        data.fill(0);
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::Other(
+                "the entropy device is already active".into(),
+            ));
+        }
+        let ActivateContext {
+            mem,
+            interrupt,
+            mut queues,
+            mut queue_events,
+        } = ctx;
+        if queues.len() != 1 || queue_events.len() != 1 {
+            return Err(ActivateError::QueueCount {
+                got: queues.len(),
+                want: 1,
+            });
+        }
+        let queue = queues.remove(0);
+        if !queue.ready() {
+            return Err(ActivateError::Other(
+                "the request queue was not set up".into(),
+            ));
+        }
+        let event = queue_events.remove(0);
+        let fd = event.as_raw_fd();
+        let handler = RngWorker {
+            queue,
+            event,
+            mem,
+            interrupt,
+            counters: self.counters.clone(),
+            buf: Vec::new(),
+        };
+        let worker = Worker::spawn("virtio-rng", handler, &[(fd, 0)])
+            .map_err(|e| ActivateError::Other(e.to_string()))?;
+        self.worker = Some(worker);
+        Ok(())
+    }
+
+    fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
+        let worker = self.worker.take()?;
+        match worker.stop() {
+            Ok(h) => Some((vec![h.queue], vec![h.event])),
+            Err(e) => {
+                tracing::error!(error = %e, "virtio-rng: stopping the worker failed");
+                None
+            }
+        }
+    }
+
+    fn save_state(&self) -> serde_json::Value {
+        serde_json::json!({ "version": 1 })
+    }
+
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
+        match state.get("version").and_then(|v| v.as_u64()) {
+            Some(1) => Ok(()),
+            other => Err(format!(
+                "virtio-rng state version {other:?} is not supported (expected 1)"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::testing::{BadChain, Driver, guest_memory, is_dirty, rd, wr};
+    use vm_memory::GuestAddress;
+
+    const MEM: usize = 0x40_0000;
+
+    fn activate(dev: &mut Rng, mem: &GuestMemoryMmap, drv: &Driver) -> Arc<EventFd> {
+        let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        dev.activate(ActivateContext {
+            mem: mem.clone(),
+            interrupt: Arc::new(VirtioInterrupt::new(line.clone())),
+            queues: vec![drv.queue()],
+            queue_events: vec![kick],
+        })
+        .unwrap();
+        line
+    }
+
+    #[test]
+    fn rng_fills_writable_buffers_and_marks_them_dirty() {
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0, 16);
+        // Pending before activation: served at start.
+        drv.add(&[wr(0x10_0000, 64), wr(0x10_1000, 32)]);
+        let mut dev = Rng::new();
+        let line = activate(&mut dev, &mem, &drv);
+        let used = drv.wait_used(1);
+        assert_eq!(used.len(), 96);
+        let mut a = [0u8; 64];
+        mem.read_slice(&mut a, GuestAddress(0x10_0000)).unwrap();
+        assert_ne!(a, [0u8; 64], "64 random bytes are not all zero");
+        assert!(is_dirty(&mem, 0x10_0000));
+        assert!(is_dirty(&mem, 0x10_1000));
+        assert_eq!(
+            line.read().unwrap(),
+            1,
+            "the used-buffer interrupt was raised"
+        );
+        assert_eq!(dev.metrics().bytes, 96);
+        assert!(dev.is_running());
+        let (queues, events) = dev.deactivate().unwrap();
+        assert_eq!(queues[0].next_used(), 1);
+        assert_eq!(events.len(), 1);
+    }
+
+    #[test]
+    fn rng_caps_one_request() {
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0, 16);
+        drv.add(&[wr(0x10_0000, 0x20_0000)]);
+        let mut dev = Rng::new();
+        activate(&mut dev, &mem, &drv);
+        assert_eq!(drv.wait_used(1).len() as usize, MAX_BYTES_PER_REQUEST);
+        dev.deactivate();
+    }
+
+    #[test]
+    fn malformed_rng_requests_are_skipped_and_the_worker_serves_the_next() {
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0, 16);
+        let mut dev = Rng::new();
+        let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let notify = kick.try_clone().unwrap();
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        dev.activate(ActivateContext {
+            mem: mem.clone(),
+            interrupt: Arc::new(VirtioInterrupt::new(line)),
+            queues: vec![drv.queue()],
+            queue_events: vec![kick],
+        })
+        .unwrap();
+        let bad: [BadChain; 6] = [
+            ("a loop", |d| {
+                d.add_loop(&[wr(0x10_0000, 16), wr(0x10_1000, 16)]);
+            }),
+            ("a next index past the table", |d| {
+                d.add_dangling(wr(0x10_0000, 16));
+            }),
+            ("a buffer outside guest memory", |d| {
+                d.add(&[wr(MEM as u64 + 0x1000, 16)]);
+            }),
+            ("an oversized length", |d| {
+                d.add(&[wr(0x10_0000, u32::MAX)]);
+            }),
+            ("too short: no room", |d| {
+                d.add(&[wr(0x10_0000, 0)]);
+            }),
+            ("wrong direction", |d| {
+                d.add(&[rd(0x10_0000, 16)]);
+            }),
+        ];
+        let mut n = 0;
+        for (i, (what, add_bad)) in bad.iter().enumerate() {
+            add_bad(&mut drv);
+            notify.write(1).unwrap();
+            n += 1;
+            assert_eq!(drv.wait_used(n).len(), 0, "{what}: completed with nothing");
+            assert_eq!(dev.metrics().errors, i as u64 + 1);
+            assert!(dev.is_running(), "worker died on {what}");
+            drv.add(&[wr(0x11_0000, 8)]);
+            notify.write(1).unwrap();
+            n += 1;
+            assert_eq!(
+                drv.wait_used(n).len(),
+                8,
+                "good request after {what} served"
+            );
+        }
+        assert_eq!(dev.metrics().requests, 6);
+        dev.deactivate().unwrap();
+    }
+
+    #[test]
+    fn rng_serves_a_driver_through_the_mmio_transport() {
+        use crate::devices::BusDevice;
+        use crate::devices::virtio::mmio::{MmioTransport, status};
+        use std::sync::Mutex;
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0x20_0000, 16);
+        let dev = Arc::new(Mutex::new(Rng::new()));
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        let mut t = MmioTransport::new(mem.clone(), dev.clone(), line.clone()).unwrap();
+        let w = |t: &mut MmioTransport, off: u64, v: u32| t.write(off, &v.to_le_bytes());
+        w(&mut t, 0x70, status::ACKNOWLEDGE | status::DRIVER);
+        w(&mut t, 0x24, 1);
+        w(&mut t, 0x20, 1); // VIRTIO_F_VERSION_1 is bit 32
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
+        w(&mut t, 0x30, 0);
+        w(&mut t, 0x38, 16);
+        let q = drv.queue();
+        w(&mut t, 0x80, q.desc_table() as u32);
+        w(&mut t, 0x90, q.avail_ring() as u32);
+        w(&mut t, 0xa0, q.used_ring() as u32);
+        w(&mut t, 0x44, 1);
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK,
+        );
+        assert!(t.is_activated());
+        drv.add(&[wr(0x10_0000, 32)]);
+        // No ioeventfd here: the QueueNotify write reaches the transport.
+        w(&mut t, 0x50, 0);
+        assert_eq!(drv.wait_used(1).len(), 32);
+        let mut isr = [0u8; 4];
+        t.read(0x60, &mut isr);
+        assert_eq!(
+            u32::from_le_bytes(isr),
+            1,
+            "InterruptStatus shows a used buffer"
+        );
+        assert_eq!(line.read().unwrap(), 1);
+        // Reset stops the worker.
+        w(&mut t, 0x70, 0);
+        assert!(!dev.lock().unwrap().is_running());
+    }
+
+    #[test]
+    fn rng_refuses_activation_without_its_queue() {
+        let mem = guest_memory(MEM);
+        let mut dev = Rng::new();
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        let err = dev
+            .activate(ActivateContext {
+                mem,
+                interrupt: Arc::new(VirtioInterrupt::new(line)),
+                queues: vec![],
+                queue_events: vec![],
+            })
+            .unwrap_err();
+        assert!(matches!(err, ActivateError::QueueCount { got: 0, want: 1 }));
+    }
+}
