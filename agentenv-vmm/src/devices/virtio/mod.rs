@@ -13,6 +13,8 @@
 //! panic the VMM.
 
 pub mod mmio;
+pub mod net;
+pub mod tap;
 pub mod queue_util;
 pub mod rng;
 #[cfg(test)]
