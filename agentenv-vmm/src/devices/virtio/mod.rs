@@ -12,9 +12,8 @@
 //! it, counts it in its metrics, logs it, and keeps running. Nothing a guest writes may
 //! panic the VMM.
 
+pub mod block;
 pub mod mmio;
-pub mod net;
-pub mod tap;
 pub mod queue_util;
 pub mod rng;
 #[cfg(test)]

@@ -35,12 +35,23 @@ pub enum ChainError {
     OutsideMemory { index: usize, addr: u64, len: u32 },
 }
 
-/// The descriptors of a chain, or why it was refused; the head index is needed either way
-/// to return the chain to the driver.
+/// The descriptors of a chain, or why it was refused (it does not end, or a buffer is not
+/// inside guest memory).
 pub fn collect_chain<M>(
     chain: DescriptorChain<M>,
     mem: &GuestMemoryMmap,
 ) -> Result<Vec<Desc>, ChainError>
+where
+    M: Deref,
+    M::Target: GuestMemory,
+{
+    let descs = walk_chain(chain)?;
+    check_in_memory(mem, &descs)?;
+    Ok(descs)
+}
+
+/// The descriptors of a chain that ends; their buffers are not checked yet.
+pub fn walk_chain<M>(chain: DescriptorChain<M>) -> Result<Vec<Desc>, ChainError>
 where
     M: Deref,
     M::Target: GuestMemory,
@@ -63,6 +74,11 @@ where
     if open {
         return Err(ChainError::Unterminated);
     }
+    Ok(descs)
+}
+
+/// Checks that every buffer lies wholly inside guest memory.
+pub fn check_in_memory(mem: &GuestMemoryMmap, descs: &[Desc]) -> Result<(), ChainError> {
     for (index, d) in descs.iter().enumerate() {
         if !in_memory(mem, d.addr, d.len) {
             return Err(ChainError::OutsideMemory {
@@ -72,7 +88,7 @@ where
             });
         }
     }
-    Ok(descs)
+    Ok(())
 }
 
 /// Whether `[addr, addr + len)` is wholly inside guest memory.
