@@ -14,8 +14,10 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod queue_util;
 pub mod rng;
+pub mod tap;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod worker;
