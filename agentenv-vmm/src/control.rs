@@ -16,7 +16,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -133,10 +133,30 @@ impl Request {
     }
 }
 
+/// Requests handed over and not yet answered on their connection.
+#[derive(Default)]
+struct InFlight {
+    count: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl InFlight {
+    fn add(&self) {
+        *self.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    }
+
+    fn done(&self) {
+        let mut c = self.count.lock().unwrap_or_else(|p| p.into_inner());
+        *c = c.saturating_sub(1);
+        self.cv.notify_all();
+    }
+}
+
 /// The listening side: a unix socket whose connection threads hand actions over.
 pub struct ControlServer {
     path: PathBuf,
     rx: mpsc::Receiver<Request>,
+    in_flight: Arc<InFlight>,
 }
 
 impl ControlServer {
@@ -156,9 +176,11 @@ impl ControlServer {
             source,
         })?;
         let (tx, rx) = mpsc::channel::<Request>();
+        let in_flight = Arc::new(InFlight::default());
+        let flights = in_flight.clone();
         std::thread::Builder::new()
             .name("vmm-api".into())
-            .spawn(move || accept_loop(listener, tx))
+            .spawn(move || accept_loop(listener, tx, flights))
             .map_err(|source| ControlError::Bind {
                 path: path.to_path_buf(),
                 source,
@@ -166,7 +188,31 @@ impl ControlServer {
         Ok(Self {
             path: path.to_path_buf(),
             rx,
+            in_flight,
         })
+    }
+
+    /// Waits (at most `timeout`) until every answer handed to a connection was written, so
+    /// the answer to `stop` reaches its client before the process exits.
+    pub fn drain(&self, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut c = self
+            .in_flight
+            .count
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        while *c > 0 {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            c = self
+                .in_flight
+                .cv
+                .wait_timeout(c, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// The socket's path.
@@ -189,10 +235,14 @@ impl Drop for ControlServer {
 /// How often [`serve`] asks the handler whether serving is over while no request comes.
 const POLL: Duration = Duration::from_millis(50);
 
+/// How long [`serve`] waits for the last answers to be written once serving is over.
+const DRAIN: Duration = Duration::from_secs(2);
+
 /// Answers requests with `handler` until it reports [`Handler::finished`].
 pub fn serve(server: &ControlServer, handler: &mut impl Handler) {
     loop {
         if handler.finished() {
+            server.drain(DRAIN);
             return;
         }
         let Some(req) = server.next(POLL) else {
@@ -210,14 +260,15 @@ pub fn serve(server: &ControlServer, handler: &mut impl Handler) {
     }
 }
 
-fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Request>) {
+fn accept_loop(listener: UnixListener, tx: mpsc::Sender<Request>, in_flight: Arc<InFlight>) {
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
                 let tx = tx.clone();
+                let in_flight = in_flight.clone();
                 let spawned = std::thread::Builder::new()
                     .name("vmm-api-conn".into())
-                    .spawn(move || connection(stream, tx));
+                    .spawn(move || connection(stream, tx, &in_flight));
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "cannot start a connection thread");
                 }
@@ -255,7 +306,7 @@ fn read_line(r: &mut impl BufRead, max: usize) -> std::io::Result<Option<Result<
     ))
 }
 
-fn connection(stream: UnixStream, tx: mpsc::Sender<Request>) {
+fn connection(stream: UnixStream, tx: mpsc::Sender<Request>, in_flight: &InFlight) {
     let Ok(write_half) = stream.try_clone() else {
         return;
     };
@@ -266,6 +317,7 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Request>) {
             Ok(Some(l)) => l,
             Ok(None) | Err(_) => return,
         };
+        let mut handed_over = false;
         let resp = match line {
             Err(e) => Response::Error(e),
             Ok(l) if l.trim().is_empty() => continue,
@@ -275,6 +327,8 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Request>) {
                 )),
                 Ok(action) => {
                     let (rtx, rrx) = mpsc::sync_channel(1);
+                    in_flight.add();
+                    handed_over = true;
                     if tx.send(Request { action, reply: rtx }).is_err() {
                         Response::Error("the VMM is shutting down".into())
                     } else {
@@ -289,7 +343,11 @@ fn connection(stream: UnixStream, tx: mpsc::Sender<Request>) {
             Err(e) => format!("{{\"error\":\"encoding the response: {e}\"}}").into_bytes(),
         };
         out.push(b'\n');
-        if writer.write_all(&out).is_err() {
+        let written = writer.write_all(&out);
+        if handed_over {
+            in_flight.done();
+        }
+        if written.is_err() {
             return;
         }
     }
