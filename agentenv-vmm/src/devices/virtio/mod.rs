@@ -12,6 +12,7 @@
 //! it, counts it in its metrics, logs it, and keeps running. Nothing a guest writes may
 //! panic the VMM.
 
+pub mod balloon;
 pub mod block;
 pub mod mmio;
 pub mod net;
