@@ -68,11 +68,22 @@ fn main() {
     let (mut nginx, nginx_addr) = start_nginx(tmp.path(), upstream);
     rt.block_on(wait_listening(nginx_addr));
 
-    // BENCH_PROFILE=1 runs only the gateway at 64 connections (for perf).
-    if std::env::var_os("BENCH_PROFILE").is_some() {
-        let r = wrk(gateway, 64, secs);
+    // BENCH_PROFILE=gateway|nginx|direct drives only that target at 64
+    // connections (to attach perf to it).
+    if let Ok(which) = std::env::var("BENCH_PROFILE") {
+        let (addr, pid) = match which.as_str() {
+            "nginx" => (nginx_addr, nginx.id()),
+            "direct" => (upstream, std::process::id()),
+            _ => (gateway, std::process::id()),
+        };
         println!(
-            "gateway {:.0} req/s p50 {:.1} µs p99 {:.1} µs",
+            "profiling {which} at {addr} (pid {pid}); load {}",
+            load_average()
+        );
+        wrk(addr, 64, 1);
+        let r = wrk(addr, 64, secs);
+        println!(
+            "{which} {:.0} req/s p50 {:.1} µs p99 {:.1} µs",
             r.rps, r.p50_us, r.p99_us
         );
         stop(&mut nginx);
@@ -83,7 +94,10 @@ fn main() {
         ("nginx", nginx_addr),
         ("gateway", gateway),
     ];
-    println!("upstream {upstream}, nginx {nginx_addr}, gateway {gateway}; {secs}s per run\n");
+    println!(
+        "upstream {upstream}, nginx {nginx_addr}, gateway {gateway}; {secs}s per run; load average {}\n",
+        load_average()
+    );
     let mut results = Vec::new();
     for conns in [64usize, 1] {
         let mut row = Vec::new();
@@ -131,7 +145,16 @@ fn main() {
             gw.cpu_us / nginx_r.cpu_us
         );
     }
+    println!("load average at the end: {}", load_average());
     stop(&mut nginx);
+}
+
+/// The 1, 5 and 15 minute load averages: the machine may be shared, and
+/// numbers measured under load are not comparable.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// Clock ticks per second of /proc stat times.

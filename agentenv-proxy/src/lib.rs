@@ -14,6 +14,7 @@ pub mod hint;
 pub mod host_route;
 pub mod metrics;
 pub mod nodes;
+pub mod pool;
 pub mod routing;
 pub mod server;
 

@@ -18,8 +18,6 @@ use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use http_body_util::BodyExt;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
@@ -40,6 +38,7 @@ use crate::hint::capture_hint;
 use crate::host_route::{HostRoute, HostRouteError, HostRouter, InvalidDomain};
 use crate::metrics::{GatewayMetrics, RequestLabels, RpcLabels, UpstreamLabels};
 use crate::nodes::NodeView;
+use crate::pool::{PoolConfig, UpstreamPool};
 use crate::routing::*;
 
 /// How long shutdown waits for in-flight requests.
@@ -51,9 +50,6 @@ pub const RECORD_TIMEOUT_CAP: Duration = Duration::from_secs(5);
 pub const SNIFF_CAP: usize = 4 * 1024 * 1024;
 /// A node's list answer larger than this fails the cluster list.
 pub const LIST_BODY_CAP: usize = 64 * 1024 * 1024;
-
-/// The upstream HTTP client: one keep-alive pool per node, `TCP_NODELAY`.
-pub type UpstreamClient = Client<HttpConnector, GatewayBody>;
 
 /// Errors building a [`Gateway`].
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +93,7 @@ impl GatewayOptions {
 #[derive(Clone)]
 pub struct Gateway {
     inner: Arc<Inner>,
-    client: UpstreamClient,
+    pool: UpstreamPool,
 }
 
 struct Inner {
@@ -167,7 +163,7 @@ impl Gateway {
             return Err(GatewayError::EmptyApiKey);
         }
         let hosts = HostRouter::new(&opts.sandbox_proxy_domains)?;
-        let client = upstream_client(opts.request_timeout);
+        let pool = upstream_pool(opts.request_timeout);
         Ok(Self {
             inner: Arc::new(Inner {
                 scheduler: Arc::new(scheduler),
@@ -175,7 +171,7 @@ impl Gateway {
                 hosts,
                 metrics,
             }),
-            client,
+            pool,
         })
     }
 
@@ -185,7 +181,7 @@ impl Gateway {
     pub fn with_own_pool(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            client: upstream_client(self.inner.opts.request_timeout),
+            pool: upstream_pool(self.inner.opts.request_timeout),
         }
     }
 
@@ -618,7 +614,7 @@ impl Gateway {
         let upstream_req = Request::from_parts(parts, body);
 
         let start = Instant::now();
-        let sent = self.client.request(upstream_req);
+        let sent = self.pool.send(upstream_req);
         let result = match plan.deadline {
             Some(d) => match tokio::time::timeout_at(d, sent).await {
                 Ok(r) => r.map_err(Some),
@@ -903,7 +899,7 @@ impl Gateway {
                 let mut up = Request::new(empty());
                 *up.uri_mut() = uri;
                 *up.headers_mut() = headers;
-                let resp = self.client.request(up).await.map_err(|e| {
+                let resp = self.pool.send(up).await.map_err(|e| {
                     tracing::warn!(node_id = %node.node_id, error = ?e, "cluster list: node unreachable");
                     None
                 })?;
@@ -970,13 +966,11 @@ pub fn record_timeout(request_timeout: Duration) -> Duration {
     }
 }
 
-fn upstream_client(request_timeout: Duration) -> UpstreamClient {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(request_timeout.max(Duration::from_secs(1))));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build(http)
+fn upstream_pool(request_timeout: Duration) -> UpstreamPool {
+    UpstreamPool::new(PoolConfig {
+        connect_timeout: request_timeout.max(Duration::from_secs(1)),
+        ..PoolConfig::default()
+    })
 }
 
 /// 502 for a node that did not answer, naming it.
