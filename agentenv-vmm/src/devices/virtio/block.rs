@@ -996,4 +996,56 @@ mod tests {
                 .contains("same image")
         );
     }
+
+    #[test]
+    fn blk_behind_the_transport_keeps_its_ring_positions_across_save_and_restore() {
+        use crate::devices::BusDevice;
+        use crate::devices::virtio::mmio::{MmioTransport, MmioTransportState};
+        use crate::devices::virtio::testing::mmio_bring_up;
+        use std::sync::Mutex;
+
+        let img = image();
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0x20_0000, 32);
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        let dev = Arc::new(Mutex::new(Block::new("vda", img.path(), false).unwrap()));
+        let mut t = MmioTransport::new(mem.clone(), dev.clone(), line.clone()).unwrap();
+        let features = dev.lock().unwrap().avail_features();
+        mmio_bring_up(&mut t, features, &[&drv]);
+        assert!(t.is_activated());
+
+        header(&mem, VIRTIO_BLK_T_IN, 1);
+        drv.add(&[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
+        t.write(0x50, &0u32.to_le_bytes());
+        assert_eq!(drv.wait_used(1).len(), 513);
+
+        let state = t.save_state().unwrap();
+        let state: MmioTransportState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        assert_eq!(state.queues[0].next_avail, 1);
+        drop(t);
+        assert!(
+            !dev.lock().unwrap().is_running(),
+            "dropping the transport stops the worker"
+        );
+
+        // A fresh device and transport over the same memory and image.
+        let dev2 = Arc::new(Mutex::new(Block::new("vda", img.path(), false).unwrap()));
+        let mut t2 = MmioTransport::new(mem.clone(), dev2.clone(), line).unwrap();
+        t2.restore_state(&state).unwrap();
+        assert!(t2.is_activated());
+        header(&mem, VIRTIO_BLK_T_IN, 2);
+        let head = drv.add(&[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
+        t2.write(0x50, &0u32.to_le_bytes());
+        let used = drv.wait_used(2);
+        assert_eq!((used.id(), used.len()), (u32::from(head), 513));
+        let mut got = vec![0u8; 512];
+        mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert_eq!(
+            got,
+            sector_pattern(2),
+            "the restored device served the new request only"
+        );
+        assert_eq!(dev2.lock().unwrap().metrics().reads, 1);
+    }
 }

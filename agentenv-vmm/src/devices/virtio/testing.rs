@@ -73,7 +73,7 @@ pub struct Driver<'a> {
     avail_addr: u64,
     used_addr: u64,
     next_desc: u16,
-    size: u16,
+    pub size: u16,
 }
 
 impl<'a> Driver<'a> {
@@ -213,6 +213,38 @@ impl<'a> Driver<'a> {
         }
         self.used(n - 1)
     }
+}
+
+/// Drives a transport through the virtio 1.x initialization: negotiates `features` and sets
+/// up one queue per driver, then sets DRIVER_OK.
+pub fn mmio_bring_up(
+    t: &mut crate::devices::virtio::mmio::MmioTransport,
+    features: u64,
+    queues: &[&Driver],
+) {
+    use crate::devices::BusDevice;
+    use crate::devices::virtio::mmio::status::*;
+    let mut w = |off: u64, v: u32| t.write(off, &v.to_le_bytes());
+    w(0x70, ACKNOWLEDGE);
+    w(0x70, ACKNOWLEDGE | DRIVER);
+    w(0x24, 0);
+    w(0x20, features as u32);
+    w(0x24, 1);
+    w(0x20, (features >> 32) as u32);
+    w(0x70, ACKNOWLEDGE | DRIVER | FEATURES_OK);
+    for (i, d) in queues.iter().enumerate() {
+        let (desc, avail, used) = d.addrs();
+        w(0x30, i as u32);
+        w(0x38, u32::from(d.size));
+        w(0x80, desc as u32);
+        w(0x84, (desc >> 32) as u32);
+        w(0x90, avail as u32);
+        w(0x94, (avail >> 32) as u32);
+        w(0xa0, used as u32);
+        w(0xa4, (used >> 32) as u32);
+        w(0x44, 1);
+    }
+    w(0x70, ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK);
 }
 
 /// A named way of offering one malformed request.
