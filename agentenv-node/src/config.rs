@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentenv_core::storage::{AddressingStyle, S3Config, StorageConfig};
 use serde::Deserialize;
 
 /// Errors while loading the configuration. Each names the key and the fix.
@@ -92,6 +93,12 @@ pub struct NodeConfig {
     pub default_memory_mb: u64,
     /// How long a new sandbox's agent may take to answer `/health`.
     pub agent_ready_timeout: Duration,
+    /// Where snapshots are published (`[snapshot].repository_backend`): the `posix_fs`
+    /// repository `<AENV_SNAPSHOT_STORE>/repository`, or an `oss` (S3-compatible) bucket.
+    pub snapshot_repository: StorageConfig,
+    /// Node-local staging of snapshot captures and downloads
+    /// (`AENV_SNAPSHOT_LOCAL_CACHE_PATH`, default `<home>/snapshot-local-cache`).
+    pub snapshot_local_cache: PathBuf,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -100,7 +107,9 @@ struct FileConfig {
     api_addr: Option<String>,
     home_path: Option<PathBuf>,
     runtime_path: Option<PathBuf>,
-    backend: Option<String>,
+    /// The sandbox backend name (`backend = "jail"`), or the snapshot repository tables
+    /// `[backend.posix_fs]` and `[backend.oss]`.
+    backend: Option<toml::Value>,
     guest_binary_path: Option<PathBuf>,
     guest_init_mode: Option<bool>,
     template_path: Option<PathBuf>,
@@ -120,6 +129,8 @@ struct FileConfig {
     machine: FileMachine,
     #[serde(default)]
     jail: FileJail,
+    #[serde(default)]
+    snapshot: FileSnapshot,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -188,6 +199,88 @@ struct FileJail {
     cgroup_parent: Option<String>,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSnapshot {
+    repository_backend: Option<String>,
+    local_cache_path: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilePosixFs {
+    snapshot_store: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileOss {
+    endpoint: Option<String>,
+    bucket: Option<String>,
+    prefix: Option<String>,
+    region: Option<String>,
+    addressing_style: Option<String>,
+    access_key_id: Option<String>,
+    access_key_secret: Option<String>,
+    security_token: Option<String>,
+}
+
+/// The `backend` key: a sandbox backend name, or the repository tables.
+#[derive(Debug, Default)]
+struct BackendKey {
+    name: Option<String>,
+    posix_fs: FilePosixFs,
+    oss: FileOss,
+}
+
+fn backend_key(v: Option<toml::Value>, path: &Path) -> Result<BackendKey, ConfigError> {
+    let toml_err = |message: String| ConfigError::Toml {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut out = BackendKey::default();
+    match v {
+        None => {}
+        Some(toml::Value::String(s)) => out.name = Some(s),
+        Some(toml::Value::Table(t)) => {
+            for (k, v) in t {
+                match k.as_str() {
+                    "posix_fs" => {
+                        out.posix_fs = v
+                            .try_into()
+                            .map_err(|e| toml_err(format!("[backend.posix_fs]: {e}")))?
+                    }
+                    "oss" => {
+                        out.oss = v
+                            .try_into()
+                            .map_err(|e| toml_err(format!("[backend.oss]: {e}")))?
+                    }
+                    other => {
+                        return Err(toml_err(format!(
+                            "unknown table [backend.{other}]: use [backend.posix_fs] or [backend.oss] (with those tables, choose the sandbox backend with AENV_BACKEND)"
+                        )));
+                    }
+                }
+            }
+        }
+        Some(other) => {
+            return Err(toml_err(format!(
+                "backend = {other}: use a sandbox backend name (\"jail\", \"microvm\", \"auto\") or the tables [backend.posix_fs] / [backend.oss]"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Expands a leading `$AENV_HOME` and resolves a relative path against `base`.
+fn expand_home(p: PathBuf, home: &Path, base: &Path) -> PathBuf {
+    let s = p.to_string_lossy();
+    if let Some(rest) = s.strip_prefix("$AENV_HOME") {
+        return home.join(rest.trim_start_matches('/'));
+    }
+    if p.is_relative() { base.join(p) } else { p }
+}
+
 fn parse_bool(key: &'static str, v: &str) -> Result<bool, ConfigError> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -243,6 +336,7 @@ impl NodeConfig {
             }
             None => (FileConfig::default(), PathBuf::from(".")),
         };
+        let backend_file = backend_key(file.backend, path.as_deref().unwrap_or(Path::new("")))?;
         let rel = |p: PathBuf| if p.is_relative() { base.join(p) } else { p };
         let env = |k: &str| env(k).filter(|v| !v.is_empty());
 
@@ -265,7 +359,7 @@ impl NodeConfig {
             .or(file.runtime_path.map(&rel))
             .unwrap_or_else(|| PathBuf::from("/run/aenv"));
         let backend_s = env("AENV_BACKEND")
-            .or(file.backend)
+            .or(backend_file.name)
             .unwrap_or_else(|| "auto".into());
         let backend = match backend_s.trim().to_ascii_lowercase().as_str() {
             "auto" => BackendKind::Auto,
@@ -373,6 +467,34 @@ impl NodeConfig {
         if default_cpu_count == 0 {
             return Err(invalid("machine.vcpu_count", "0", "use at least 1"));
         }
+        let snapshot_local_cache = env("AENV_SNAPSHOT_LOCAL_CACHE_PATH")
+            .map(PathBuf::from)
+            .or(file.snapshot.local_cache_path)
+            .map(|p| expand_home(p, &home, &base))
+            .unwrap_or_else(|| home.join("snapshot-local-cache"));
+        let repo_s = env("AENV_SNAPSHOT_REPOSITORY_BACKEND")
+            .or(file.snapshot.repository_backend)
+            .unwrap_or_else(|| "posix_fs".into());
+        let snapshot_repository = match repo_s.trim() {
+            "posix_fs" => {
+                let store = env("AENV_SNAPSHOT_STORE")
+                    .map(PathBuf::from)
+                    .or(backend_file.posix_fs.snapshot_store)
+                    .map(|p| expand_home(p, &home, &base))
+                    .unwrap_or_else(|| home.join("snapshot-store"));
+                StorageConfig::Fs {
+                    root: store.join("repository"),
+                }
+            }
+            "oss" => StorageConfig::S3(oss_config(backend_file.oss, &env)?),
+            other => {
+                return Err(invalid(
+                    "AENV_SNAPSHOT_REPOSITORY_BACKEND",
+                    other,
+                    "use posix_fs (a directory, shared by the nodes) or oss (an S3-compatible bucket)",
+                ));
+            }
+        };
         Ok(Self {
             api_addr,
             node_id,
@@ -411,8 +533,82 @@ impl NodeConfig {
             default_cpu_count,
             default_memory_mb,
             agent_ready_timeout: Duration::from_secs(o.agent_ready_timeout_secs.unwrap_or(30)),
+            snapshot_repository,
+            snapshot_local_cache,
         })
     }
+}
+
+/// The `oss` repository: `[backend.oss]` keys, overridden by `AENV_OSS_*` variables.
+fn oss_config(f: FileOss, env: &dyn Fn(&str) -> Option<String>) -> Result<S3Config, ConfigError> {
+    let need = |key: &'static str, v: Option<String>, example: &str| {
+        v.map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| {
+                invalid(
+                    key,
+                    "",
+                    format!("the oss snapshot repository needs it (e.g. {example}); set it or use repository_backend = \"posix_fs\""),
+                )
+            })
+    };
+    let endpoint = need(
+        "AENV_OSS_ENDPOINT",
+        env("AENV_OSS_ENDPOINT").or(f.endpoint),
+        "https://oss-cn-hangzhou.aliyuncs.com",
+    )?;
+    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+        return Err(invalid(
+            "AENV_OSS_ENDPOINT",
+            endpoint,
+            "write it as a URL with a scheme, e.g. https://oss-cn-hangzhou.aliyuncs.com",
+        ));
+    }
+    let bucket = need(
+        "AENV_OSS_BUCKET",
+        env("AENV_OSS_BUCKET").or(f.bucket),
+        "agentenv-snapshots",
+    )?;
+    let region = need(
+        "AENV_OSS_REGION",
+        env("AENV_OSS_REGION").or(f.region),
+        "cn-hangzhou",
+    )?;
+    let access_key_id = need(
+        "AENV_OSS_ACCESS_KEY_ID",
+        env("AENV_OSS_ACCESS_KEY_ID").or(f.access_key_id),
+        "the key id of an account that may read and write the bucket",
+    )?;
+    let secret_access_key = need(
+        "AENV_OSS_ACCESS_KEY_SECRET",
+        env("AENV_OSS_ACCESS_KEY_SECRET").or(f.access_key_secret),
+        "the secret of that key",
+    )?;
+    let addressing_style = match env("AENV_OSS_ADDRESSING_STYLE").or(f.addressing_style) {
+        None => None,
+        Some(s) => match s.trim() {
+            "" => None,
+            "virtual" => Some(AddressingStyle::Virtual),
+            "path" => Some(AddressingStyle::Path),
+            other => {
+                return Err(invalid(
+                    "AENV_OSS_ADDRESSING_STYLE",
+                    other,
+                    "use virtual or path, or leave it unset to detect it from the endpoint",
+                ));
+            }
+        },
+    };
+    Ok(S3Config {
+        endpoint,
+        bucket,
+        prefix: env("AENV_OSS_PREFIX").or(f.prefix).unwrap_or_default(),
+        region,
+        access_key_id,
+        secret_access_key,
+        security_token: env("AENV_OSS_SECURITY_TOKEN").or(f.security_token),
+        addressing_style,
+    })
 }
 
 #[cfg(test)]
@@ -478,6 +674,83 @@ mod tests {
         .unwrap();
         assert!(c.report_enabled);
         assert_eq!(c.report_interval, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn snapshot_repository_defaults_to_a_directory_under_home_and_takes_the_shared_store() {
+        let c = load(&[("AENV_HOME_PATH", "/data/aenv")], None).unwrap();
+        assert_eq!(
+            c.snapshot_repository,
+            StorageConfig::Fs {
+                root: PathBuf::from("/data/aenv/snapshot-store/repository")
+            }
+        );
+        assert_eq!(
+            c.snapshot_local_cache,
+            PathBuf::from("/data/aenv/snapshot-local-cache")
+        );
+        let c = load(
+            &[("AENV_HOME_PATH", "/data/aenv")],
+            Some("backend = \"jail\"\n[snapshot]\nlocal_cache_path = \"$AENV_HOME/cache\"\n"),
+        )
+        .unwrap();
+        assert_eq!(c.backend, BackendKind::Jail);
+        assert_eq!(c.snapshot_local_cache, PathBuf::from("/data/aenv/cache"));
+        let c = load(
+            &[("AENV_SNAPSHOT_STORE", "/mnt/shared")],
+            Some("[backend.posix_fs]\nsnapshot_store = \"/mnt/other\"\n"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.snapshot_repository,
+            StorageConfig::Fs {
+                root: PathBuf::from("/mnt/shared/repository")
+            }
+        );
+        let c = load(
+            &[],
+            Some("[backend.posix_fs]\nsnapshot_store = \"/mnt/other\"\n"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.snapshot_repository,
+            StorageConfig::Fs {
+                root: PathBuf::from("/mnt/other/repository")
+            }
+        );
+    }
+
+    #[test]
+    fn oss_repository_takes_file_keys_and_credentials_from_the_environment() {
+        let file = "[snapshot]\nrepository_backend = \"oss\"\n[backend.oss]\nendpoint = \"https://oss-cn-beijing.aliyuncs.com\"\nbucket = \"snaps\"\nregion = \"cn-beijing\"\nprefix = \"c1/\"\n";
+        let e = load(&[], Some(file)).unwrap_err();
+        assert!(e.to_string().contains("AENV_OSS_ACCESS_KEY_ID"), "{e}");
+        let c = load(
+            &[
+                ("AENV_OSS_ACCESS_KEY_ID", "ak"),
+                ("AENV_OSS_ACCESS_KEY_SECRET", "sk"),
+                ("AENV_OSS_ADDRESSING_STYLE", "path"),
+            ],
+            Some(file),
+        )
+        .unwrap();
+        let StorageConfig::S3(s3) = c.snapshot_repository else {
+            panic!("not oss: {:?}", c.snapshot_repository)
+        };
+        assert_eq!(s3.bucket, "snaps");
+        assert_eq!(s3.prefix, "c1/");
+        assert_eq!(s3.region, "cn-beijing");
+        assert_eq!(
+            (s3.access_key_id.as_str(), s3.secret_access_key.as_str()),
+            ("ak", "sk")
+        );
+        assert_eq!(s3.addressing_style, Some(AddressingStyle::Path));
+        let e = load(&[("AENV_SNAPSHOT_REPOSITORY_BACKEND", "nfs")], None).unwrap_err();
+        assert!(e.to_string().contains("posix_fs"), "{e}");
+        let e = load(&[], Some("[backend.disk]\nx = 1\n")).unwrap_err();
+        assert!(e.to_string().contains("backend.posix_fs"), "{e}");
+        let e = load(&[], Some("[backend.oss]\nbucket_name = \"x\"\n")).unwrap_err();
+        assert!(e.to_string().contains("bucket_name"), "{e}");
     }
 
     #[test]

@@ -8,4 +8,5 @@ pub mod daemon;
 pub mod dataplane;
 pub mod lifecycle;
 pub mod reporter;
+pub mod snapshot;
 pub mod template;

@@ -268,6 +268,9 @@ fn node_toml_keys() -> BTreeSet<String> {
             "FileOrchestrator" => "orchestrator.",
             "FileMachine" => "machine.",
             "FileJail" => "jail.",
+            "FileSnapshot" => "snapshot.",
+            "FilePosixFs" => "backend.posix_fs.",
+            "FileOss" => "backend.oss.",
             other => panic!(
                 "node config struct {other} is new: map it to its TOML section in node_toml_keys()"
             ),

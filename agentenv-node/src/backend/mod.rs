@@ -21,7 +21,7 @@ pub mod jail;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -64,6 +64,15 @@ pub struct SandboxSpec {
 pub struct KeptState {
     /// Where the backend keeps it, under the node's data directory.
     pub path: PathBuf,
+}
+
+/// What [`SandboxBackend::snapshot`] wrote into a capture directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotCapture {
+    /// The backend that can start sandboxes from it (`jail`, `microvm`).
+    pub backend: String,
+    /// The files of the capture, by name relative to the capture directory.
+    pub files: Vec<String>,
 }
 
 /// The smallest memory limit a sandbox may have, in MiB.
@@ -266,6 +275,34 @@ pub trait SandboxBackend: Send + Sync {
             backend: self.kind(),
             op: "discard kept state",
             hint: "it never keeps any",
+        })
+    }
+
+    /// Captures a running sandbox into `dir` (an empty node-local directory) so that new
+    /// sandboxes can start from it, on this node or another; the sandbox keeps running.
+    /// jail: the writable layer (files; processes are not captured); microvm: the VM
+    /// snapshot.
+    async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
+        let _ = (id, dir);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "snapshot a sandbox",
+            hint: "use a node with the jail backend for snapshots",
+        })
+    }
+
+    /// Turns a capture (its files downloaded into `dir`) into state a create starts from
+    /// ([`SandboxSpec::kept`]); `dir` may be consumed.
+    async fn import_snapshot(
+        &self,
+        capture: &SnapshotCapture,
+        dir: &Path,
+    ) -> Result<KeptState, BackendError> {
+        let _ = (capture, dir);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "start a sandbox from a snapshot",
+            hint: "start it on a node with the backend that took the snapshot",
         })
     }
 

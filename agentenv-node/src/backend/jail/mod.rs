@@ -23,6 +23,7 @@
 pub mod cgroup;
 pub mod net;
 pub mod seccomp;
+pub mod snapshot;
 pub mod spawn;
 
 use std::collections::HashMap;
@@ -44,7 +45,8 @@ use self::cgroup::{Hierarchy, Limits, SandboxCgroup};
 use self::net::{AddressPool, HostRules, Ipv4Net, SandboxNet, Slot};
 use super::{
     AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
-    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, validate_sandbox_id,
+    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture,
+    validate_sandbox_id,
 };
 use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
 
@@ -978,6 +980,18 @@ impl SandboxBackend for JailBackend {
         self.teardown(&sbx, Some(&path)).await?;
         tracing::debug!(id, path = %path.display(), "sandbox stopped, writable layer kept");
         Ok(KeptState { path })
+    }
+
+    async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
+        self.capture(id, dir).await
+    }
+
+    async fn import_snapshot(
+        &self,
+        capture: &SnapshotCapture,
+        dir: &Path,
+    ) -> Result<KeptState, BackendError> {
+        self.import(capture, dir).await
     }
 
     async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
