@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
@@ -48,6 +48,8 @@ pub const QUEUE_SIZE: u16 = 256;
 const CONFIG_LEN: usize = 8;
 /// Size of one statistics entry: u16 tag + u64 value, packed.
 const STAT_ENTRY_LEN: usize = 10;
+/// A page list longer than this is refused (the Linux driver sends at most 256 frames).
+const MAX_PFN_LIST_BYTES: u64 = 1 << 20;
 /// A statistics buffer larger than this is read only up to here.
 const MAX_STATS_BYTES: usize = 4096;
 
@@ -282,6 +284,22 @@ fn mib_to_pages(mib: u64) -> Result<u32, BalloonError> {
         })
 }
 
+/// A run of contiguous host pages inside one guest memory region.
+#[derive(Clone, Copy)]
+struct HostRun {
+    start: usize,
+    len: usize,
+    /// Guest address of the region, so a run never spans two regions.
+    region: u64,
+    shared_file: bool,
+}
+
+impl HostRun {
+    fn extends_to(&self, page: &HostRun) -> bool {
+        self.region == page.region && self.start + self.len == page.start
+    }
+}
+
 struct BalloonWorker {
     queues: Vec<Queue>,
     events: Vec<EventFd>,
@@ -307,14 +325,20 @@ impl BalloonWorker {
             };
             let head = chain.head_index();
             match collect_chain(chain, &mem) {
-                Ok(descs) if descs.iter().all(|d| !d.write && d.len % 4 == 0) => f(self, &descs),
+                Ok(descs)
+                    if descs.iter().all(|d| !d.write && d.len % 4 == 0)
+                        && descs.iter().map(|d| u64::from(d.len)).sum::<u64>()
+                            <= MAX_PFN_LIST_BYTES =>
+                {
+                    f(self, &descs)
+                }
                 Ok(_) => {
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(
                         head,
                         queue = index,
-                        "virtio-balloon: page list with a device-writable buffer or a length \
-                         that is not whole 4-byte frame numbers; ignored"
+                        "virtio-balloon: page list with a device-writable buffer, a length that \
+                         is not whole 4-byte frame numbers, or more than 1 MiB; ignored"
                     );
                 }
                 Err(e) => {
@@ -349,57 +373,77 @@ impl BalloonWorker {
 
     fn inflate(&mut self, descs: &[Desc]) {
         let pfns = self.pfns(descs);
-        // Contiguous host ranges: (start, len).
-        let mut run: Option<(*mut u8, usize)> = None;
+        // Contiguous host ranges inside one region: (start, len, shared file mapping).
+        let mut run: Option<HostRun> = None;
         let mut released = 0u64;
         for pfn in pfns {
             let gpa = GuestAddress(u64::from(pfn) << PFN_SHIFT);
-            // The whole page must lie in one region to be one host range.
-            let host = match self.mem.get_slice(gpa, BALLOON_PAGE_SIZE as usize) {
-                Ok(slice) => slice.ptr_guard_mut().as_ptr(),
-                Err(_) => {
-                    self.counters.invalid_pfns.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
+            let Some(page) = self.host_page(gpa) else {
+                self.counters.invalid_pfns.fetch_add(1, Ordering::Relaxed);
+                continue;
             };
             run = match run {
-                Some((start, len)) if start.wrapping_add(len) == host => {
-                    Some((start, len + BALLOON_PAGE_SIZE as usize))
+                Some(r) if r.extends_to(&page) => Some(HostRun {
+                    len: r.len + BALLOON_PAGE_SIZE as usize,
+                    ..r
+                }),
+                Some(r) => {
+                    released += self.release(&r);
+                    Some(page)
                 }
-                Some((start, len)) => {
-                    released += self.release(start, len);
-                    Some((host, BALLOON_PAGE_SIZE as usize))
-                }
-                None => Some((host, BALLOON_PAGE_SIZE as usize)),
+                None => Some(page),
             };
         }
-        if let Some((start, len)) = run {
-            released += self.release(start, len);
+        if let Some(r) = run {
+            released += self.release(&r);
         }
         self.counters
             .inflated_pages
             .fetch_add(released, Ordering::Relaxed);
     }
 
-    /// Drops the host pages of `[start, start + len)`; returns the pages released.
-    fn release(&self, start: *mut u8, len: usize) -> u64 {
-        // SAFETY: `start..start + len` lies inside one mapped guest memory region (each page
-        // came from `get_slice` and the run is contiguous within the mapping); the guest gave
-        // these pages up, and MADV_DONTNEED only replaces their contents with zero-fill (or
-        // the file's data) on the next access, which cannot break the host's memory safety.
-        let r = unsafe { libc::madvise(start.cast(), len, libc::MADV_DONTNEED) };
+    /// The host range of the guest page at `gpa`, if the whole page is guest memory.
+    fn host_page(&self, gpa: GuestAddress) -> Option<HostRun> {
+        let region = self.mem.find_region(gpa)?;
+        // The whole page must lie in this one region.
+        let slice = self.mem.get_slice(gpa, BALLOON_PAGE_SIZE as usize).ok()?;
+        let start = slice.ptr_guard_mut().as_ptr() as usize;
+        let shared_file = region.file_offset().is_some() && region.flags() & libc::MAP_SHARED != 0;
+        Some(HostRun {
+            start,
+            len: BALLOON_PAGE_SIZE as usize,
+            region: region.start_addr().0,
+            shared_file,
+        })
+    }
+
+    /// Drops the host pages of a run; returns the pages released. Private memory is
+    /// dropped (`MADV_DONTNEED`: zero-fill, or the file's data, on the next access); a
+    /// shared file mapping has its backing freed too (`MADV_REMOVE`), or the pages would
+    /// stay in the page cache.
+    fn release(&self, run: &HostRun) -> u64 {
+        let advice = if run.shared_file {
+            libc::MADV_REMOVE
+        } else {
+            libc::MADV_DONTNEED
+        };
+        // SAFETY: `run` lies inside one mapped guest memory region (each page came from
+        // `get_slice` on that region and the run is contiguous); the guest gave these pages
+        // up, and the advice only replaces their contents on the next access, which cannot
+        // break the host's memory safety.
+        let r = unsafe { libc::madvise(run.start as *mut libc::c_void, run.len, advice) };
         if r != 0 {
             self.counters
                 .release_failures
                 .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 error = %std::io::Error::last_os_error(),
-                len,
+                len = run.len,
                 "virtio-balloon: releasing inflated pages failed"
             );
             return 0;
         }
-        len as u64 / BALLOON_PAGE_SIZE
+        run.len as u64 / BALLOON_PAGE_SIZE
     }
 
     fn deflate(&mut self, descs: &[Desc]) {
@@ -688,7 +732,9 @@ impl VirtioDevice for Balloon {
 mod tests {
     use super::*;
     use crate::devices::virtio::INT_CONFIG_CHANGE;
-    use crate::devices::virtio::testing::{BadChain, Driver, guest_memory, rd, wait_for, wr};
+    use crate::devices::virtio::testing::{
+        BadChain, Driver, guest_memory, guest_memory_shared_file, rd, wait_for, wr,
+    };
 
     const MEM: usize = 0x80_0000;
     const LIST: u64 = 0x10_0000;
@@ -790,6 +836,29 @@ mod tests {
         let m = rig.dev.metrics();
         assert_eq!((m.inflated_pages, m.invalid_pfns, m.errors), (3, 1, 0));
         assert_eq!(rig.line.read().unwrap(), 1, "used-buffer interrupt raised");
+    }
+
+    #[test]
+    fn inflate_frees_the_backing_of_shared_file_memory() {
+        use std::os::unix::fs::FileExt;
+        let (mem, file) = guest_memory_shared_file(MEM);
+        let mut rig = Rig::new(&mem, Balloon::new(0, false, 0).unwrap());
+        let page = 0x30_0000u64;
+        mem.write_slice(&[0x5a; 4096], GuestAddress(page)).unwrap();
+        let mut in_file = [0u8; 16];
+        file.read_exact_at(&mut in_file, page).unwrap();
+        assert_eq!(in_file, [0x5a; 16], "the page lives in the file");
+        let len = write_pfns(&mem, LIST, &[(page >> 12) as u32]);
+        rig.inflate.add(&[rd(LIST, len)]);
+        rig.kicks[INFLATE].write(1).unwrap();
+        rig.inflate.wait_used(1);
+        assert_eq!(rig.dev.metrics().release_failures, 0);
+        assert!(page_is(&mem, page, 0), "the guest reads zeros");
+        file.read_exact_at(&mut in_file, page).unwrap();
+        assert_eq!(
+            in_file, [0; 16],
+            "the file's backing was freed, not just unmapped"
+        );
     }
 
     #[test]
@@ -958,7 +1027,7 @@ mod tests {
     fn malformed_balloon_chains_are_ignored_and_the_worker_goes_on() {
         let mem = guest_memory(MEM);
         let mut rig = Rig::new(&mem, Balloon::new(0, false, 0).unwrap());
-        let bad: [BadChain; 6] = [
+        let bad: [BadChain; 7] = [
             ("a loop", |d| {
                 d.add_loop(&[rd(LIST, 4), rd(LIST + 4, 4)]);
             }),
@@ -970,6 +1039,9 @@ mod tests {
             }),
             ("an oversized length", |d| {
                 d.add(&[rd(LIST, u32::MAX - 3)]);
+            }),
+            ("an oversized list inside guest memory", |d| {
+                d.add(&[rd(LIST, 2 << 20)]);
             }),
             ("too short: half a frame number", |d| {
                 d.add(&[rd(LIST, 2)]);

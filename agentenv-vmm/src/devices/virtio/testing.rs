@@ -30,6 +30,29 @@ pub fn guest_memory(size: usize) -> GuestMemoryMmap {
     GuestMemoryMmap::from_regions(vec![region]).unwrap()
 }
 
+/// Guest memory of `size` bytes at guest address 0 mapped shared from a memfd (like a VM
+/// whose memory is a shared file for snapshots); the memfd is returned too.
+pub fn guest_memory_shared_file(size: usize) -> (GuestMemoryMmap, std::fs::File) {
+    use std::os::fd::FromRawFd;
+    use vm_memory::FileOffset;
+    // SAFETY: the name is a valid NUL-terminated string; the returned descriptor is checked
+    // and then owned by the `File`.
+    let fd = unsafe { libc::memfd_create(c"guest-mem-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(size as u64).unwrap();
+    let bitmap = AtomicBitmap::new(size, NonZeroUsize::new(PAGE).unwrap());
+    let region = MmapRegionBuilder::new_with_bitmap(size, Some(bitmap))
+        .with_file_offset(FileOffset::new(file.try_clone().unwrap(), 0))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_SHARED)
+        .build()
+        .unwrap();
+    let region = GuestRegionMmap::new(region, GuestAddress(0)).unwrap();
+    (GuestMemoryMmap::from_regions(vec![region]).unwrap(), file)
+}
+
 /// Whether the device marked the page holding `addr` dirty.
 pub fn is_dirty(mem: &GuestMemoryMmap, addr: u64) -> bool {
     use vm_memory::GuestMemoryBackend;
