@@ -1318,4 +1318,171 @@ mod tests {
             "virtio_mmio.device=4K@0xd0000000:5"
         );
     }
+
+    /// Counts panics on device worker threads (the worker catches them, so a test would not
+    /// otherwise see one).
+    fn count_worker_panics() -> Arc<std::sync::atomic::AtomicU64> {
+        static COUNT: std::sync::OnceLock<Arc<std::sync::atomic::AtomicU64>> =
+            std::sync::OnceLock::new();
+        COUNT
+            .get_or_init(|| {
+                let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+                let c = count.clone();
+                let prev = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    if std::thread::current()
+                        .name()
+                        .is_some_and(|n| n.starts_with("virtio-"))
+                    {
+                        c.fetch_add(1, Ordering::SeqCst);
+                    }
+                    prev(info)
+                }));
+                count
+            })
+            .clone()
+    }
+
+    #[test]
+    fn random_guest_register_traffic_and_garbage_rings_never_panic() {
+        use crate::devices::virtio::block::Block;
+        use std::io::Write;
+        use vm_memory::Bytes;
+        let panics = count_worker_panics();
+        let mut img = tempfile::NamedTempFile::new().unwrap();
+        img.write_all(&vec![7u8; 64 * 512]).unwrap();
+        let mem = crate::devices::virtio::testing::guest_memory(MEM_SIZE);
+        // Guest memory full of garbage, so whatever rings the driver points at hold nonsense.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let garbage: Vec<u8> = (0..MEM_SIZE).map(|_| next() as u8).collect();
+        mem.write_slice(&garbage, GuestAddress(0)).unwrap();
+        let dev = Arc::new(Mutex::new(Block::new("fuzz", img.path(), false).unwrap()));
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        let mut t = MmioTransport::new(mem.clone(), dev.clone(), line).unwrap();
+        let offsets = [
+            REG_STATUS,
+            REG_DRIVER_FEATURES,
+            REG_DRIVER_FEATURES_SEL,
+            REG_QUEUE_SEL,
+            REG_QUEUE_NUM,
+            REG_QUEUE_READY,
+            REG_QUEUE_NOTIFY,
+            REG_QUEUE_DESC_LOW,
+            REG_QUEUE_DRIVER_LOW,
+            REG_QUEUE_DEVICE_LOW,
+            REG_QUEUE_DESC_HIGH,
+            REG_INTERRUPT_ACK,
+        ];
+        let mut activations = 0;
+        for i in 0..20_000u32 {
+            let r = next();
+            let width = [1usize, 2, 4, 4, 4, 8][(r % 6) as usize];
+            let offset = if r & 0x100 != 0 {
+                offsets[((r >> 16) % offsets.len() as u64) as usize]
+            } else {
+                (r >> 24) % 0x1100
+            };
+            // Values biased towards what makes progress: small numbers, status steps,
+            // addresses inside guest memory.
+            let value = match (r >> 40) % 4 {
+                0 => (r >> 44) as u32 % 16,
+                1 => [1, 3, 11, 15, 0][((r >> 44) % 5) as usize],
+                2 => ((r >> 44) as u32 % MEM_SIZE as u32) & !0xf,
+                _ => (r >> 32) as u32,
+            };
+            let bytes = u64::from(value).to_le_bytes();
+            if r & 0x200 != 0 {
+                let mut buf = [0u8; 8];
+                t.read(offset, &mut buf[..width]);
+            } else {
+                t.write(offset, &bytes[..width]);
+            }
+            if t.is_activated() {
+                activations += 1;
+            }
+            if i % 1000 == 0 {
+                // Sometimes also a well-formed bring-up over random chains.
+                t.write(REG_STATUS, &0u32.to_le_bytes());
+                bring_up_over_random_chains(&mut t, &mut next);
+            }
+        }
+        assert!(
+            activations > 0,
+            "the traffic did activate the device at times"
+        );
+        let m = dev.lock().unwrap().metrics();
+        assert!(
+            m.errors > 0,
+            "the random chains were processed and refused: {m:?}"
+        );
+        // The transport still answers, and a proper driver still gets service.
+        assert_eq!(r(&mut t, REG_MAGIC), MMIO_MAGIC);
+        w(&mut t, REG_STATUS, 0);
+        let mut drv = crate::devices::virtio::testing::Driver::new(&mem, 0x8_0000, 16);
+        let features = dev.lock().unwrap().avail_features();
+        crate::devices::virtio::testing::mmio_bring_up(&mut t, features, &[&drv]);
+        assert!(t.is_activated());
+        mem.write_obj(0u32, GuestAddress(0x1_0000)).unwrap(); // VIRTIO_BLK_T_IN
+        mem.write_obj(0u32, GuestAddress(0x1_0004)).unwrap();
+        mem.write_obj(3u64, GuestAddress(0x1_0008)).unwrap();
+        use crate::devices::virtio::testing::{rd, wr};
+        drv.add(&[rd(0x1_0000, 16), wr(0x2_0000, 512), wr(0x3_0000, 1)]);
+        w(&mut t, REG_QUEUE_NOTIFY, 0);
+        assert_eq!(drv.wait_used(1).len(), 513);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(0x3_0000)).unwrap(), 0);
+        assert_eq!(
+            panics.load(Ordering::SeqCst),
+            0,
+            "no device worker panicked"
+        );
+    }
+
+    /// Fills queue 0's rings at 0x1_0000 with random chains (random addresses, lengths,
+    /// flags and next indices; a valid available index) and brings the transport up.
+    fn bring_up_over_random_chains(t: &mut MmioTransport, next: &mut impl FnMut() -> u64) {
+        use vm_memory::Bytes;
+        let mem = t.mem.clone();
+        for i in 0..u64::from(QUEUE_MAX) {
+            let r = next();
+            let addr = if r & 1 == 0 {
+                (r >> 8) % MEM_SIZE as u64
+            } else {
+                r >> 4
+            };
+            let len = match (r >> 60) % 4 {
+                0 => 1,
+                1 => 16,
+                2 => 512,
+                _ => (r >> 20) as u32,
+            };
+            let flags = (r >> 36) as u16 & 0x7; // NEXT, WRITE, INDIRECT
+            let next_idx = (r >> 40) as u16 % (QUEUE_MAX + 2);
+            let desc = 0x1_0000 + i * 16;
+            mem.write_obj(addr, GuestAddress(desc)).unwrap();
+            mem.write_obj(len as u32, GuestAddress(desc + 8)).unwrap();
+            mem.write_obj(flags, GuestAddress(desc + 12)).unwrap();
+            mem.write_obj(next_idx, GuestAddress(desc + 14)).unwrap();
+            mem.write_obj(
+                (next() % u64::from(QUEUE_MAX + 1)) as u16,
+                GuestAddress(0x1_1004 + i * 2),
+            )
+            .unwrap();
+        }
+        mem.write_obj(0u16, GuestAddress(0x1_1000)).unwrap();
+        mem.write_obj(
+            (next() % u64::from(QUEUE_MAX) + 1) as u16,
+            GuestAddress(0x1_1002),
+        )
+        .unwrap();
+        let features = t.avail_features;
+        negotiate(t, features);
+        setup_queue(t, 0, 0x1_0000);
+        w(t, REG_STATUS, ALL_OK);
+    }
 }
