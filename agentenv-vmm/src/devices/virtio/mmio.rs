@@ -1465,7 +1465,7 @@ mod tests {
             let next_idx = (r >> 40) as u16 % (QUEUE_MAX + 2);
             let desc = 0x1_0000 + i * 16;
             mem.write_obj(addr, GuestAddress(desc)).unwrap();
-            mem.write_obj(len as u32, GuestAddress(desc + 8)).unwrap();
+            mem.write_obj(len, GuestAddress(desc + 8)).unwrap();
             mem.write_obj(flags, GuestAddress(desc + 12)).unwrap();
             mem.write_obj(next_idx, GuestAddress(desc + 14)).unwrap();
             mem.write_obj(
