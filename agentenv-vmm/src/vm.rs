@@ -30,7 +30,10 @@ use crate::arch::{self, cpuid, mptable, regs};
 use crate::config::{ConfigError, MemoryBacking, VmConfig};
 use crate::devices::legacy::{self, DebugExit, I8042, SerialDevice};
 use crate::devices::virtio::VirtioDevice;
+use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, NOTIFY_OFFSET};
+use crate::devices::virtio::net::Net;
+use crate::devices::virtio::rng::Rng;
 use crate::devices::{Bus, BusError, InterruptLine, SharedDevice};
 use crate::hypervisor::kvm::KvmHypervisor;
 use crate::hypervisor::{
@@ -500,7 +503,12 @@ impl Vm {
             .iter()
             .map(|s| (s.base, arch::VIRTIO_MMIO_SLOT, s.irq))
             .collect();
-        let cmdline = loader::build_cmdline(&config.cmdline, &dev_args)?;
+        let user_cmdline = match root_cmdline(&config) {
+            Some(root) if config.cmdline.is_empty() => root,
+            Some(root) => format!("{} {root}", config.cmdline),
+            None => config.cmdline.clone(),
+        };
+        let cmdline = loader::build_cmdline(&user_cmdline, &dev_args)?;
         let cmdline_str = cmdline
             .as_cstring()
             .map(|c| c.to_string_lossy().into_owned())
@@ -988,17 +996,64 @@ impl Drop for Vm {
     }
 }
 
-/// The virtio devices of a configuration (built by the device modules).
+/// The virtio devices of a configuration, in slot order: drives (the root drive first, so
+/// it is `/dev/vda`), network interfaces, vsock, balloon, rng.
 pub fn default_devices(
     config: &VmConfig,
     _mem: &GuestMemoryMmap,
 ) -> Result<VirtioDevices, VmError> {
-    if config.virtio_device_count() > 0 {
+    let mut out: VirtioDevices = Vec::new();
+    let mut drives: Vec<_> = config.drives.iter().collect();
+    drives.sort_by_key(|d| !d.is_root);
+    for d in drives {
+        let dev = Block::new(&d.id, &d.path, d.read_only).map_err(|e| VmError::Device {
+            id: d.id.clone(),
+            reason: e.to_string(),
+        })?;
+        out.push((d.id.clone(), Arc::new(Mutex::new(dev))));
+    }
+    for n in &config.net {
+        let mac = crate::config::parse_mac(&n.guest_mac).ok_or_else(|| VmError::Device {
+            id: n.id.clone(),
+            reason: format!("guest_mac {:?} is not a MAC address", n.guest_mac),
+        })?;
+        let dev = Net::new(n.id.clone(), &n.tap, mac).map_err(|e| VmError::Device {
+            id: n.id.clone(),
+            reason: e.to_string(),
+        })?;
+        out.push((n.id.clone(), Arc::new(Mutex::new(dev))));
+    }
+    if config.vsock.is_some() {
         return Err(VmError::Unsupported(
-            "virtio devices from the configuration are not built yet by this VMM".into(),
+            "vsock: the virtio-vsock device is not in this build yet".into(),
         ));
     }
-    Ok(Vec::new())
+    if config.balloon.is_some() {
+        return Err(VmError::Unsupported(
+            "balloon: the virtio-balloon device is not in this build yet".into(),
+        ));
+    }
+    if config.rng {
+        out.push(("rng".to_string(), Arc::new(Mutex::new(Rng::new()))));
+    }
+    Ok(out)
+}
+
+/// The root-drive parameters for the kernel command line (`root=/dev/vda rw`), unless the
+/// user's command line sets `root=` itself.
+fn root_cmdline(config: &VmConfig) -> Option<String> {
+    let root = config.drives.iter().find(|d| d.is_root)?;
+    if config
+        .cmdline
+        .split_whitespace()
+        .any(|w| w.starts_with("root="))
+    {
+        return None;
+    }
+    Some(format!(
+        "root=/dev/vda {}",
+        if root.read_only { "ro" } else { "rw" }
+    ))
 }
 
 /// What ended a burst of guest execution.

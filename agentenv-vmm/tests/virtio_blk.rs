@@ -1,0 +1,258 @@
+//! A guest program drives virtio-blk through the virtio-mmio transport of a real VM:
+//! checks magic/version/device id, negotiates VERSION_1, sets up queue 0, writes sector 1,
+//! reads sectors 1..2 back and compares them, and takes the used-buffer interrupt each
+//! time.
+//!
+//! Interrupt path: the device's irqfd raises GSI 5; the guest has programmed the in-kernel
+//! IOAPIC pin 5 to vector 0x30 for APIC 0, software-enabled its LAPIC and installed an IDT
+//! gate, so the interrupt reaches the guest's handler, which reads and acknowledges
+//! `InterruptStatus` and sends the EOI. (It masks the legacy PIC first: the irqfd raises PIC
+//! line 5 as well, and the BSP's LINT0 takes ExtINT.) The guest waits with `sti; hlt` (the in-kernel
+//! LAPIC wakes it) and checks that the handler saw a used-ring interrupt.
+
+mod common;
+
+use std::time::Duration;
+
+use agentenv_vmm::config::DriveConfig;
+use agentenv_vmm::{ExitReason, Vm, VmConfig};
+use common::*;
+use iced_x86::code_asm::*;
+
+const MMIO: u64 = 0xd000_0000;
+const DESC: u64 = 0x50_0000;
+const AVAIL: u64 = 0x50_1000;
+const USED: u64 = 0x50_2000;
+const HDR: u64 = 0x50_3000;
+const WDATA: u64 = 0x50_4000;
+const STATUS: u64 = 0x50_5000;
+const RDATA: u64 = 0x50_6000;
+const IDT: u64 = 0x60_0000;
+const IDTR: u64 = 0x60_1000;
+const IRQ_SEEN: u64 = 0x60_2000;
+const VECTOR: u64 = 0x30;
+const PATTERN: u64 = u64::from_le_bytes(*b"agentenv");
+const HOSTDATA: u64 = u64::from_le_bytes(*b"hostdata");
+
+/// Fails the guest with `code` unless the flags say equal.
+fn expect_eq(a: &mut CodeAssembler, fail: &mut [CodeLabel], code: usize) {
+    a.jne(fail[code]).unwrap();
+}
+
+/// Fills descriptor `i`.
+fn desc(a: &mut CodeAssembler, i: u64, addr: u64, len: u32, flags: u16, next: u16) {
+    a.mov(rdi, DESC + i * 16).unwrap();
+    a.mov(rax, addr).unwrap();
+    a.mov(qword_ptr(rdi), rax).unwrap();
+    a.mov(dword_ptr(rdi + 8), len).unwrap();
+    a.mov(word_ptr(rdi + 12), flags as u32).unwrap();
+    a.mov(word_ptr(rdi + 14), next as u32).unwrap();
+}
+
+/// Publishes chain 0 as avail entry `n`, notifies queue 0 and sleeps until the interrupt.
+fn submit_and_wait(a: &mut CodeAssembler, n: u16, fail: &mut [CodeLabel]) {
+    a.mov(rdi, IRQ_SEEN).unwrap();
+    a.mov(dword_ptr(rdi), 0).unwrap();
+    a.mov(rdi, AVAIL).unwrap();
+    a.mov(word_ptr(rdi + 4 + 2 * n as usize), 0).unwrap();
+    a.mov(word_ptr(rdi + 2), (n + 1) as u32).unwrap();
+    a.mov(rbx, MMIO).unwrap();
+    a.mov(dword_ptr(rbx + 0x50), 0).unwrap();
+    // `sti; hlt` is race-free: an interrupt pending at `sti` is taken after the `hlt`
+    // starts, and wakes it.
+    a.sti().unwrap();
+    a.hlt().unwrap();
+    a.cli().unwrap();
+    a.mov(rdi, IRQ_SEEN).unwrap();
+    a.test(dword_ptr(rdi), 1).unwrap();
+    a.jz(fail[9]).unwrap();
+    a.mov(rdi, USED).unwrap();
+    a.cmp(word_ptr(rdi + 2), (n + 1) as u32).unwrap();
+    expect_eq(a, fail, 10);
+    a.mov(rdi, STATUS).unwrap();
+    a.cmp(byte_ptr(rdi), 0).unwrap();
+    expect_eq(a, fail, 11);
+}
+
+fn blk_guest() -> CodeAssembler {
+    let mut a = asm64();
+    let mut fail: Vec<CodeLabel> = (0..16).map(|_| a.create_label()).collect();
+    let mut handler = a.create_label();
+
+    // Identify the device.
+    a.mov(rbx, MMIO).unwrap();
+    a.cmp(dword_ptr(rbx), 0x7472_6976).unwrap();
+    expect_eq(&mut a, &mut fail, 1);
+    a.cmp(dword_ptr(rbx + 0x4), 2).unwrap();
+    expect_eq(&mut a, &mut fail, 2);
+    a.cmp(dword_ptr(rbx + 0x8), 2).unwrap();
+    expect_eq(&mut a, &mut fail, 3);
+    // Reset, ACKNOWLEDGE, DRIVER.
+    a.mov(dword_ptr(rbx + 0x70), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0x70), 1).unwrap();
+    a.mov(dword_ptr(rbx + 0x70), 3).unwrap();
+    // Features: VERSION_1 (bit 32) must be offered; take only it.
+    a.mov(dword_ptr(rbx + 0x14), 1).unwrap();
+    a.mov(eax, dword_ptr(rbx + 0x10)).unwrap();
+    a.test(eax, 1).unwrap();
+    a.jz(fail[4]).unwrap();
+    a.mov(dword_ptr(rbx + 0x24), 1).unwrap();
+    a.mov(dword_ptr(rbx + 0x20), 1).unwrap();
+    a.mov(dword_ptr(rbx + 0x24), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0x20), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0x70), 0xb).unwrap();
+    a.test(dword_ptr(rbx + 0x70), 8).unwrap();
+    a.jz(fail[5]).unwrap();
+    // Queue 0: 8 entries.
+    a.mov(dword_ptr(rbx + 0x30), 0).unwrap();
+    a.cmp(dword_ptr(rbx + 0x34), 8).unwrap();
+    a.jb(fail[6]).unwrap();
+    a.mov(dword_ptr(rbx + 0x38), 8).unwrap();
+    a.mov(dword_ptr(rbx + 0x80), DESC as u32).unwrap();
+    a.mov(dword_ptr(rbx + 0x84), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0x90), AVAIL as u32).unwrap();
+    a.mov(dword_ptr(rbx + 0x94), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0xa0), USED as u32).unwrap();
+    a.mov(dword_ptr(rbx + 0xa4), 0).unwrap();
+    a.mov(dword_ptr(rbx + 0x44), 1).unwrap();
+    a.mov(dword_ptr(rbx + 0x70), 0xf).unwrap();
+    a.test(dword_ptr(rbx + 0x70), 0x40).unwrap(); // DEVICE_NEEDS_RESET
+    a.jnz(fail[7]).unwrap();
+
+    // Interrupts: IDT gate for VECTOR, IOAPIC pin 5 → VECTOR on APIC 0, LAPIC enabled.
+    a.lea(rax, ptr(handler)).unwrap();
+    a.mov(rdi, IDT + VECTOR * 16).unwrap();
+    a.mov(word_ptr(rdi), ax).unwrap();
+    a.mov(word_ptr(rdi + 2), 0x08).unwrap();
+    a.mov(word_ptr(rdi + 4), 0x8e00).unwrap();
+    a.shr(rax, 16).unwrap();
+    a.mov(word_ptr(rdi + 6), ax).unwrap();
+    a.shr(rax, 16).unwrap();
+    a.mov(dword_ptr(rdi + 8), eax).unwrap();
+    a.mov(dword_ptr(rdi + 12), 0).unwrap();
+    a.mov(rdi, IDTR).unwrap();
+    a.mov(word_ptr(rdi), ((VECTOR + 1) * 16 - 1) as u32)
+        .unwrap();
+    a.mov(rax, IDT).unwrap();
+    a.mov(qword_ptr(rdi + 2), rax).unwrap();
+    a.lidt(ptr(rdi)).unwrap();
+    a.mov(rdi, 0xfec0_0000u64).unwrap();
+    a.mov(dword_ptr(rdi), 0x10 + 2 * 5).unwrap();
+    a.mov(dword_ptr(rdi + 0x10), VECTOR as u32).unwrap();
+    a.mov(dword_ptr(rdi), 0x10 + 2 * 5 + 1).unwrap();
+    a.mov(dword_ptr(rdi + 0x10), 0).unwrap();
+    a.mov(rdi, 0xfee0_0000u64).unwrap();
+    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
+    // Mask the legacy PIC, as an OS using the IOAPIC does: the BSP's LINT0 accepts
+    // ExtINT, and the irqfd raises PIC line 5 too.
+    a.mov(al, 0xff).unwrap();
+    a.out(0x21, al).unwrap();
+    a.out(0xa1, al).unwrap();
+
+    // Request 1: write PATTERN × 64 to sector 1.
+    a.mov(rdi, WDATA).unwrap();
+    a.mov(rax, PATTERN).unwrap();
+    a.mov(ecx, 64).unwrap();
+    a.rep().stosq().unwrap();
+    a.mov(rdi, HDR).unwrap();
+    a.mov(dword_ptr(rdi), 1).unwrap(); // VIRTIO_BLK_T_OUT
+    a.mov(dword_ptr(rdi + 4), 0).unwrap();
+    a.mov(qword_ptr(rdi + 8), 1).unwrap();
+    a.mov(rdi, STATUS).unwrap();
+    a.mov(byte_ptr(rdi), 0xff).unwrap();
+    desc(&mut a, 0, HDR, 16, 1, 1);
+    desc(&mut a, 1, WDATA, 512, 1, 2);
+    desc(&mut a, 2, STATUS, 1, 2, 0);
+    submit_and_wait(&mut a, 0, &mut fail);
+
+    // Request 2: read sectors 1 and 2.
+    a.mov(rdi, HDR).unwrap();
+    a.mov(dword_ptr(rdi), 0).unwrap(); // VIRTIO_BLK_T_IN
+    a.mov(rdi, STATUS).unwrap();
+    a.mov(byte_ptr(rdi), 0xff).unwrap();
+    desc(&mut a, 1, RDATA, 1024, 3, 2);
+    submit_and_wait(&mut a, 1, &mut fail);
+    a.mov(rsi, WDATA).unwrap();
+    a.mov(rdi, RDATA).unwrap();
+    a.mov(ecx, 64).unwrap();
+    a.repe().cmpsq().unwrap();
+    expect_eq(&mut a, &mut fail, 12);
+    a.mov(rdi, RDATA + 512).unwrap();
+    a.mov(rax, HOSTDATA).unwrap();
+    a.cmp(qword_ptr(rdi), rax).unwrap();
+    expect_eq(&mut a, &mut fail, 13);
+    print(&mut a, "virtio-blk ok\n");
+    done(&mut a, 0);
+
+    for (code, l) in fail.iter_mut().enumerate() {
+        a.set_label(l).unwrap();
+        done(&mut a, code as u32);
+    }
+
+    // The interrupt handler: record and acknowledge InterruptStatus, EOI.
+    a.set_label(&mut handler).unwrap();
+    a.push(rax).unwrap();
+    a.push(rbx).unwrap();
+    a.mov(rbx, MMIO).unwrap();
+    a.mov(eax, dword_ptr(rbx + 0x60)).unwrap();
+    a.mov(dword_ptr(rbx + 0x64), eax).unwrap();
+    a.mov(rbx, IRQ_SEEN).unwrap();
+    a.or(dword_ptr(rbx), eax).unwrap();
+    a.mov(rbx, 0xfee0_00b0u64).unwrap();
+    a.mov(dword_ptr(rbx), 0).unwrap();
+    a.pop(rbx).unwrap();
+    a.pop(rax).unwrap();
+    a.iretq().unwrap();
+    a
+}
+
+#[test]
+fn guest_writes_and_reads_sectors_through_virtio_blk_with_interrupts() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("disk.img");
+    let mut disk = vec![0u8; 8 * 512];
+    disk[..8].copy_from_slice(b"sector 0");
+    disk[512..520].copy_from_slice(b"oldbytes");
+    for chunk in disk[1024..1536].chunks_mut(8) {
+        chunk.copy_from_slice(b"hostdata");
+    }
+    std::fs::write(&image, &disk).unwrap();
+
+    let mut a = blk_guest();
+    let mut c = VmConfig::new(kernel(dir.path(), &mut a));
+    c.memory_mib = 32;
+    c.serial_output = Some(dir.path().join("serial.log"));
+    c.drives = vec![DriveConfig {
+        id: "rootfs".into(),
+        path: image.clone(),
+        read_only: false,
+        is_root: true,
+    }];
+    let mut vm = Vm::new(c).unwrap();
+    assert!(
+        vm.cmdline()
+            .contains("root=/dev/vda rw console=ttyS0 reboot=k panic=1 pci=off virtio_mmio.device=4K@0xd0000000:5"),
+        "{}",
+        vm.cmdline()
+    );
+    vm.start().unwrap();
+    let r = vm.wait_timeout(Duration::from_secs(30));
+    let transport = vm.virtio_devices()[0].transport.lock().unwrap().metrics();
+    vm.stop().unwrap();
+    let log = std::fs::read_to_string(dir.path().join("serial.log")).unwrap();
+    assert_eq!(r, Some(ExitReason::Done(0)), "serial: {log:?}");
+    assert_eq!(log, "virtio-blk ok\n");
+    // Both notifications went through the queue's ioeventfd, none through the MMIO exit.
+    assert_eq!(transport.notifies, 0, "{transport:?}");
+    assert_eq!(transport.activations, 1);
+    assert_eq!(transport.bad_accesses, 0);
+
+    // The image holds what the guest wrote, and nothing else changed.
+    let after = std::fs::read(&image).unwrap();
+    assert_eq!(&after[..512], &disk[..512]);
+    assert!(after[512..1024].chunks(8).all(|c| c == b"agentenv"));
+    assert_eq!(&after[1024..], &disk[1024..]);
+}
