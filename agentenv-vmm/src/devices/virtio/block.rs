@@ -21,9 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
-    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
-    VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_ID_BYTES,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -46,8 +46,11 @@ pub const SECTOR_SIZE: u64 = 512;
 pub const QUEUE_SIZE: u16 = 256;
 /// Size of the request header (type, reserved, sector).
 const HEADER_LEN: u32 = 16;
-/// Bytes of the configuration space we answer (`capacity`); the rest reads as zero.
-const CONFIG_LEN: usize = 8;
+/// Bytes of the configuration space we answer (`capacity`, `size_max`, `seg_max`); the rest
+/// reads as zero.
+const CONFIG_LEN: usize = 16;
+/// Data buffers one request may have (`seg_max`): the queue size less header and status.
+pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
 
 /// Errors opening a drive.
 #[derive(Debug, thiserror::Error)]
@@ -471,7 +474,9 @@ impl VirtioDevice for Block {
     }
 
     fn avail_features(&self) -> u64 {
-        let mut f = (1u64 << VIRTIO_F_VERSION_1) | (1u64 << VIRTIO_BLK_F_FLUSH);
+        let mut f = (1u64 << VIRTIO_F_VERSION_1)
+            | (1u64 << VIRTIO_BLK_F_FLUSH)
+            | (1u64 << VIRTIO_BLK_F_SEG_MAX);
         if self.read_only {
             f |= 1u64 << VIRTIO_BLK_F_RO;
         }
@@ -483,7 +488,10 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.capacity.to_le_bytes();
+        let mut config = [0u8; CONFIG_LEN];
+        config[0..8].copy_from_slice(&self.capacity.to_le_bytes());
+        // size_max (bytes 8..12) is not offered and stays 0.
+        config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
         for (i, b) in data.iter_mut().enumerate() {
             *b = usize::try_from(offset)
                 .ok()
@@ -934,6 +942,10 @@ mod tests {
         let mut hi = [0xffu8; 4];
         dev.read_config(4, &mut hi);
         assert_eq!(hi, [0; 4]);
+        let mut seg_max = [0u8; 4];
+        dev.read_config(12, &mut seg_max);
+        assert_eq!(u32::from_le_bytes(seg_max), SEG_MAX);
+        assert_ne!(dev.avail_features() & (1 << VIRTIO_BLK_F_SEG_MAX), 0);
         let mut past = [0xffu8; 4];
         dev.read_config(20, &mut past);
         assert_eq!(past, [0; 4]);
