@@ -19,6 +19,7 @@ pub mod net;
 pub mod queue_util;
 pub mod rng;
 pub mod tap;
+pub mod vsock;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod worker;
