@@ -27,6 +27,7 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{
@@ -35,7 +36,7 @@ use vm_memory::{
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::queue_util::{Desc, add_used, check_in_memory, in_memory, notify_used, walk_chain};
+use super::queue_util::{Desc, check_in_memory, drain_queue, in_memory, notify_used, walk_chain};
 use super::worker::{Worker, WorkerCtl, WorkerHandler};
 use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
 use crate::memory::GuestMemoryMmap;
@@ -269,22 +270,12 @@ fn ioerr(why: impl Into<String>) -> Failure {
 
 impl BlockWorker {
     fn process_queue(&mut self) {
-        let mut used_any = false;
         let mem = &self.mem;
-        while let Some(chain) = self.queue.pop_descriptor_chain(mem) {
-            let head = chain.head_index();
-            let used_len = Self::handle(
-                chain,
-                mem,
-                &self.file,
-                self.read_only,
-                self.capacity,
-                &self.serial,
-                &self.counters,
-            );
-            add_used(&mut self.queue, mem, head, used_len);
-            used_any = true;
-        }
+        let (file, serial, counters) = (&self.file, &self.serial, &self.counters);
+        let (read_only, capacity) = (self.read_only, self.capacity);
+        let used_any = drain_queue(&mut self.queue, mem, |chain| {
+            Self::handle(chain, mem, file, read_only, capacity, serial, counters)
+        });
         if used_any {
             notify_used(&mut self.queue, mem, &self.interrupt);
         }
@@ -476,7 +467,8 @@ impl VirtioDevice for Block {
     fn avail_features(&self) -> u64 {
         let mut f = (1u64 << VIRTIO_F_VERSION_1)
             | (1u64 << VIRTIO_BLK_F_FLUSH)
-            | (1u64 << VIRTIO_BLK_F_SEG_MAX);
+            | (1u64 << VIRTIO_BLK_F_SEG_MAX)
+            | (1u64 << VIRTIO_RING_F_EVENT_IDX);
         if self.read_only {
             f |= 1u64 << VIRTIO_BLK_F_RO;
         }
@@ -605,7 +597,9 @@ impl VirtioDevice for Block {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::testing::{BadChain, Driver, guest_memory, is_dirty, rd, wr};
+    use crate::devices::virtio::testing::{
+        BadChain, Driver, guest_memory, is_dirty, rd, wait_for, wr,
+    };
     use std::io::Write;
     use std::os::unix::fs::FileExt;
 
@@ -1059,5 +1053,54 @@ mod tests {
             "the restored device served the new request only"
         );
         assert_eq!(dev2.lock().unwrap().metrics().reads, 1);
+    }
+
+    #[test]
+    fn blk_with_event_idx_interrupts_only_when_the_driver_asks() {
+        let img = image();
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0, 32);
+        let (_, avail, used) = drv.addrs();
+        let used_event = GuestAddress(avail + 4 + 2 * 32);
+        let avail_event = GuestAddress(used + 4 + 8 * 32);
+        let mut dev = Block::new("d", img.path(), true).unwrap();
+        assert_ne!(dev.avail_features() & (1 << VIRTIO_RING_F_EVENT_IDX), 0);
+        let mut queue = drv.queue();
+        queue.set_event_idx(true);
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let notify = evt.try_clone().unwrap();
+        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+        dev.activate(ActivateContext {
+            mem: mem.clone(),
+            interrupt: Arc::new(VirtioInterrupt::new(line.clone())),
+            queues: vec![queue],
+            queue_events: vec![evt],
+        })
+        .unwrap();
+        let submit = |drv: &mut Driver, n: u16, want_irq_after: u16| {
+            mem.write_obj(want_irq_after, used_event).unwrap();
+            header(&mem, VIRTIO_BLK_T_IN, u64::from(n));
+            drv.add(&[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
+            notify.write(1).unwrap();
+            drv.wait_used(n);
+        };
+        // used_event 0: the driver wants an interrupt once used passes 0.
+        submit(&mut drv, 1, 0);
+        wait_for("the first interrupt", || line.read().is_ok());
+        // The device asks to be kicked for the next chain after what it consumed.
+        assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 1);
+        // used_event 10: no interrupt for the second request.
+        submit(&mut drv, 2, 10);
+        // used_event 2: an interrupt for the third. Had the second raised one, the line's
+        // counter would now read 2.
+        submit(&mut drv, 3, 2);
+        let mut count = 0;
+        wait_for("the third interrupt", || {
+            count = line.read().unwrap_or(0);
+            count > 0
+        });
+        assert_eq!(count, 1, "the second request raised no interrupt");
+        assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 3);
+        dev.deactivate().unwrap();
     }
 }

@@ -109,6 +109,50 @@ pub fn add_used(queue: &mut Queue, mem: &GuestMemoryMmap, head: u16, len: u32) -
     }
 }
 
+/// Serves every available chain of `queue` with `serve` (which returns the bytes it wrote
+/// into the chain's buffers) and puts each on the used ring. Notifications from the driver
+/// are suppressed while the queue is being drained and re-enabled after it, checking once
+/// more for chains that arrived in between (with `VIRTIO_RING_F_EVENT_IDX` this is what
+/// keeps the driver kicking). Returns whether any chain was used.
+///
+/// A ring whose available index claims chains that cannot be popped (a corrupt index) ends
+/// the drain instead of spinning.
+pub fn drain_queue(
+    queue: &mut Queue,
+    mem: &GuestMemoryMmap,
+    mut serve: impl FnMut(DescriptorChain<&GuestMemoryMmap>) -> u32,
+) -> bool {
+    let mut used_any = false;
+    loop {
+        if let Err(e) = queue.disable_notification(mem) {
+            tracing::debug!(error = %e, "virtio: suppressing driver notifications failed");
+        }
+        let mut served = false;
+        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+            let head = chain.head_index();
+            let len = serve(chain);
+            add_used(queue, mem, head, len);
+            served = true;
+        }
+        used_any |= served;
+        match queue.enable_notification(mem) {
+            Ok(true) if served => continue,
+            Ok(true) => {
+                tracing::debug!(
+                    "virtio: the available index is past what can be popped; waiting for the next notification"
+                );
+                break;
+            }
+            Ok(false) => break,
+            Err(e) => {
+                tracing::debug!(error = %e, "virtio: re-enabling driver notifications failed");
+                break;
+            }
+        }
+    }
+    used_any
+}
+
 /// Raises the used-buffer interrupt if the driver wants one.
 pub fn notify_used(queue: &mut Queue, mem: &GuestMemoryMmap, interrupt: &VirtioInterrupt) {
     let needed = queue.needs_notification(mem).unwrap_or(true);

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::Bytes;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::queue_util::{add_used, collect_chain, notify_used};
+use super::queue_util::{collect_chain, drain_queue, notify_used};
 use super::worker::{Worker, WorkerCtl, WorkerHandler};
 use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
 use crate::memory::GuestMemoryMmap;
@@ -108,24 +109,22 @@ struct RngWorker {
 
 impl RngWorker {
     fn process_queue(&mut self) {
-        let mut used_any = false;
-        while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
+        let (mem, buf, counters) = (&self.mem, &mut self.buf, &self.counters);
+        let used_any = drain_queue(&mut self.queue, mem, |chain| {
             let head = chain.head_index();
-            let written = match Self::serve(&self.mem, &mut self.buf, chain) {
+            match Self::serve(mem, buf, chain) {
                 Ok(n) => {
-                    self.counters.requests.fetch_add(1, Ordering::Relaxed);
-                    self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    counters.requests.fetch_add(1, Ordering::Relaxed);
+                    counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
                     n as u32
                 }
                 Err(why) => {
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(head, "virtio-rng: request refused: {why}");
                     0
                 }
-            };
-            add_used(&mut self.queue, &self.mem, head, written);
-            used_any = true;
-        }
+            }
+        });
         if used_any {
             notify_used(&mut self.queue, &self.mem, &self.interrupt);
         }
@@ -183,7 +182,7 @@ impl VirtioDevice for Rng {
     }
 
     fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
+        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_EVENT_IDX)
     }
 
     fn set_acked_features(&mut self, features: u64) {
