@@ -688,6 +688,10 @@ impl VirtioDevice for Balloon {
         }
     }
 
+    fn metrics(&self) -> serde_json::Value {
+        serde_json::to_value(Self::metrics(self)).unwrap_or_default()
+    }
+
     fn save_state(&self) -> serde_json::Value {
         serde_json::json!({
             "version": 1,
@@ -835,6 +839,7 @@ mod tests {
         );
         let m = rig.dev.metrics();
         assert_eq!((m.inflated_pages, m.invalid_pfns, m.errors), (3, 1, 0));
+        assert_eq!(VirtioDevice::metrics(&rig.dev)["inflated_pages"], 3);
         assert_eq!(rig.line.read().unwrap(), 1, "used-buffer interrupt raised");
     }
 

@@ -19,9 +19,9 @@ pub mod net;
 pub mod queue_util;
 pub mod rng;
 pub mod tap;
-pub mod vsock;
 #[cfg(test)]
 pub(crate) mod testing;
+pub mod vsock;
 pub mod worker;
 
 use std::sync::Arc;
@@ -152,4 +152,9 @@ pub trait VirtioDevice: Send {
     /// Restores what [`VirtioDevice::save_state`] produced, before the transport
     /// re-activates the device.
     fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+
+    /// The device's counters for the VM's metrics (`null` for a device that keeps none).
+    fn metrics(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }

@@ -247,6 +247,10 @@ impl VirtioDevice for Rng {
         }
     }
 
+    fn metrics(&self) -> serde_json::Value {
+        serde_json::to_value(Self::metrics(self)).unwrap_or_default()
+    }
+
     fn save_state(&self) -> serde_json::Value {
         serde_json::json!({ "version": 1 })
     }
@@ -303,6 +307,7 @@ mod tests {
             "the used-buffer interrupt was raised"
         );
         assert_eq!(dev.metrics().bytes, 96);
+        assert_eq!(VirtioDevice::metrics(&dev)["bytes"], 96);
         assert!(dev.is_running());
         let (queues, events) = dev.deactivate().unwrap();
         assert_eq!(queues[0].next_used(), 1);
