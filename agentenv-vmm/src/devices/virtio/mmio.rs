@@ -119,6 +119,10 @@ pub enum MmioError {
         "snapshot state acknowledges features {acked:#x} the device does not offer ({offered:#x})"
     )]
     StateFeatures { acked: u64, offered: u64 },
+    #[error(
+        "snapshot state says the device was running but its status {status:#x} lacks FEATURES_OK or DRIVER_OK"
+    )]
+    StateInconsistent { status: u32 },
     #[error("restoring the device state failed: {0}")]
     DeviceState(String),
     #[error("re-activating the device failed: {0}")]
@@ -751,6 +755,14 @@ impl MmioTransport {
                 expected: self.queues.len(),
             });
         }
+        if state.activated
+            && state.status & (status::FEATURES_OK | status::DRIVER_OK)
+                != (status::FEATURES_OK | status::DRIVER_OK)
+        {
+            return Err(MmioError::StateInconsistent {
+                status: state.status,
+            });
+        }
         if state.acked_features & !self.avail_features != 0 {
             return Err(MmioError::StateFeatures {
                 acked: state.acked_features,
@@ -1285,6 +1297,12 @@ mod tests {
         assert!(matches!(
             t2.restore_state(&s),
             Err(MmioError::StateQueue { index: 0, .. })
+        ));
+        let mut s = good.clone();
+        s.status = status::ACKNOWLEDGE;
+        assert!(matches!(
+            t2.restore_state(&s),
+            Err(MmioError::StateInconsistent { .. })
         ));
         let mut s = good;
         s.acked_features |= 1 << 9;
