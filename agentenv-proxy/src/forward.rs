@@ -73,7 +73,22 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
 ];
 
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_METHOD: HeaderName = HeaderName::from_static("x-forwarded-method");
+static X_FORWARDED_URI: HeaderName = HeaderName::from_static("x-forwarded-uri");
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::UPGRADE || HOP_BY_HOP.contains(name)
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap, keep_trailer: bool) {
+    // Most messages carry none: one pass over the names instead of a
+    // lookup per hop-by-hop name.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let trailer = keep_trailer.then(|| {
         headers
             .get_all(header::TRAILER)
@@ -114,8 +129,10 @@ pub struct Forwarded<'a> {
 /// (`Te: trailers` stays; `Connection`/`Upgrade` stay for an upgrade), the
 /// client's forwarding headers are replaced, Host is kept.
 pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &Forwarded<'_>) {
-    let te_trailers = crate::routing::has_token(headers, header::TE.as_str(), "trailers");
-    let upgrade_value = headers.get(header::UPGRADE).cloned();
+    let te_trailers = crate::routing::has_token(headers, header::TE, "trailers");
+    let upgrade_value = upgrade
+        .then(|| headers.get(header::UPGRADE).cloned())
+        .flatten();
     strip_hop_by_hop(headers, false);
     if te_trailers {
         headers.insert(header::TE, HeaderValue::from_static("trailers"));
@@ -124,24 +141,47 @@ pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &For
         headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
         headers.insert(header::UPGRADE, v);
     }
-    headers.remove(header::FORWARDED);
-    headers.remove("x-forwarded-host");
-    headers.remove("x-forwarded-proto");
+    if headers
+        .keys()
+        .any(|k| *k == header::FORWARDED || *k == X_FORWARDED_HOST || *k == X_FORWARDED_PROTO)
+    {
+        headers.remove(header::FORWARDED);
+        headers.remove(&X_FORWARDED_HOST);
+        headers.remove(&X_FORWARDED_PROTO);
+    }
     if let Some(host) = fwd.host {
         headers.insert(header::HOST, host.clone());
-        headers.insert("x-forwarded-host", host.clone());
+        headers.insert(X_FORWARDED_HOST.clone(), host.clone());
     }
-    headers.insert(
-        "x-forwarded-for",
-        HeaderValue::from_str(&fwd.client_ip.to_string()).expect("an IP is a valid header value"),
-    );
-    headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
-    headers.insert(
-        "x-forwarded-method",
-        HeaderValue::from_str(fwd.method.as_str()).unwrap_or(HeaderValue::from_static("OTHER")),
-    );
+    headers.insert(X_FORWARDED_FOR.clone(), ip_header_value(fwd.client_ip));
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_METHOD.clone(), method_header_value(fwd.method));
     if let Ok(v) = HeaderValue::from_str(fwd.request_uri) {
-        headers.insert("x-forwarded-uri", v);
+        headers.insert(X_FORWARDED_URI.clone(), v);
+    }
+}
+
+/// An IP address as a header value, formatted without allocating.
+fn ip_header_value(ip: IpAddr) -> HeaderValue {
+    use std::io::Write;
+    let mut buf = [0u8; 48];
+    let mut cursor = std::io::Cursor::new(&mut buf[..]);
+    // An IPv6 address is at most 45 characters.
+    let _ = write!(cursor, "{ip}");
+    let len = cursor.position() as usize;
+    HeaderValue::from_bytes(&buf[..len]).expect("an IP is a valid header value")
+}
+
+fn method_header_value(method: &Method) -> HeaderValue {
+    match *method {
+        Method::GET => HeaderValue::from_static("GET"),
+        Method::POST => HeaderValue::from_static("POST"),
+        Method::PUT => HeaderValue::from_static("PUT"),
+        Method::DELETE => HeaderValue::from_static("DELETE"),
+        Method::PATCH => HeaderValue::from_static("PATCH"),
+        Method::HEAD => HeaderValue::from_static("HEAD"),
+        Method::OPTIONS => HeaderValue::from_static("OPTIONS"),
+        _ => HeaderValue::from_str(method.as_str()).unwrap_or(HeaderValue::from_static("OTHER")),
     }
 }
 

@@ -1,6 +1,10 @@
 //! Gateway metrics (`agentenv_gateway_*`).
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use agentenv_core::metrics::{SharedRegistry, latency_histogram};
 use parking_lot::Mutex;
@@ -39,6 +43,62 @@ pub struct GatewayMetrics {
     /// Inbound connections (and relayed upgrades) currently open.
     pub open_connections: Gauge,
     registry: SharedRegistry,
+    /// Tells this value's cached histogram handles from other values'.
+    id: u64,
+}
+
+/// Which family a cached handle belongs to.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Request,
+    Upstream,
+    Rpc,
+}
+
+/// A cached handle's key: the metrics value, the family, and the labels as
+/// (address, length) of their static strings. Equal labels at different
+/// addresses only make two entries for the same series.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct HandleKey {
+    id: u64,
+    kind: Kind,
+    labels: [(usize, usize); 4],
+}
+
+fn label_key(s: &'static str) -> (usize, usize) {
+    (s.as_ptr() as usize, s.len())
+}
+
+/// A multiply-rotate hash over a few machine words: the keys are
+/// addresses, not input from clients.
+#[derive(Default)]
+struct WordHasher(u64);
+
+impl Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+thread_local! {
+    /// Per-thread histogram handles, so recording a request takes neither
+    /// the family's lock nor a hash of its label strings.
+    static HANDLES: RefCell<HashMap<HandleKey, Histogram, BuildHasherDefault<WordHasher>>> =
+        RefCell::default();
 }
 
 impl GatewayMetrics {
@@ -80,7 +140,67 @@ impl GatewayMetrics {
             scheduler_rpc,
             open_connections,
             registry: Arc::new(Mutex::new(reg)),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
         }
+    }
+
+    fn observe_cached(&self, key: HandleKey, create: impl FnOnce() -> Histogram, secs: f64) {
+        HANDLES.with(|handles| {
+            let mut handles = handles.borrow_mut();
+            handles.entry(key).or_insert_with(create).observe(secs);
+        });
+    }
+
+    /// Records one request's duration.
+    pub fn observe_request(&self, labels: RequestLabels, secs: f64) {
+        let key = HandleKey {
+            id: self.id,
+            kind: Kind::Request,
+            labels: [
+                label_key(labels.method),
+                label_key(labels.route),
+                label_key(labels.route_source),
+                label_key(labels.status),
+            ],
+        };
+        self.observe_cached(key, || self.requests.get_or_create(&labels).clone(), secs);
+    }
+
+    /// Records one proxied exchange until the upstream answered.
+    pub fn observe_upstream(&self, labels: UpstreamLabels, secs: f64) {
+        let key = HandleKey {
+            id: self.id,
+            kind: Kind::Upstream,
+            labels: [
+                label_key(labels.route),
+                label_key(labels.status),
+                (0, 0),
+                (0, 0),
+            ],
+        };
+        self.observe_cached(key, || self.upstream.get_or_create(&labels).clone(), secs);
+    }
+
+    /// Records one scheduler RPC.
+    pub fn observe_rpc(&self, labels: RpcLabels, secs: f64) {
+        let key = HandleKey {
+            id: self.id,
+            kind: Kind::Rpc,
+            labels: [
+                label_key(labels.rpc),
+                label_key(labels.status),
+                (0, 0),
+                (0, 0),
+            ],
+        };
+        self.observe_cached(
+            key,
+            || self.scheduler_rpc.get_or_create(&labels).clone(),
+            secs,
+        );
     }
 
     /// The registry to expose (e.g. with `agentenv_core::metrics::serve`).

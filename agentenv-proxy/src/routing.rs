@@ -1,7 +1,8 @@
 //! Request classification: routing headers, sandbox ids in paths, the
 //! control-plane table, long-lived requests, metric route labels.
 
-use http::{HeaderMap, Method};
+use http::header::AsHeaderName;
+use http::{HeaderMap, HeaderName, Method};
 
 pub const SANDBOX_ID_HEADER: &str = "x-agentenv-sandbox-id";
 pub const E2B_SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
@@ -10,6 +11,13 @@ pub const E2B_SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 pub const NODE_ID_HEADER: &str = "x-agentenv-node-id";
 pub const API_KEY_HEADER: &str = "x-api-key";
 pub const NEXT_TOKEN_HEADER: &str = "x-next-token";
+
+// The same names, parsed once: a lookup by `HeaderName` skips parsing.
+static SANDBOX_ID: HeaderName = HeaderName::from_static(SANDBOX_ID_HEADER);
+static E2B_SANDBOX_ID: HeaderName = HeaderName::from_static(E2B_SANDBOX_ID_HEADER);
+static TARGET_PORT: HeaderName = HeaderName::from_static(TARGET_PORT_HEADER);
+static E2B_SANDBOX_PORT: HeaderName = HeaderName::from_static(E2B_SANDBOX_PORT_HEADER);
+static CONNECT_PROTOCOL_VERSION: HeaderName = HeaderName::from_static("connect-protocol-version");
 
 /// Where the sandbox id (or the node) of a proxied request came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +55,7 @@ impl RouteSource {
 }
 
 /// The first non-blank value of `name`, trimmed.
-pub fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+pub fn header_str(headers: &HeaderMap, name: impl AsHeaderName) -> Option<&str> {
     headers
         .get_all(name)
         .iter()
@@ -58,12 +66,12 @@ pub fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// The sandbox id from `x-agentenv-sandbox-id`, else `e2b-sandbox-id`.
 pub fn sandbox_id_from_headers(headers: &HeaderMap) -> Option<&str> {
-    header_str(headers, SANDBOX_ID_HEADER).or_else(|| header_str(headers, E2B_SANDBOX_ID_HEADER))
+    header_str(headers, &SANDBOX_ID).or_else(|| header_str(headers, &E2B_SANDBOX_ID))
 }
 
 /// The target port from `x-agentenv-target-port`, else `e2b-sandbox-port`.
 pub fn target_port_from_headers(headers: &HeaderMap) -> Option<&str> {
-    header_str(headers, TARGET_PORT_HEADER).or_else(|| header_str(headers, E2B_SANDBOX_PORT_HEADER))
+    header_str(headers, &TARGET_PORT).or_else(|| header_str(headers, &E2B_SANDBOX_PORT))
 }
 
 /// Any of the four routing headers is non-blank.
@@ -168,25 +176,28 @@ pub fn is_websocket(headers: &HeaderMap) -> bool {
         v.to_str()
             .is_ok_and(|s| s.trim().eq_ignore_ascii_case("websocket"))
     });
-    upgrade && has_token(headers, http::header::CONNECTION.as_str(), "upgrade")
+    upgrade && has_token(headers, http::header::CONNECTION, "upgrade")
 }
 
 /// A streaming request: gRPC, gRPC-web, Connect streams, SSE, or `Te: trailers`.
 pub fn is_streaming(headers: &HeaderMap) -> bool {
     let content_type = headers
         .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    content_type.starts_with("application/grpc")
-        || content_type.starts_with("application/connect+")
-        || header_str(headers, "connect-protocol-version").is_some()
+        .map(|v| v.as_bytes().trim_ascii())
+        .unwrap_or_default();
+    let starts_with = |prefix: &[u8]| {
+        content_type
+            .get(..prefix.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+    };
+    starts_with(b"application/grpc")
+        || starts_with(b"application/connect+")
+        || header_str(headers, &CONNECT_PROTOCOL_VERSION).is_some()
         || headers.get_all(http::header::ACCEPT).iter().any(|v| {
             v.to_str()
                 .is_ok_and(|s| s.trim().eq_ignore_ascii_case("text/event-stream"))
         })
-        || has_token(headers, http::header::TE.as_str(), "trailers")
+        || has_token(headers, http::header::TE, "trailers")
 }
 
 /// Long-lived requests run without `request_timeout`.
@@ -200,7 +211,7 @@ pub fn is_stream_input(method: &Method, path: &str) -> bool {
 }
 
 /// Whether a comma-separated header contains `token` (case-insensitive).
-pub fn has_token(headers: &HeaderMap, name: &str, token: &str) -> bool {
+pub fn has_token(headers: &HeaderMap, name: impl AsHeaderName, token: &str) -> bool {
     headers.get_all(name).iter().any(|v| {
         v.to_str()
             .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))

@@ -105,8 +105,8 @@ struct Inner {
 
 /// Records the request histogram when dropped: with the response status, or
 /// `client_closed` when the client went away first.
-struct Recorder {
-    metrics: GatewayMetrics,
+struct Recorder<'a> {
+    metrics: &'a GatewayMetrics,
     start: Instant,
     method: &'static str,
     route: &'static str,
@@ -115,21 +115,21 @@ struct Recorder {
     instrument: bool,
 }
 
-impl Drop for Recorder {
+impl Drop for Recorder<'_> {
     fn drop(&mut self) {
         if !self.instrument {
             return;
         }
         let status = self.status.map(status_label).unwrap_or("client_closed");
-        self.metrics
-            .requests
-            .get_or_create(&RequestLabels {
+        self.metrics.observe_request(
+            RequestLabels {
                 method: self.method,
                 route: self.route,
                 route_source: self.source.label(),
                 status,
-            })
-            .observe(self.start.elapsed().as_secs_f64());
+            },
+            self.start.elapsed().as_secs_f64(),
+        );
     }
 }
 
@@ -331,7 +331,7 @@ impl Gateway {
     {
         let req = req.map(client_body);
         let mut rec = Recorder {
-            metrics: self.inner.metrics.clone(),
+            metrics: &self.inner.metrics,
             start: Instant::now(),
             method: method_label(req.method()),
             route: "unmatched",
@@ -357,7 +357,7 @@ impl Gateway {
         &self,
         req: Request<GatewayBody>,
         remote: SocketAddr,
-        rec: &mut Recorder,
+        rec: &mut Recorder<'_>,
     ) -> Response<GatewayBody> {
         let Some(decoded) = decode_path(req.uri().path()) else {
             return error_response(
@@ -423,7 +423,7 @@ impl Gateway {
         decoded: String,
         host_route: Result<Option<HostRoute>, HostRouteError>,
         control_plane: bool,
-        rec: &mut Recorder,
+        rec: &mut Recorder<'_>,
     ) -> Response<GatewayBody> {
         let host_route = match host_route {
             Ok(r) => r,
@@ -440,20 +440,25 @@ impl Gateway {
             let trimmed = trim_trailing_slashes(&decoded);
             if trimmed == "/sandboxes" || trimmed == "/v2/sandboxes" {
                 rec.source = RouteSource::Gateway;
-                return self
-                    .cluster_list(req, remote, trimmed == "/v2/sandboxes", deadline)
-                    .await;
+                // Rare paths are boxed so their state does not grow
+                // (and get copied with) every proxied request's future.
+                return Box::pin(self.cluster_list(
+                    req,
+                    remote,
+                    trimmed == "/v2/sandboxes",
+                    deadline,
+                ))
+                .await;
             }
             if trimmed == "/nodes" {
                 rec.source = RouteSource::Gateway;
                 let query = req.uri().query().map(str::to_string);
-                return self.node_list(query.as_deref(), deadline).await;
+                return Box::pin(self.node_list(query.as_deref(), deadline)).await;
             }
             if let Some(node_id) = node_id_from_path(&decoded) {
                 rec.source = RouteSource::Gateway;
                 let node_id = node_id.to_string();
-                return self
-                    .node_detail(req, remote, &node_id, deadline, long_lived)
+                return Box::pin(self.node_detail(req, remote, &node_id, deadline, long_lived))
                     .await;
             }
         }
@@ -489,7 +494,7 @@ impl Gateway {
                         let (mut parts, body) = req.into_parts();
                         let captured = tokio::time::timeout_at(
                             deadline,
-                            capture_hint(kind, &mut parts.headers, body),
+                            Box::pin(capture_hint(kind, &mut parts.headers, body)),
                         )
                         .await;
                         match captured {
@@ -514,8 +519,7 @@ impl Gateway {
                     }
                     None => None,
                 };
-                self.rpc("Schedule", deadline, scheduler.schedule(hint))
-                    .await
+                Box::pin(self.rpc("Schedule", deadline, scheduler.schedule(hint))).await
             }
         };
         let node = match node {
@@ -561,14 +565,13 @@ impl Gateway {
             )),
         };
         let code = result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok);
-        self.inner
-            .metrics
-            .scheduler_rpc
-            .get_or_create(&RpcLabels {
+        self.inner.metrics.observe_rpc(
+            RpcLabels {
                 rpc: name,
                 status: grpc_status_label(code),
-            })
-            .observe(start.elapsed().as_secs_f64());
+            },
+            start.elapsed().as_secs_f64(),
+        );
         result
     }
 
@@ -581,11 +584,6 @@ impl Gateway {
         let websocket = is_websocket(req.headers());
         let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
         let host = request_host(&req);
-        let request_uri = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_else(|| "/".into());
         let stream_input = is_stream_input(req.method(), req.uri().path());
         let (mut parts, body) = req.into_parts();
         rewrite_request_headers(
@@ -595,7 +593,7 @@ impl Gateway {
                 client_ip: remote.ip().to_canonical(),
                 host: host.as_ref(),
                 method: &parts.method,
-                request_uri: &request_uri,
+                request_uri: parts.uri.path_and_query().map_or("/", |p| p.as_str()),
             },
         );
         if let Some(r) = &plan.host_route {
@@ -623,14 +621,13 @@ impl Gateway {
             None => sent.await.map_err(Some),
         };
         let upstream_metric = |status: &'static str| {
-            self.inner
-                .metrics
-                .upstream
-                .get_or_create(&UpstreamLabels {
+            self.inner.metrics.observe_upstream(
+                UpstreamLabels {
                     route: plan.route,
                     status,
-                })
-                .observe(start.elapsed().as_secs_f64());
+                },
+                start.elapsed().as_secs_f64(),
+            );
         };
         let mut resp = match result {
             Ok(r) => r,
@@ -704,7 +701,7 @@ impl Gateway {
         };
         let mut resp = Response::from_parts(parts, body);
         if plan.record && resp.status().is_success() {
-            resp = match self.record_created(resp, &plan.node, &method).await {
+            resp = match Box::pin(self.record_created(resp, &plan.node, &method)).await {
                 Ok(r) => r,
                 Err(err) => return err,
             };
