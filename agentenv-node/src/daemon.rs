@@ -43,6 +43,8 @@ pub enum DaemonError {
     SeedMissing(std::path::PathBuf),
     #[error("heartbeat reporter: {0}")]
     Reporter(#[from] crate::reporter::ReporterError),
+    #[error("{0}")]
+    Snapshots(#[from] crate::snapshot::SnapshotError),
 }
 
 /// A started node.
@@ -79,6 +81,28 @@ pub async fn jail_backend(
         tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
     }
     Ok(b)
+}
+
+/// Opens the snapshot repository of `cfg` and checks that it is usable (a writable
+/// directory; a bucket that exists and accepts the credentials).
+pub async fn snapshot_repository(
+    cfg: &NodeConfig,
+) -> Result<Arc<crate::snapshot::SnapshotRepo>, DaemonError> {
+    use agentenv_core::storage::{OpendalStorage, Storage};
+    let storage = OpendalStorage::open(&cfg.snapshot_repository)
+        .map_err(crate::snapshot::SnapshotError::from)?;
+    storage
+        .check()
+        .await
+        .map_err(crate::snapshot::SnapshotError::from)?;
+    let describe = storage.describe();
+    let repo = crate::snapshot::SnapshotRepo::new(
+        Arc::new(storage),
+        &cfg.snapshot_repository,
+        &cfg.snapshot_local_cache,
+    )?;
+    tracing::info!(store = %describe, "snapshot repository ready");
+    Ok(Arc::new(repo))
 }
 
 impl Daemon {
@@ -124,6 +148,7 @@ impl Daemon {
             }
             BackendKind::Jail => Arc::new(jail_backend(&cfg, &kept).await?),
         };
+        let snapshots = snapshot_repository(&cfg).await?;
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,
             auto_evict_interval: cfg.auto_evict_interval,
@@ -134,6 +159,7 @@ impl Daemon {
             ..LifecycleConfig::default()
         };
         let orch = Orchestrator::new(backend, lc, TokenIssuer::new(&seed), store)?;
+        orch.set_snapshot_repository(snapshots);
         let identity = NodeIdentity {
             node_id: cfg.node_id.clone(),
             cluster_id: cfg.cluster_id.clone(),

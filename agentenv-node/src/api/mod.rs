@@ -31,6 +31,7 @@ use crate::dataplane::{
 use crate::lifecycle::{
     Connected, LifecycleError, OnTimeout, Orchestrator, RouteError, SandboxRecord, State,
 };
+use crate::snapshot::{SnapshotError, SnapshotRecord};
 
 /// Largest JSON request body of the control plane.
 const MAX_JSON_BODY: usize = 1 << 20;
@@ -139,6 +140,10 @@ enum Route {
     Refresh(String),
     Nodes,
     Node(String),
+    Snapshot(String),
+    Snapshots,
+    SnapshotGet(String),
+    TemplateDelete(String),
 }
 
 impl Route {
@@ -157,6 +162,10 @@ impl Route {
             Route::Refresh(_) => "/sandboxes/{sandbox_id}/refreshes",
             Route::Nodes => "/nodes",
             Route::Node(_) => "/nodes/{node_id}",
+            Route::Snapshot(_) => "/sandboxes/{sandbox_id}/snapshots",
+            Route::Snapshots => "/snapshots",
+            Route::SnapshotGet(_) => "/snapshots/{snapshot_id}",
+            Route::TemplateDelete(_) => "/templates/{template_id}",
         }
     }
 }
@@ -182,6 +191,12 @@ fn match_route(method: &Method, path: &str) -> Option<Route> {
         }
         (Method::POST, ["sandboxes", id, "timeout"]) => Route::Timeout(id.to_ascii_lowercase()),
         (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "snapshots"]) => Route::Snapshot(id.to_ascii_lowercase()),
+        (Method::GET, ["snapshots"]) => Route::Snapshots,
+        (Method::GET, ["snapshots", id]) if !id.is_empty() => Route::SnapshotGet(id.to_string()),
+        (Method::DELETE, ["templates", id]) if !id.is_empty() => {
+            Route::TemplateDelete(id.to_string())
+        }
         (Method::GET, ["nodes"]) => Route::Nodes,
         (Method::GET, ["nodes", id]) if !id.is_empty() => Route::Node(id.to_string()),
         _ => return None,
@@ -390,8 +405,35 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
         LifecycleError::Agent { .. } | LifecycleError::Persist(_) | LifecycleError::Internal(_) => {
             StatusCode::INTERNAL_SERVER_ERROR
         }
+        LifecycleError::Snapshot(s) => snapshot_status(s),
+        LifecycleError::NoSnapshotRepository => StatusCode::SERVICE_UNAVAILABLE,
     };
     json_error(status, e.to_string())
+}
+
+fn snapshot_status(e: &SnapshotError) -> StatusCode {
+    match e {
+        SnapshotError::InvalidName(_)
+        | SnapshotError::ReservedName(_)
+        | SnapshotError::AliasConflict { .. }
+        | SnapshotError::WrongBackend { .. } => StatusCode::BAD_REQUEST,
+        SnapshotError::NotFound(_) => StatusCode::NOT_FOUND,
+        SnapshotError::Corrupt { .. } | SnapshotError::Storage(_) | SnapshotError::Io { .. } => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
+}
+
+fn snapshot_json(r: &SnapshotRecord) -> SnapshotInfoJson {
+    SnapshotInfoJson {
+        snapshot_id: r.id.clone(),
+        names: r.alias.iter().cloned().collect(),
+        cpu_count: r.resources.cpu_count,
+        memory_mb: r.resources.memory_mb,
+        disk_size_mb: r.resources.disk_size_mb,
+        created_at: crate::lifecycle::ms_rfc3339(r.created_at_ms),
+        updated_at: crate::lifecycle::ms_rfc3339(r.updated_at_ms),
+    }
 }
 
 fn json_response<T: serde::Serialize>(status: StatusCode, v: &T) -> Response<Body> {
@@ -547,6 +589,63 @@ async fn control(state: &Arc<ApiState>, route: Route, req: Request<Incoming>) ->
                 Err(e) => lifecycle_error(e),
             }
         }
+        Route::Snapshot(id) => {
+            tri!(check_id(&id));
+            let body: SnapshotBody = tri!(read_json(req).await);
+            match orch.snapshot(&id, body.name).await {
+                Ok(rec) => json_response(StatusCode::CREATED, &snapshot_json(&rec)),
+                // A snapshot needs a running sandbox: anything else is a bad request.
+                Err(e @ LifecycleError::InvalidState { .. }) => {
+                    json_error(StatusCode::BAD_REQUEST, e.to_string())
+                }
+                Err(e) => lifecycle_error(e),
+            }
+        }
+        Route::Snapshots => {
+            let q = SnapshotQuery::parse(req.uri().query().unwrap_or(""));
+            let q = tri!(q.map_err(|m| Box::new(json_error(StatusCode::BAD_REQUEST, m))));
+            let repo = match orch.snapshot_repository() {
+                Ok(r) => r.clone(),
+                Err(e) => return lifecycle_error(e),
+            };
+            match repo.list().await {
+                Ok(all) => {
+                    let (items, next) = q.apply(all);
+                    let mut r = json_response(
+                        StatusCode::OK,
+                        &items.iter().map(snapshot_json).collect::<Vec<_>>(),
+                    );
+                    if let Some(t) = next
+                        && let Ok(v) = HeaderValue::from_str(&t)
+                    {
+                        r.headers_mut().insert("x-next-token", v);
+                    }
+                    r
+                }
+                Err(e) => lifecycle_error(e.into()),
+            }
+        }
+        Route::SnapshotGet(id) => {
+            let repo = match orch.snapshot_repository() {
+                Ok(r) => r.clone(),
+                Err(e) => return lifecycle_error(e),
+            };
+            match repo.resolve(&id).await {
+                Ok(Some(rec)) => json_response(StatusCode::OK, &snapshot_json(&rec)),
+                Ok(None) => lifecycle_error(SnapshotError::NotFound(id).into()),
+                Err(e) => lifecycle_error(e.into()),
+            }
+        }
+        Route::TemplateDelete(id) => {
+            let repo = match orch.snapshot_repository() {
+                Ok(r) => r.clone(),
+                Err(e) => return lifecycle_error(e),
+            };
+            match repo.delete(&id).await {
+                Ok(_) => status_only(StatusCode::NO_CONTENT),
+                Err(e) => lifecycle_error(e.into()),
+            }
+        }
         Route::Nodes => {
             let q = query_pairs(req.uri().query().unwrap_or(""));
             if let Some(c) = q.get("clusterID")
@@ -591,9 +690,9 @@ fn decode(s: &str) -> String {
 
 fn sandbox_json(state: &ApiState, rec: &SandboxRecord) -> SandboxJson {
     SandboxJson {
-        template_id: rec.template.clone(),
+        template_id: template_id(rec),
         sandbox_id: rec.id.clone(),
-        alias: Some(rec.template.clone()),
+        alias: template_alias(rec),
         client_id: String::new(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
         envd_access_token: rec.secure.then(|| state.orch.tokens().envd_token(&rec.id)),
@@ -603,14 +702,29 @@ fn sandbox_json(state: &ApiState, rec: &SandboxRecord) -> SandboxJson {
     }
 }
 
+/// `templateID` of a sandbox: the snapshot it started from, else its template.
+fn template_id(rec: &SandboxRecord) -> String {
+    rec.snapshot_id
+        .clone()
+        .unwrap_or_else(|| rec.template.clone())
+}
+
+/// `alias` of a sandbox: the snapshot's name, else the template's.
+fn template_alias(rec: &SandboxRecord) -> Option<String> {
+    match &rec.snapshot_id {
+        Some(_) => rec.snapshot_name.clone(),
+        None => Some(rec.template.clone()),
+    }
+}
+
 fn end_at(rec: &SandboxRecord) -> String {
     crate::lifecycle::ms_rfc3339(rec.expires_at_ms.unwrap_or(36_500 * 86_400 * 1000))
 }
 
 fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
     ListedSandboxJson {
-        template_id: rec.template.clone(),
-        alias: Some(rec.template.clone()),
+        template_id: template_id(rec),
+        alias: template_alias(rec),
         sandbox_id: rec.id.clone(),
         client_id: String::new(),
         started_at: crate::lifecycle::ms_rfc3339(rec.created_at_ms),
@@ -765,6 +879,22 @@ mod tests {
             Some(Route::Connect(id.into()))
         );
         assert_eq!(match_route(&Method::PUT, "/sandboxes"), None);
+        assert_eq!(
+            match_route(&Method::POST, &format!("/sandboxes/{id}/snapshots")),
+            Some(Route::Snapshot(id.into()))
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/snapshots"),
+            Some(Route::Snapshots)
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/snapshots/web"),
+            Some(Route::SnapshotGet("web".into()))
+        );
+        assert_eq!(
+            match_route(&Method::DELETE, "/templates/web"),
+            Some(Route::TemplateDelete("web".into()))
+        );
         assert_eq!(match_route(&Method::POST, "/process.Process/Start"), None);
     }
 }

@@ -77,6 +77,84 @@ impl NewSandbox {
     }
 }
 
+/// `POST /sandboxes/{id}/snapshots`.
+#[derive(Debug, Default, Deserialize)]
+pub struct SnapshotBody {
+    pub name: Option<String>,
+}
+
+/// The `SnapshotInfo` model.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotInfoJson {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+/// `GET /snapshots` query: `limit`, `nextToken` (newest first, as `/v2/sandboxes`).
+#[derive(Debug, Default)]
+pub struct SnapshotQuery {
+    pub limit: usize,
+    pub after: Option<(u64, String)>,
+}
+
+impl SnapshotQuery {
+    /// Parses the query string; errors are messages for a 400.
+    pub fn parse(q: &str) -> Result<Self, String> {
+        let pairs = super::query_pairs(q);
+        let mut out = SnapshotQuery {
+            limit: 100,
+            after: None,
+        };
+        if let Some(l) = pairs.get("limit") {
+            let n: usize = l
+                .parse()
+                .map_err(|_| format!("invalid limit {l:?}: use 0..100"))?;
+            if n > 100 {
+                return Err(format!("invalid limit {n}: use 0..100"));
+            }
+            out.limit = n;
+        }
+        if let Some(t) = pairs.get("nextToken").filter(|t| !t.is_empty()) {
+            out.after = Some(decode_token(t).ok_or_else(|| format!("invalid nextToken {t:?}"))?);
+        }
+        Ok(out)
+    }
+
+    /// Pages `items` (sorted newest first, ties by id); returns the page and the next
+    /// token when more items exist.
+    pub fn apply(
+        &self,
+        items: Vec<crate::snapshot::SnapshotRecord>,
+    ) -> (Vec<crate::snapshot::SnapshotRecord>, Option<String>) {
+        let mut page: Vec<_> = items
+            .into_iter()
+            .filter(|r| match &self.after {
+                None => true,
+                Some((ms, id)) => {
+                    r.created_at_ms < *ms || (r.created_at_ms == *ms && r.id.as_str() > id.as_str())
+                }
+            })
+            .collect();
+        let more = page.len() > self.limit;
+        page.truncate(self.limit);
+        let next = if more {
+            page.last().map(|r| encode_token(r.created_at_ms, &r.id))
+        } else {
+            None
+        };
+        (page, next)
+    }
+}
+
 /// Bodies with an optional `timeout` (connect, resume, timeout).
 #[derive(Debug, Default, Deserialize)]
 pub struct TimeoutBody {

@@ -33,6 +33,7 @@ use crate::access::TokenIssuer;
 use crate::backend::agent::wait_ready;
 use crate::backend::{BackendError, KeptState, SandboxAddress, SandboxBackend, SandboxSpec};
 use crate::reporter::{NodeSource, SandboxUsage};
+use crate::snapshot::{SnapshotError, SnapshotRecord, SnapshotRepo, SnapshotSpec};
 
 /// Internal states of a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +42,8 @@ pub enum State {
     Creating,
     Resuming,
     Running,
+    /// Captured for a snapshot (jail: frozen while its layer is archived).
+    Snapshotting,
     Pausing,
     Paused,
     Killing,
@@ -50,7 +53,7 @@ impl State {
     /// The state the API shows: `running` or `paused`.
     pub fn api_name(self) -> &'static str {
         match self {
-            State::Pausing | State::Paused => "paused",
+            State::Pausing | State::Paused | State::Snapshotting => "paused",
             _ => "running",
         }
     }
@@ -88,6 +91,12 @@ pub enum LifecycleError {
     Agent { id: String, reason: String },
     #[error(transparent)]
     Persist(#[from] PersistError),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    #[error(
+        "this node has no snapshot repository: configure AENV_SNAPSHOT_STORE (a directory shared by the nodes) or the oss repository"
+    )]
+    NoSnapshotRepository,
 }
 
 /// What a create asks for (already validated for shape by the API).
@@ -166,6 +175,12 @@ pub struct SandboxRecord {
     /// restored sandbox starts from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept: Option<KeptState>,
+    /// The snapshot the sandbox started from (its `templateID`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
+    /// The name of that snapshot, if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_name: Option<String>,
 }
 
 impl SandboxRecord {
@@ -226,6 +241,7 @@ pub struct Orchestrator {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     shutting_down: AtomicBool,
     events: Mutex<Option<mpsc::UnboundedSender<SandboxEvent>>>,
+    snapshots: std::sync::OnceLock<Arc<SnapshotRepo>>,
     create_successes: AtomicU64,
     create_fails: AtomicU64,
     metrics: LifecycleMetrics,
@@ -269,6 +285,7 @@ impl Orchestrator {
             slots: Mutex::new(slots),
             shutting_down: AtomicBool::new(false),
             events: Mutex::new(None),
+            snapshots: std::sync::OnceLock::new(),
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
             metrics: LifecycleMetrics::default(),
@@ -292,6 +309,19 @@ impl Orchestrator {
 
     pub fn config(&self) -> &LifecycleConfig {
         &self.cfg
+    }
+
+    /// Publishes snapshots to `repo` and starts sandboxes from its snapshots (set once,
+    /// at startup).
+    pub fn set_snapshot_repository(&self, repo: Arc<SnapshotRepo>) {
+        let _ = self.snapshots.set(repo);
+    }
+
+    /// The snapshot repository, if configured.
+    pub fn snapshot_repository(&self) -> Result<&Arc<SnapshotRepo>, LifecycleError> {
+        self.snapshots
+            .get()
+            .ok_or(LifecycleError::NoSnapshotRepository)
     }
 
     /// Sends sandbox events (create, delete, pause, resume) to `tx` from now on.
@@ -391,6 +421,21 @@ impl Orchestrator {
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
         let id = uuid::Uuid::now_v7().to_string();
+        let from = self.resolve_snapshot(&req.template).await?;
+        let mut req = req;
+        let mut kept = None;
+        let (mut snapshot_id, mut snapshot_name) = (None, None);
+        if let Some(snap) = &from {
+            kept = Some(self.import_snapshot(snap).await?);
+            req.template = snap.committed.template.clone();
+            let mut env = snap.committed.env.clone();
+            env.extend(std::mem::take(&mut req.env_vars));
+            req.env_vars = env;
+            req.cpu_count = req.cpu_count.or(Some(snap.resources.cpu_count));
+            req.memory_mb = req.memory_mb.or(Some(snap.resources.memory_mb));
+            snapshot_id = Some(snap.id.clone());
+            snapshot_name = snap.alias.clone();
+        }
         let rec = SandboxRecord {
             id: id.clone(),
             template: req.template,
@@ -410,7 +455,9 @@ impl Orchestrator {
             deadline: None,
             address: None,
             restored: false,
-            kept: None,
+            kept: kept.clone(),
+            snapshot_id,
+            snapshot_name,
         };
         let slot = Arc::new(Slot {
             op: Arc::new(tokio::sync::Mutex::new(())),
@@ -422,13 +469,20 @@ impl Orchestrator {
         if self.is_shutting_down() {
             // Shutdown has (or will have) taken its list of sandboxes: do not start one.
             self.slots.lock().remove(&id);
+            self.discard_imported(kept.as_ref()).await;
             return Err(LifecycleError::ShuttingDown);
         }
-        let started = self.start_backend(&mut rec.clone()).await;
+        let started = self.start_backend(&mut rec.clone(), false).await;
         total.finish(started.is_ok());
+        if started.is_err() {
+            // A layer the backend did not take over (or gave back) goes.
+            self.discard_imported(kept.as_ref()).await;
+        }
         match started {
             Ok(addr) => {
                 let mut r = slot.rec.lock();
+                // The backend sandbox owns the imported state now.
+                r.kept = None;
                 r.address = Some(addr);
                 r.state = State::Running;
                 r.set_deadline(timeout);
@@ -449,11 +503,12 @@ impl Orchestrator {
     }
 
     /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
-    /// On failure nothing is left behind but the kept state `rec` started from (kept
-    /// again, with `rec` and its paused record updated).
+    /// On failure nothing is left behind but, with `rekeep`, the kept state `rec` started
+    /// from (kept again, with `rec` and its paused record updated).
     async fn start_backend(
         &self,
         rec: &mut SandboxRecord,
+        rekeep: bool,
     ) -> Result<SandboxAddress, LifecycleError> {
         let stage = self.metrics.start("create_warm", "backend_start");
         let info = self.backend.create(rec.spec()).await;
@@ -473,7 +528,7 @@ impl Orchestrator {
         .await;
         stage.finish(ready.is_ok());
         if let Err(reason) = ready {
-            if rec.kept.is_some() {
+            if rec.kept.is_some() && rekeep {
                 // The kept state was taken over by the backend sandbox: keep it again.
                 rec.kept = match self.keep_backend(&rec.id).await {
                     Ok(kept) => Some(kept),
@@ -532,6 +587,119 @@ impl Orchestrator {
             .init(&body)
             .await
             .map_err(|e| format!("POST /init: {e}"))
+    }
+
+    /// The snapshot `template` names (id or name), when a repository is configured and
+    /// it is not the built-in template. An id that names no snapshot is an error (404);
+    /// a name that names none is a template name.
+    async fn resolve_snapshot(
+        &self,
+        template: &str,
+    ) -> Result<Option<SnapshotRecord>, LifecycleError> {
+        let Some(repo) = self.snapshots.get() else {
+            return Ok(None);
+        };
+        if template == crate::template::BASE_TEMPLATE {
+            return Ok(None);
+        }
+        match repo.resolve(template).await? {
+            Some(r) => Ok(Some(r)),
+            None if crate::dataplane::is_uuid(template) => {
+                Err(SnapshotError::NotFound(template.to_string()).into())
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Downloads a snapshot and has the backend turn it into state a create starts from.
+    async fn import_snapshot(&self, snap: &SnapshotRecord) -> Result<KeptState, LifecycleError> {
+        let repo = self.snapshot_repository()?;
+        let here = self.backend.kind();
+        if snap.committed.capture.backend != here {
+            return Err(SnapshotError::WrongBackend {
+                id: snap.id.clone(),
+                taken: snap.committed.capture.backend.clone(),
+                here: here.to_string(),
+            }
+            .into());
+        }
+        let timer = self.metrics.start("create_warm", "snapshot_import");
+        let result = async {
+            let dir = repo.staging_dir()?;
+            repo.download(snap, dir.path()).await?;
+            Ok(self
+                .backend
+                .import_snapshot(&snap.committed.capture, dir.path())
+                .await?)
+        }
+        .await;
+        timer.finish(result.is_ok());
+        result
+    }
+
+    async fn discard_imported(&self, kept: Option<&KeptState>) {
+        if let Some(k) = kept
+            && let Err(e) = self.backend.discard_kept(k).await
+        {
+            tracing::warn!(path = %k.path.display(), error = %e, "removing an imported snapshot layer");
+        }
+    }
+
+    /// Snapshots a running sandbox and publishes it to the repository (optionally under
+    /// `name`); the sandbox keeps running.
+    pub async fn snapshot(
+        self: &Arc<Self>,
+        id: &str,
+        name: Option<String>,
+    ) -> Result<SnapshotRecord, LifecycleError> {
+        self.check_running()?;
+        let repo = self.snapshot_repository()?.clone();
+        if let Some(n) = &name {
+            crate::snapshot::validate_name(n)?;
+        }
+        let this = self.clone();
+        let id = id.to_string();
+        self.detached(async move {
+            let slot = this.slot(&id)?;
+            let timer = this.metrics.start("snapshot", "total");
+            let dir = repo.staging_dir()?;
+            let (capture, rec) = {
+                let _op = slot.op.clone().lock_owned().await;
+                let rec = {
+                    let mut r = slot.rec.lock();
+                    match r.state {
+                        State::Running => {}
+                        State::Killing => return Err(LifecycleError::NotFound(id)),
+                        s => {
+                            return Err(LifecycleError::InvalidState {
+                                id,
+                                state: s,
+                                op: "snapshot",
+                                needed: "running",
+                            });
+                        }
+                    }
+                    r.state = State::Snapshotting;
+                    r.clone()
+                };
+                let captured = this.backend.snapshot(&id, dir.path()).await;
+                // The sandbox runs on whatever the capture did.
+                slot.rec.lock().state = State::Running;
+                (captured?, rec)
+            };
+            let spec = SnapshotSpec {
+                sandbox_id: rec.id.clone(),
+                name,
+                template: rec.template.clone(),
+                cpu_count: rec.cpu_count,
+                memory_mb: rec.memory_mb,
+                env: rec.env_vars.clone(),
+            };
+            let published = repo.publish(&spec, capture, dir.path()).await;
+            timer.finish(published.is_ok());
+            Ok(published?)
+        })
+        .await
     }
 
     /// Pauses a running sandbox (a paused one: nothing to do).
@@ -688,7 +856,7 @@ impl Orchestrator {
         };
         let timer = self.metrics.start("resume", "total");
         let result = if rec.restored {
-            let started = self.start_backend(&mut rec).await;
+            let started = self.start_backend(&mut rec, true).await;
             slot.rec.lock().kept = rec.kept.clone();
             started
         } else {

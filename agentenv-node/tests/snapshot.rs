@@ -1,0 +1,280 @@
+//! Snapshots through the node's REST API, with real jail sandboxes: a snapshot keeps the
+//! sandbox's files (written, changed and deleted ones), the source keeps running, new
+//! sandboxes start from the snapshot by id and by name, names are unique, listing pages,
+//! and deleting makes the snapshot unusable with a clear message.
+
+mod node_common;
+
+use std::time::Duration;
+
+use node_common::{Node, api, create, run, until};
+
+async fn state(addr: std::net::SocketAddr, id: &str) -> Option<String> {
+    let r = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
+    (r.status == 200).then(|| r.json()["state"].as_str().unwrap().to_string())
+}
+
+async fn read(addr: std::net::SocketAddr, id: &str, script: &str) -> String {
+    let out = run(addr, id, None, script).await.expect("run in sandbox");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by_name() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 50)).await;
+    let addr = node.addr;
+    let src = create(
+        addr,
+        r#"{"templateID":"base","timeout":300,"envVars":{"SNAP_ENV":"from-source"}}"#,
+    )
+    .await;
+    run(
+        addr,
+        &src,
+        None,
+        "mkdir -p /srv/app && echo hello-snapshot > /srv/app/data.txt && chmod 600 /srv/app/data.txt && rm /etc/issue",
+    )
+    .await
+    .unwrap();
+
+    let r = api(
+        addr,
+        "POST",
+        &format!("/sandboxes/{src}/snapshots"),
+        r#"{"name":"snap-web"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let info = r.json();
+    let snap = info["snapshotID"].as_str().unwrap().to_string();
+    assert_eq!(info["names"], serde_json::json!(["snap-web"]));
+    assert_eq!(info["cpuCount"], 1);
+    assert_eq!(info["memoryMB"], 256);
+    assert!(info["createdAt"].as_str().unwrap().ends_with('Z'));
+    // The repository is the node's default posix_fs store.
+    let store = home.path().join("snapshot-store/repository");
+    assert!(store.join(format!("catalog/records/{snap}.json")).is_file());
+    assert!(store.join("catalog/aliases/snap-web").is_file());
+    assert!(store.join(format!("snapshots/{snap}/layer.tar")).is_file());
+
+    // The source keeps running, with its files.
+    assert_eq!(state(addr, &src).await.as_deref(), Some("running"));
+    assert_eq!(
+        read(addr, &src, "cat /srv/app/data.txt").await,
+        "hello-snapshot"
+    );
+    run(addr, &src, None, "echo after > /srv/app/later.txt")
+        .await
+        .unwrap();
+
+    // From the id: the files (and the deletion) come back, the environment too.
+    let r = api(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &format!(r#"{{"templateID":"{snap}","timeout":300}}"#),
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["templateID"], snap.as_str());
+    assert_eq!(r.json()["alias"], "snap-web");
+    let by_id = r.json()["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(
+        read(addr, &by_id, "cat /srv/app/data.txt").await,
+        "hello-snapshot"
+    );
+    assert_eq!(
+        read(addr, &by_id, "stat -c %a /srv/app/data.txt").await,
+        "600"
+    );
+    assert_eq!(
+        read(
+            addr,
+            &by_id,
+            "test -e /etc/issue && echo present || echo gone"
+        )
+        .await,
+        "gone"
+    );
+    assert_eq!(
+        read(
+            addr,
+            &by_id,
+            "test -e /srv/app/later.txt && echo present || echo absent"
+        )
+        .await,
+        "absent",
+        "a file written after the snapshot is not in it"
+    );
+    assert_eq!(read(addr, &by_id, "echo $SNAP_ENV").await, "from-source");
+    assert_eq!(read(addr, &by_id, "hostname").await, by_id);
+    let d = api(addr, "GET", &format!("/sandboxes/{by_id}"), "")
+        .await
+        .json();
+    assert_eq!(d["templateID"], snap.as_str());
+    assert_eq!(d["cpuCount"], 1);
+
+    // From the name (v1 path), with the create's environment over the snapshot's.
+    let by_name = {
+        let r = api(
+            addr,
+            "POST",
+            "/sandboxes",
+            r#"{"templateID":"snap-web","timeout":300,"envVars":{"SNAP_ENV":"override"}}"#,
+        )
+        .await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json()["sandboxID"].as_str().unwrap().to_string()
+    };
+    assert_eq!(
+        read(addr, &by_name, "cat /srv/app/data.txt").await,
+        "hello-snapshot"
+    );
+    assert_eq!(read(addr, &by_name, "echo $SNAP_ENV").await, "override");
+    // Sandboxes from one snapshot do not share files.
+    run(addr, &by_name, None, "echo mine > /srv/app/data.txt")
+        .await
+        .unwrap();
+    assert_eq!(
+        read(addr, &by_id, "cat /srv/app/data.txt").await,
+        "hello-snapshot"
+    );
+
+    // A name bound to a live snapshot is refused; so are bad names and unknown sandboxes.
+    let r = api(
+        addr,
+        "POST",
+        &format!("/sandboxes/{src}/snapshots"),
+        r#"{"name":"snap-web"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("already bound"),
+        "{}",
+        r.text()
+    );
+    let r = api(
+        addr,
+        "POST",
+        &format!("/sandboxes/{src}/snapshots"),
+        r#"{"name":"no spaces"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = api(
+        addr,
+        "POST",
+        "/sandboxes/01936f8e-72f5-7000-8000-00000000beef/snapshots",
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = api(
+        addr,
+        "GET",
+        "/snapshots/01936f8e-72f5-7000-8000-00000000beef",
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
+    // Listing, newest first, in pages.
+    let r = api(addr, "POST", &format!("/sandboxes/{src}/snapshots"), "").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let unnamed = r.json()["snapshotID"].as_str().unwrap().to_string();
+    assert_eq!(r.json()["names"], serde_json::json!([]));
+    let r = api(addr, "GET", "/snapshots", "").await;
+    assert_eq!(r.status, 200);
+    let ids: Vec<String> = r
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["snapshotID"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, [unnamed.clone(), snap.clone()]);
+    let r = api(addr, "GET", "/snapshots?limit=1", "").await;
+    assert_eq!(r.json()[0]["snapshotID"], unnamed.as_str());
+    let token = r
+        .headers
+        .get("x-next-token")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let r = api(
+        addr,
+        "GET",
+        &format!("/snapshots?limit=1&nextToken={token}"),
+        "",
+    )
+    .await;
+    assert_eq!(r.json()[0]["snapshotID"], snap.as_str());
+    assert!(r.headers.get("x-next-token").is_none());
+    let r = api(addr, "GET", "/snapshots/snap-web", "").await;
+    assert_eq!(r.json()["snapshotID"], snap.as_str());
+
+    // Delete by name: 204, again 204; then the id is unknown (404, saying so).
+    let r = api(addr, "DELETE", "/templates/snap-web", "").await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = api(addr, "DELETE", "/templates/snap-web", "").await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert!(!store.join(format!("snapshots/{snap}/layer.tar")).exists());
+    let r = api(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &format!(r#"{{"templateID":"{snap}"}}"#),
+    )
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let msg = r.json()["message"].as_str().unwrap().to_string();
+    assert!(msg.contains(&snap) && msg.contains("not found"), "{msg}");
+    // The name is gone too: it is no template either.
+    let r = api(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        r#"{"templateID":"snap-web"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    // Sandboxes started from it are unaffected.
+    assert_eq!(
+        read(addr, &by_id, "cat /srv/app/data.txt").await,
+        "hello-snapshot"
+    );
+    let r = api(addr, "DELETE", &format!("/templates/{unnamed}"), "").await;
+    assert_eq!(r.status, 204);
+    let r = api(addr, "GET", "/snapshots", "").await;
+    assert_eq!(r.json(), serde_json::json!([]));
+
+    // A paused sandbox cannot be snapshotted (400), and stays paused.
+    let r = api(addr, "POST", &format!("/sandboxes/{src}/pause"), "").await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let r = api(addr, "POST", &format!("/sandboxes/{src}/snapshots"), "").await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(state(addr, &src).await.as_deref(), Some("paused"));
+
+    for id in [&src, &by_id, &by_name] {
+        assert_eq!(
+            api(addr, "DELETE", &format!("/sandboxes/{id}"), "")
+                .await
+                .status,
+            204
+        );
+    }
+    node.stop().await;
+    // Nothing of the snapshots is left in the node's staging area or kept layers.
+    let staging = home.path().join("snapshot-local-cache/staging");
+    until(Duration::from_secs(10), "an empty staging area", || async {
+        (std::fs::read_dir(&staging).unwrap().count() == 0).then_some(())
+    })
+    .await;
+}
