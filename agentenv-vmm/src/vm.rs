@@ -299,6 +299,8 @@ pub struct Vm {
     msrs: Mutex<Option<Vec<u32>>>,
     /// The memory file of the last snapshot (the base of the next diff snapshot).
     last_snapshot_memory: Mutex<Option<PathBuf>>,
+    /// Guest memory is private anonymous memory (not a file).
+    anonymous_memory: bool,
     stopped: bool,
 }
 
@@ -420,6 +422,7 @@ impl Vm {
             (None, MemoryBacking::Anonymous) => Backing::Anonymous,
             (None, MemoryBacking::File { path }) => Backing::SharedFile(path),
         };
+        let anonymous_memory = matches!(backing, Backing::Anonymous);
         let mem = memory::create(size, backing, config.track_dirty_pages)?;
         for (slot, region) in mem.iter().enumerate() {
             let host_addr = region.as_ptr() as u64;
@@ -613,6 +616,7 @@ impl Vm {
             started: Mutex::new(false),
             msrs: Mutex::new(None),
             last_snapshot_memory: Mutex::new(None),
+            anonymous_memory,
             stopped: false,
         })
     }
@@ -821,7 +825,7 @@ impl Vm {
         let mem_path = dir.join(snapshot::MEMORY_FILE);
         let (pages_written, dirty_list) = match kind {
             SnapshotKind::Full => (
-                snapshot::write_full_memory(&self.shared.mem, &mem_path)?,
+                snapshot::write_full_memory(&self.shared.mem, &mem_path, self.anonymous_memory)?,
                 None,
             ),
             SnapshotKind::Diff => {

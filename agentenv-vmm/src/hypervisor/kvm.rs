@@ -4,6 +4,8 @@ use kvm_bindings::{
     CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY, Msrs,
     kvm_pit_config, kvm_userspace_memory_region,
 };
+use std::sync::OnceLock;
+
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -55,19 +57,28 @@ impl Hypervisor for KvmHypervisor {
     }
 
     fn supported_cpuid(&self) -> Result<Vec<CpuIdEntry>> {
+        // A property of the host: asked once per process.
+        static CACHE: OnceLock<Vec<CpuIdEntry>> = OnceLock::new();
+        if let Some(c) = CACHE.get() {
+            return Ok(c.clone());
+        }
         let cpuid = self
             .kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| HypervisorError::ioctl("KVM_GET_SUPPORTED_CPUID", e))?;
-        Ok(cpuid.as_slice().to_vec())
+        Ok(CACHE.get_or_init(|| cpuid.as_slice().to_vec()).clone())
     }
 
     fn msr_index_list(&self) -> Result<Vec<u32>> {
+        static CACHE: OnceLock<Vec<u32>> = OnceLock::new();
+        if let Some(c) = CACHE.get() {
+            return Ok(c.clone());
+        }
         let list = self
             .kvm
             .get_msr_index_list()
             .map_err(|e| HypervisorError::ioctl("KVM_GET_MSR_INDEX_LIST", e))?;
-        Ok(list.as_slice().to_vec())
+        Ok(CACHE.get_or_init(|| list.as_slice().to_vec()).clone())
     }
 }
 

@@ -10,7 +10,9 @@
 //!   everything before it. A file with another magic or version, a different CPU, a wrong
 //!   length or checksum is refused before anything is restored.
 //! * `memory`: guest RAM, the regions one after another (below the MMIO gap, then above
-//!   4 GiB), exactly the guest's size. A **full** snapshot writes every page. A **diff**
+//!   4 GiB), exactly the guest's size. A **full** snapshot holds every page (pages of
+//!   anonymous guest memory the process never populated are zero and stay holes of the
+//!   sparse file). A **diff**
 //!   snapshot writes only the pages dirtied since the previous snapshot of the same VM
 //!   (KVM's dirty log of vCPU writes OR the device bitmaps of DMA writes) into a copy of the
 //!   previous snapshot's memory file — in place when the target directory is the previous
@@ -27,7 +29,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::cpuid::CpuModel;
 use crate::devices::virtio::mmio::MmioTransportState;
@@ -224,20 +226,83 @@ fn mem_err(path: &Path) -> impl Fn(vm_memory::GuestMemoryError) -> SnapshotError
     }
 }
 
-/// Writes every page of `mem` to `path`; returns the number of pages.
-pub fn write_full_memory(mem: &GuestMemoryMmap, path: &Path) -> Result<u64, SnapshotError> {
+/// Writes every page of `mem` to `path`; returns the number of pages written.
+///
+/// With `anonymous` (guest memory is private anonymous memory), pages the process never
+/// populated (neither present nor swapped, per `/proc/self/pagemap`) are zero and are left
+/// as holes of the sparse file instead of being read and written; the file still holds
+/// every page. Other memory is written whole.
+pub fn write_full_memory(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    anonymous: bool,
+) -> Result<u64, SnapshotError> {
     let tmp = path.with_extension("tmp");
     let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
-    let mut total = 0u64;
+    let total: u64 = mem.iter().map(|r| r.len()).sum();
+    f.set_len(total).map_err(io_err(&tmp))?;
+    let page = PAGE_SIZE as u64;
+    let mut written = 0u64;
+    let mut file_off = 0u64;
+    let pagemap = if anonymous {
+        File::open("/proc/self/pagemap").ok()
+    } else {
+        None
+    };
     for region in mem.iter() {
-        mem.write_all_volatile_to(region.start_addr(), &mut f, region.len() as usize)
+        let runs = match &pagemap {
+            Some(pm) => populated_runs(pm, region.as_ptr() as u64, region.len())
+                .map_err(io_err(Path::new("/proc/self/pagemap")))?,
+            None => vec![(0, region.len() / page)],
+        };
+        for (first, count) in runs {
+            f.seek(SeekFrom::Start(file_off + first * page))
+                .map_err(io_err(&tmp))?;
+            mem.write_all_volatile_to(
+                region.start_addr().unchecked_add(first * page),
+                &mut f,
+                (count * page) as usize,
+            )
             .map_err(mem_err(&tmp))?;
-        total += region.len();
+            written += count;
+        }
+        file_off += region.len();
     }
     f.flush().map_err(io_err(&tmp))?;
     drop(f);
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
-    Ok(total / PAGE_SIZE as u64)
+    Ok(written)
+}
+
+/// Runs `(first page, page count)` of the mapping at `addr..addr+len` that are present or
+/// swapped out.
+fn populated_runs(pagemap: &File, addr: u64, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    use std::os::unix::fs::FileExt;
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const CHUNK: u64 = 8192;
+    let page = PAGE_SIZE as u64;
+    let pages = len / page;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut buf = vec![0u8; (CHUNK * 8) as usize];
+    let mut i = 0;
+    while i < pages {
+        let n = CHUNK.min(pages - i);
+        let bytes = &mut buf[..(n * 8) as usize];
+        pagemap.read_exact_at(bytes, (addr / page + i) * 8)?;
+        for (j, e) in bytes.chunks_exact(8).enumerate() {
+            let e = u64::from_le_bytes(e.try_into().expect("8 bytes"));
+            if e & (PRESENT | SWAPPED) != 0 {
+                let p = i + j as u64;
+                match runs.last_mut() {
+                    Some((first, count)) if *first + *count == p => *count += 1,
+                    _ => runs.push((p, 1)),
+                }
+            }
+        }
+        i += n;
+    }
+    Ok(runs)
 }
 
 /// Writes the `pages` (guest page numbers, ascending) of `mem` into a copy of `base` at
@@ -353,10 +418,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = create(16 << 20, Backing::Anonymous, false).unwrap();
         mem.write_obj(0x55aa_u16, GuestAddress(0x2000)).unwrap();
+        // Anonymous memory: only the populated page is written, the rest are holes.
         assert_eq!(
-            write_full_memory(&mem, &dir.path().join(MEMORY_FILE)).unwrap(),
-            4096
+            write_full_memory(&mem, &dir.path().join(MEMORY_FILE), true).unwrap(),
+            1
         );
+        let whole = dir.path().join("whole");
+        assert_eq!(write_full_memory(&mem, &whole, false).unwrap(), 4096);
+        assert_eq!(
+            std::fs::read(&whole).unwrap(),
+            std::fs::read(dir.path().join(MEMORY_FILE)).unwrap()
+        );
+        std::fs::remove_file(whole).unwrap();
         write_state(dir.path(), &model(), &state(16 << 20)).unwrap();
         dir
     }

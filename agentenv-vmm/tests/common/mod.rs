@@ -119,6 +119,19 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// A scratch directory for snapshot files: in `/dev/shm` when there is one (guest memory
+/// files are RAM-sized and RAM-backed storage is what a node uses for them), else the
+/// system temporary directory.
+pub fn scratch() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        if let Ok(d) = tempfile::Builder::new().prefix("vmm-test").tempdir_in(shm) {
+            return d;
+        }
+    }
+    tempfile::tempdir().unwrap()
+}
+
 /// Whether this host can run KVM guests at all (`/dev/kvm` present).
 pub fn kvm_available() -> bool {
     if std::path::Path::new("/dev/kvm").exists() {
