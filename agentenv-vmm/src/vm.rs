@@ -292,6 +292,7 @@ pub struct Vm {
     hypervisor: Arc<dyn Hypervisor>,
     shared: Arc<Shared>,
     virtio: Vec<VirtioSlot>,
+    serial: Arc<Mutex<SerialDevice>>,
     /// The kernel command line the guest got.
     cmdline: String,
     started: Mutex<bool>,
@@ -460,8 +461,11 @@ impl Vm {
         };
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(VmError::EventFd)?;
         hv_vm.register_irqfd(&serial_irq, legacy::SERIAL_IRQ)?;
-        let serial: SharedDevice = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
-        pio.insert(serial, legacy::SERIAL_PORT, legacy::SERIAL_PORT_LEN)?;
+        let serial = Arc::new(Mutex::new(
+            SerialDevice::new(serial_irq, serial_out).map_err(VmError::EventFd)?,
+        ));
+        let serial_bus: SharedDevice = serial.clone();
+        pio.insert(serial_bus, legacy::SERIAL_PORT, legacy::SERIAL_PORT_LEN)?;
         let i8042: SharedDevice = Arc::new(Mutex::new(I8042::new(exit.clone())));
         pio.insert(i8042, legacy::I8042_PORT, legacy::I8042_PORT_LEN)?;
         let debug: SharedDevice = Arc::new(Mutex::new(DebugExit::new(exit.clone())));
@@ -547,6 +551,16 @@ impl Vm {
                 }
             }
             Boot::Restore(state) => {
+                if let Some(saved) = &state.serial {
+                    serial
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .restore_state(saved)
+                        .map_err(|reason| VmError::Device {
+                            id: "serial".into(),
+                            reason,
+                        })?;
+                }
                 hv_vm.restore_state(&state.vm)?;
                 for (vcpu, saved) in vcpus.iter().zip(&state.vcpus) {
                     vcpu.restore_state(saved)?;
@@ -612,6 +626,7 @@ impl Vm {
             hypervisor: hv,
             shared,
             virtio,
+            serial,
             cmdline: cmdline_str,
             started: Mutex::new(false),
             msrs: Mutex::new(None),
@@ -857,6 +872,12 @@ impl Vm {
             vcpus,
             vm,
             devices,
+            serial: Some(
+                self.serial
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .save_state(),
+            ),
         };
         let model = cpuid::cpu_model(&self.hypervisor.supported_cpuid()?);
         let state_bytes = snapshot::write_state(dir, &model, &state)?;

@@ -15,9 +15,10 @@ mod common;
 use std::time::Duration;
 
 use agentenv_vmm::config::DriveConfig;
-use agentenv_vmm::{ExitReason, Vm, VmConfig};
+use agentenv_vmm::{ExitReason, SnapshotKind, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
+use vm_memory::{Bytes, GuestAddress};
 
 const MMIO: u64 = 0xd000_0000;
 const DESC: u64 = 0x50_0000;
@@ -31,6 +32,8 @@ const IDT: u64 = 0x60_0000;
 const IDTR: u64 = 0x60_1000;
 const IRQ_SEEN: u64 = 0x60_2000;
 const VECTOR: u64 = 0x30;
+const READY: u64 = 0x60_3000;
+const GO: u64 = 0x60_4000;
 const PATTERN: u64 = u64::from_le_bytes(*b"agentenv");
 const HOSTDATA: u64 = u64::from_le_bytes(*b"hostdata");
 
@@ -74,7 +77,9 @@ fn submit_and_wait(a: &mut CodeAssembler, n: u16, fail: &mut [CodeLabel]) {
     expect_eq(a, fail, 11);
 }
 
-fn blk_guest() -> CodeAssembler {
+/// With `checkpoint`, the guest raises READY after the write and waits for GO before
+/// reading back (the host snapshots and restores it in between).
+fn blk_guest(checkpoint: bool) -> CodeAssembler {
     let mut a = asm64();
     let mut fail: Vec<CodeLabel> = (0..16).map(|_| a.create_label()).collect();
     let mut handler = a.create_label();
@@ -165,6 +170,16 @@ fn blk_guest() -> CodeAssembler {
     desc(&mut a, 2, STATUS, 1, 2, 0);
     submit_and_wait(&mut a, 0, &mut fail);
 
+    if checkpoint {
+        a.mov(rdi, READY).unwrap();
+        a.mov(qword_ptr(rdi), 1).unwrap();
+        a.mov(rsi, GO).unwrap();
+        let mut wait = a.create_label();
+        a.set_label(&mut wait).unwrap();
+        a.cmp(qword_ptr(rsi), 0).unwrap();
+        a.je(wait).unwrap();
+    }
+
     // Request 2: read sectors 1 and 2.
     a.mov(rdi, HDR).unwrap();
     a.mov(dword_ptr(rdi), 0).unwrap(); // VIRTIO_BLK_T_IN
@@ -206,13 +221,8 @@ fn blk_guest() -> CodeAssembler {
     a
 }
 
-#[test]
-fn guest_writes_and_reads_sectors_through_virtio_blk_with_interrupts() {
-    if !kvm_available() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let image = dir.path().join("disk.img");
+fn disk_image(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>) {
+    let image = dir.join("disk.img");
     let mut disk = vec![0u8; 8 * 512];
     disk[..8].copy_from_slice(b"sector 0");
     disk[512..520].copy_from_slice(b"oldbytes");
@@ -220,18 +230,38 @@ fn guest_writes_and_reads_sectors_through_virtio_blk_with_interrupts() {
         chunk.copy_from_slice(b"hostdata");
     }
     std::fs::write(&image, &disk).unwrap();
+    (image, disk)
+}
 
-    let mut a = blk_guest();
-    let mut c = VmConfig::new(kernel(dir.path(), &mut a));
+fn blk_config(dir: &std::path::Path, image: &std::path::Path, checkpoint: bool) -> VmConfig {
+    let mut a = blk_guest(checkpoint);
+    let mut c = VmConfig::new(kernel(dir, &mut a));
     c.memory_mib = 32;
-    c.serial_output = Some(dir.path().join("serial.log"));
+    c.serial_output = Some(dir.join("serial.log"));
     c.drives = vec![DriveConfig {
         id: "rootfs".into(),
-        path: image.clone(),
+        path: image.to_path_buf(),
         read_only: false,
         is_root: true,
     }];
-    let mut vm = Vm::new(c).unwrap();
+    c
+}
+
+fn check_image(image: &std::path::Path, disk: &[u8]) {
+    let after = std::fs::read(image).unwrap();
+    assert_eq!(&after[..512], &disk[..512]);
+    assert!(after[512..1024].chunks(8).all(|c| c == b"agentenv"));
+    assert_eq!(&after[1024..], &disk[1024..]);
+}
+
+#[test]
+fn guest_writes_and_reads_sectors_through_virtio_blk_with_interrupts() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (image, disk) = disk_image(dir.path());
+    let mut vm = Vm::new(blk_config(dir.path(), &image, false)).unwrap();
     assert!(
         vm.cmdline()
             .contains("root=/dev/vda rw console=ttyS0 reboot=k panic=1 pci=off virtio_mmio.device=4K@0xd0000000:5"),
@@ -251,8 +281,41 @@ fn guest_writes_and_reads_sectors_through_virtio_blk_with_interrupts() {
     assert_eq!(transport.bad_accesses, 0);
 
     // The image holds what the guest wrote, and nothing else changed.
-    let after = std::fs::read(&image).unwrap();
-    assert_eq!(&after[..512], &disk[..512]);
-    assert!(after[512..1024].chunks(8).all(|c| c == b"agentenv"));
-    assert_eq!(&after[1024..], &disk[1024..]);
+    check_image(&image, &disk);
+}
+
+/// The device is active with a used request when the VM is snapshotted; the restored VM
+/// (a fresh process state: new transport, new device, new irqfd) re-attaches it and the
+/// guest's next request completes with an interrupt, as if nothing happened.
+#[test]
+fn virtio_blk_keeps_working_across_snapshot_and_restore() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = scratch();
+    let (image, disk) = disk_image(dir.path());
+    let config = blk_config(dir.path(), &image, true);
+    let mut vm = Vm::new(config.clone()).unwrap();
+    vm.start().unwrap();
+    let ready = |vm: &Vm| {
+        vm.guest_memory()
+            .read_obj::<u64>(GuestAddress(READY))
+            .unwrap()
+            == 1
+    };
+    assert!(wait_until(Duration::from_secs(30), || ready(&vm)));
+    vm.pause().unwrap();
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    vm.stop().unwrap();
+    drop(vm);
+
+    let vm = Vm::restore(config, &snap).unwrap();
+    vm.guest_memory().write_obj(1u64, GuestAddress(GO)).unwrap();
+    vm.resume().unwrap();
+    let r = vm.wait_timeout(Duration::from_secs(30));
+    let log = std::fs::read_to_string(dir.path().join("serial.log")).unwrap();
+    assert_eq!(r, Some(ExitReason::Done(0)), "serial: {log:?}");
+    assert_eq!(log, "virtio-blk ok\n");
+    check_image(&image, &disk);
 }

@@ -5,8 +5,9 @@
 //! * `vmstate`: `b"AENVSNAP"`, the format version (u32 LE), the body length (u64 LE), the
 //!   body (JSON: the CPU vendor/family/model/stepping the snapshot was taken on, and the
 //!   state: every vCPU's registers, special registers, XSAVE area, XCRs, MSRs, LAPIC, MP
-//!   state and pending events; the VM's PIC ×2, IOAPIC, PIT and clock; each virtio
-//!   device's transport and device state, themselves versioned), then the SHA-256 of
+//!   state and pending events; the VM's PIC ×2, IOAPIC, PIT and clock; the UART's
+//!   registers; each virtio device's transport and device state, themselves versioned),
+//!   then the SHA-256 of
 //!   everything before it. A file with another magic or version, a different CPU, a wrong
 //!   length or checksum is refused before anything is restored.
 //! * `memory`: guest RAM, the regions one after another (below the MMIO gap, then above
@@ -32,6 +33,7 @@ use sha2::{Digest, Sha256};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::cpuid::CpuModel;
+use crate::devices::legacy::SerialSnapshot;
 use crate::devices::virtio::mmio::MmioTransportState;
 use crate::hypervisor::{VcpuState, VmState};
 use crate::memory::{GuestMemoryMmap, PAGE_SIZE};
@@ -107,6 +109,9 @@ pub struct SnapshotState {
     pub vcpus: Vec<VcpuState>,
     pub vm: VmState,
     pub devices: Vec<DeviceState>,
+    /// The UART's registers.
+    #[serde(default)]
+    pub serial: Option<SerialSnapshot>,
 }
 
 impl std::fmt::Debug for SnapshotState {
@@ -411,6 +416,7 @@ mod tests {
                 },
             },
             devices: Vec::new(),
+            serial: None,
         }
     }
 

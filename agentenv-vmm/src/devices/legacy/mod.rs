@@ -7,7 +7,9 @@
 //! Reads return `0xff`. Linux never touches the port.
 
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
 
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
@@ -37,16 +39,97 @@ impl Trigger for EventFdTrigger {
     }
 }
 
+/// Where the UART's output goes; shared so the UART can be rebuilt from a snapshot.
+#[derive(Clone)]
+pub struct SerialOut(Arc<Mutex<Box<dyn Write + Send>>>);
+
+impl SerialOut {
+    pub fn new(out: Box<dyn Write + Send>) -> Self {
+        Self(Arc::new(Mutex::new(out)))
+    }
+}
+
+impl Write for SerialOut {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).flush()
+    }
+}
+
+/// The UART's registers in a snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialSnapshot {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
 /// The 8250 UART: what the guest writes goes to `out`.
 pub struct SerialDevice {
-    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, Box<dyn Write + Send>>,
+    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, SerialOut>,
+    irq: EventFd,
+    out: SerialOut,
 }
 
 impl SerialDevice {
-    pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> Self {
-        Self {
-            serial: Serial::new(EventFdTrigger(irq), out),
+    pub fn new(irq: EventFd, out: Box<dyn Write + Send>) -> std::io::Result<Self> {
+        let out = SerialOut::new(out);
+        Ok(Self {
+            serial: Serial::new(EventFdTrigger(irq.try_clone()?), out.clone()),
+            irq,
+            out,
+        })
+    }
+
+    /// The registers, for a snapshot.
+    pub fn save_state(&self) -> SerialSnapshot {
+        let s = self.serial.state();
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
         }
+    }
+
+    /// Puts the registers of a snapshot back.
+    pub fn restore_state(&mut self, s: &SerialSnapshot) -> Result<(), String> {
+        let state = vm_superio::serial::SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        };
+        let irq = self.irq.try_clone().map_err(|e| e.to_string())?;
+        self.serial = Serial::from_state(
+            &state,
+            EventFdTrigger(irq),
+            vm_superio::serial::NoEvents,
+            self.out.clone(),
+        )
+        .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(())
     }
 }
 
@@ -166,7 +249,7 @@ mod tests {
     fn serial_writes_reach_the_output_and_raise_the_irq_when_enabled() {
         let sink = Sink::default();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let mut s = SerialDevice::new(irq.try_clone().unwrap(), Box::new(sink.clone()));
+        let mut s = SerialDevice::new(irq.try_clone().unwrap(), Box::new(sink.clone())).unwrap();
         // IER: THR-empty interrupt on.
         s.write(1, &[0x02]);
         for b in b"hi\n" {
@@ -178,6 +261,21 @@ mod tests {
         let mut lsr = [0u8];
         s.read(5, &mut lsr);
         assert_ne!(lsr[0] & 0x20, 0);
+
+        // Registers survive a snapshot into a fresh device.
+        s.write(3, &[0x03]); // LCR: 8N1
+        s.write(7, &[0x5a]); // scratch
+        let saved = s.save_state();
+        let mut fresh =
+            SerialDevice::new(irq.try_clone().unwrap(), Box::new(sink.clone())).unwrap();
+        fresh.restore_state(&saved).unwrap();
+        let mut b = [0u8];
+        fresh.read(7, &mut b);
+        assert_eq!(b[0], 0x5a);
+        fresh.read(3, &mut b);
+        assert_eq!(b[0], 0x03);
+        fresh.write(0, b"x");
+        assert_eq!(&*sink.0.lock().unwrap(), b"hi\nx");
     }
 
     #[test]
