@@ -3,14 +3,17 @@
 //!
 //! ```text
 //! cargo run --release -p agentenv-node --example jail_bench [-- --agent PATH]
-//!     [--agent-args "ARGS"] [--count N] [--templates DIR]
+//!     [--agent-args "ARGS"] [--count N] [--templates DIR] [--pool N]
 //! ```
 //!
 //! Prints, for `N` sandboxes (50 by default): create → agent ready and destroy latency
 //! (p50/p99, 1 and 8 at a time), pause and resume latency, and memory per idle sandbox
 //! (node RSS + cgroup usage). The reference for create is the same agent started as a
 //! plain host process until it answers `/health`; for destroy, SIGKILL and reap of that
-//! process; for pause/resume, SIGSTOP/SIGCONT of it. Needs root.
+//! process; for pause/resume, SIGSTOP/SIGCONT of it. `--pool` sets the number of network
+//! namespaces kept ready (the backend's default unless given; 0 turns the pool off); the
+//! output says how many creates took a pooled one. The machine's load average is printed
+//! before and after: other work on the machine shows in every number. Needs root.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -18,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::wait_ready;
+use agentenv_node::backend::jail::netpool::NetPoolStats;
 use agentenv_node::backend::jail::{JailBackend, JailConfig};
 use agentenv_node::backend::{SandboxBackend, SandboxSpec};
 use agentenv_node::template::{BASE_TEMPLATE, Progress};
@@ -32,6 +36,7 @@ struct Args {
     agent_args: Option<Vec<String>>,
     count: usize,
     templates: PathBuf,
+    pool: Option<usize>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -40,6 +45,7 @@ fn parse_args() -> anyhow::Result<Args> {
         agent_args: None,
         count: 50,
         templates: PathBuf::from("/var/cache/agentenv-test/templates"),
+        pool: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -51,8 +57,9 @@ fn parse_args() -> anyhow::Result<Args> {
             }
             "--count" => args.count = it.next().context("--count needs a number")?.parse()?,
             "--templates" => args.templates = it.next().context("--templates needs a path")?.into(),
+            "--pool" => args.pool = Some(it.next().context("--pool needs a number")?.parse()?),
             other => bail!(
-                "unknown argument {other}; use --agent PATH, --agent-args \"ARGS\", --count N, --templates DIR"
+                "unknown argument {other}; use --agent PATH, --agent-args \"ARGS\", --count N, --templates DIR, --pool N"
             ),
         }
     }
@@ -187,6 +194,23 @@ fn rss_bytes() -> u64 {
         .unwrap_or(0)
 }
 
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// How many creates took a pooled namespace since `before`.
+fn pool_line(name: &str, b: &JailBackend, before: NetPoolStats) -> String {
+    let now = b.net_pool_stats();
+    format!(
+        "{name}: {} of {} from the namespace pool",
+        now.taken - before.taken,
+        (now.taken - before.taken) + (now.built_inline - before.built_inline)
+    )
+}
+
 fn spec(id: String) -> SandboxSpec {
     let mut s = SandboxSpec::new(id, BASE_TEMPLATE);
     s.cpu_count = 1;
@@ -266,6 +290,11 @@ async fn main() -> anyhow::Result<()> {
     if let Some(a) = &args.agent_args {
         cfg.agent_args = a.clone();
     }
+    if let Some(n) = args.pool {
+        cfg.net_pool_size = n;
+    }
+    let pool_size = cfg.net_pool_size;
+    let load_before = load_average();
     let b_args = cfg.agent_args.clone();
     let b = Arc::new(JailBackend::new(cfg).await?);
     b.reconcile(&[]).await?;
@@ -273,7 +302,7 @@ async fn main() -> anyhow::Result<()> {
     b.templates().ensure(BASE_TEMPLATE, progress).await?;
     let n = args.count;
     println!(
-        "jail_bench: {n} sandboxes, agent {} {} ({}), cgroup v{}, {} CPUs",
+        "jail_bench: {n} sandboxes, namespace pool {pool_size}, agent {} {} ({}), cgroup v{}, {} CPUs",
         agent.display(),
         b_args.join(" "),
         if real {
@@ -324,7 +353,9 @@ async fn main() -> anyhow::Result<()> {
     destroy_many(&b, warm, 1).await?;
 
     let rss_without = rss_bytes();
+    let stats1 = b.net_pool_stats();
     let (lat1, ids1) = create_many(&b, "seq", n, 1).await?;
+    let pool1 = pool_line("1 at a time", &b, stats1);
     // Idle footprint, measured with all N sandboxes up.
     let rss_with = rss_bytes();
     let mut cg_total = 0u64;
@@ -343,8 +374,39 @@ async fn main() -> anyhow::Result<()> {
         resume.push(t.elapsed());
     }
     let del1 = destroy_many(&b, ids1, 1).await?;
+    let stats8 = b.net_pool_stats();
     let (lat8, ids8) = create_many(&b, "par", n, 8).await?;
+    let pool8 = pool_line("8 at a time", &b, stats8);
     let del8 = destroy_many(&b, ids8, 8).await?;
+
+    // The pool against no pool, 8 at a time, in alternating batches of 16 so that other
+    // work on the machine weighs on both alike.
+    let mut versus = None;
+    if pool_size > 0 {
+        let data0 = tempfile::tempdir()?;
+        let mut cfg0 = JailConfig::new(data0.path(), &agent);
+        cfg0.templates.root = args.templates.clone();
+        cfg0.cgroup_parent = "agentenv-bench".into();
+        cfg0.agent_args = b_args.clone();
+        cfg0.net_pool_size = 0;
+        let b0 = Arc::new(JailBackend::new(cfg0).await?);
+        let (mut with, mut without) = (Vec::new(), Vec::new());
+        let mut round = 0;
+        while with.len() < n || without.len() < n {
+            for (k, backend) in [&b, &b0].into_iter().enumerate() {
+                let got = if k == 0 { &mut with } else { &mut without };
+                let take = 16.min(n - got.len());
+                if take == 0 {
+                    continue;
+                }
+                let (lat, ids) = create_many(backend, &format!("vs{k}r{round}"), take, 8).await?;
+                destroy_many(backend, ids, 8).await?;
+                got.extend(lat);
+            }
+            round += 1;
+        }
+        versus = Some((stats(with), stats(without)));
+    }
 
     let create_target = Some(Duration::from_millis(50));
     let pause_target = Some(Duration::from_millis(10));
@@ -360,6 +422,15 @@ async fn main() -> anyhow::Result<()> {
         &plain_start,
         create_target,
     );
+    if let Some((with, without)) = &versus {
+        line("8 at a time, batches: pool", with, without, create_target);
+        println!(
+            "{:<28} p50 {}  p99 {}   (the reference of the line above)",
+            "8 at a time, batches: none",
+            ms(without.p50),
+            ms(without.p99)
+        );
+    }
     line("destroy, 1 at a time", &stats(del1), &plain_stop, None);
     line("destroy, 8 at a time", &stats(del8), &plain_stop, None);
     line("pause (freeze)", &stats(pause), &plain_pause, pause_target);
@@ -379,7 +450,16 @@ async fn main() -> anyhow::Result<()> {
         }
     );
     println!(
-        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT)"
+        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without a namespace pool"
     );
+    println!("creates {pool1}; {pool8}");
+    println!(
+        "load average (1, 5, 15 min): {load_before} before, {} after, on {} CPUs",
+        load_average(),
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    );
+    b.shutdown().await;
     Ok(())
 }

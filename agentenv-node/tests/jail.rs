@@ -9,6 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::probe_health;
+use agentenv_node::backend::jail::JailBackend;
 use agentenv_node::backend::jail::spawn::KEPT_CAPABILITIES;
 use agentenv_node::backend::{BackendError, KeptState, SandboxBackend, SandboxState};
 
@@ -324,6 +325,7 @@ async fn destroy_leaves_nothing_behind() {
     require_jail!();
     let (b, _data) = common::backend().await;
     let links_before = b.host_interfaces().await;
+    let pooled_before = b.pooled_interfaces();
     let info = common::create_ready(&b, common::spec(&common::id("destroy"))).await;
     common::spawn_bg(&info, "exec sleep 1000").await;
     let t = common::traces(&b, &info);
@@ -338,7 +340,8 @@ async fn destroy_leaves_nothing_behind() {
         );
     }
     assert!(b.host_interfaces().await.contains(&t.host_if));
-    assert!(!links_before.contains(&t.host_if));
+    // The link was made for the sandbox, or ahead of time in the namespace pool.
+    assert!(!links_before.contains(&t.host_if) || pooled_before.contains(&t.host_if));
     assert!(common::host_addresses().contains(&format!("inet {}/30", t.gateway)));
     assert!(b.address_reserved(t.ip));
     b.destroy(&info.id).await.unwrap();
@@ -347,6 +350,10 @@ async fn destroy_leaves_nothing_behind() {
         b.destroy(&info.id).await,
         Err(agentenv_node::backend::BackendError::NotFound(_))
     ));
+    // What is left are the pooled namespaces; after shutdown, nothing at all.
+    let pool = PoolTraces::of(&b);
+    b.shutdown().await;
+    pool.assert_gone(&b);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -391,6 +398,9 @@ async fn twenty_concurrent_sandboxes_leave_nothing_behind() {
         common::assert_gone(&b, t);
     }
     assert!(b.list().await.is_empty());
+    let pool = PoolTraces::of(&b);
+    b.shutdown().await;
+    pool.assert_gone(&b);
 }
 
 /// A network namespace standing in for the internet: 198.51.100.1 (TEST-NET-2) with a
@@ -683,4 +693,291 @@ async fn process_limit_stops_a_fork_loop() {
     let usage = b.usage(&info.id).await.unwrap();
     assert!(usage.processes <= 24, "{usage:?}");
     b.destroy(&info.id).await.unwrap();
+}
+
+/// What the namespace pool of a backend holds: links, addresses, its directory.
+struct PoolTraces {
+    links: Vec<String>,
+    addresses: Vec<Ipv4Addr>,
+    dirs: Vec<std::path::PathBuf>,
+}
+
+impl PoolTraces {
+    fn of(b: &JailBackend) -> Self {
+        let links = b.pooled_interfaces();
+        let addresses = links
+            .iter()
+            .map(|l| {
+                let slot = agentenv_node::backend::jail::net::slot_of_ifname("ae", l)
+                    .expect("a pooled interface name");
+                slot.sandbox_ip()
+            })
+            .collect();
+        let dirs = std::fs::read_dir(b.net_pool_dir())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        Self {
+            links,
+            addresses,
+            dirs,
+        }
+    }
+
+    /// Asserts that all of it is there: links, reservations, the directory.
+    fn assert_present(&self, b: &JailBackend) {
+        let host_links = common::host_links();
+        for l in &self.links {
+            assert!(
+                host_links.contains(&format!(": {l}@")),
+                "pooled link {l} missing"
+            );
+        }
+        for ip in &self.addresses {
+            assert!(b.address_reserved(*ip), "pooled address {ip} not reserved");
+        }
+        for d in &self.dirs {
+            assert!(d.is_dir(), "pool directory {} missing", d.display());
+        }
+    }
+
+    /// Asserts that none of it is left and the backend's pool is empty.
+    fn assert_gone(&self, b: &JailBackend) {
+        self.assert_released(b);
+        assert!(b.pooled_interfaces().is_empty());
+        assert_eq!(b.net_pool_stats().ready, 0);
+    }
+
+    /// Asserts that none of it is left.
+    fn assert_released(&self, b: &JailBackend) {
+        let host_links = common::host_links();
+        let host_addrs = common::host_addresses();
+        for l in &self.links {
+            assert!(
+                !host_links.contains(&format!(": {l}@"))
+                    && !host_links.contains(&format!(": {l}:")),
+                "pooled link {l} left behind"
+            );
+        }
+        for ip in &self.addresses {
+            assert!(
+                !b.address_reserved(*ip),
+                "pooled address {ip} still reserved"
+            );
+            let gateway = Ipv4Addr::from(u32::from(*ip) - 1);
+            assert!(
+                !host_addrs.contains(&format!("inet {gateway}/")),
+                "pooled gateway {gateway} still on the host"
+            );
+        }
+        for d in &self.dirs {
+            assert!(!d.exists(), "pool directory {} left behind", d.display());
+        }
+    }
+}
+
+/// Waits until the backend's namespace pool has `n` namespaces ready.
+async fn pool_ready(b: &JailBackend, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = b.net_pool_stats();
+        if st.ready >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the namespace pool did not fill to {n}: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_take_pooled_namespaces_and_the_pool_refills_after_each_take() {
+    require_jail!();
+    let (b, _data) = common::backend_with(|c| c.net_pool_size = 2).await;
+    pool_ready(&b, 2).await;
+    let before = b.net_pool_stats();
+    assert_eq!((before.size, before.taken, before.built_inline), (2, 0, 0));
+    let pooled = b.pooled_interfaces();
+    assert_eq!(pooled.len(), 2);
+    let links_before = b.host_interfaces().await;
+    for l in &pooled {
+        assert!(
+            links_before.contains(l),
+            "pooled link {l} exists on the host"
+        );
+    }
+
+    // Two creates take both pooled namespaces: their links are the pooled ones.
+    let one = common::create_ready(&b, common::spec(&common::id("pool-a"))).await;
+    let two = common::create_ready(&b, common::spec(&common::id("pool-b"))).await;
+    let st = b.net_pool_stats();
+    assert_eq!((st.taken, st.built_inline), (2, 0), "{st:?}");
+    let mut used = vec![
+        b.host_interface(&one.id).unwrap(),
+        b.host_interface(&two.id).unwrap(),
+    ];
+    used.sort();
+    let mut pooled_sorted = pooled.clone();
+    pooled_sorted.sort();
+    assert_eq!(
+        used, pooled_sorted,
+        "the sandboxes run on the pooled namespaces"
+    );
+    for info in [&one, &two] {
+        assert_eq!(common::sh(info, "hostname").await.stdout.trim(), info.id);
+    }
+
+    // The pool refills in the background with new namespaces.
+    pool_ready(&b, 2).await;
+    let refilled = b.pooled_interfaces();
+    assert!(
+        refilled.iter().all(|l| !pooled.contains(l)),
+        "{refilled:?} vs {pooled:?}"
+    );
+    assert!(b.net_pool_stats().built >= 4);
+
+    // With the pool off, creates make their own namespace.
+    let (off, _data_off) = common::backend_with(|c| c.net_pool_size = 0).await;
+    let three = common::create_ready(&off, common::spec(&common::id("pool-off"))).await;
+    let st = off.net_pool_stats();
+    assert_eq!((st.size, st.taken, st.built_inline, st.built), (0, 0, 1, 0));
+    off.destroy(&three.id).await.unwrap();
+
+    let traces = [common::traces(&b, &one), common::traces(&b, &two)];
+    b.destroy(&one.id).await.unwrap();
+    b.destroy(&two.id).await.unwrap();
+    for t in &traces {
+        common::assert_gone(&b, t);
+    }
+    let pool = PoolTraces::of(&b);
+    assert_eq!(pool.links.len(), 2);
+    b.shutdown().await;
+    pool.assert_gone(&b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_policy_is_applied_to_pooled_namespaces() {
+    require_jail!();
+    let (b, _data) = common::backend_with(|c| c.net_pool_size = 2).await;
+    let internet = FakeInternet::start();
+    pool_ready(&b, 2).await;
+    let open = common::create_ready(&b, common::spec(&common::id("pegress-on"))).await;
+    let mut closed_spec = common::spec(&common::id("pegress-off"));
+    closed_spec.allow_internet_access = false;
+    let closed = common::create_ready(&b, closed_spec).await;
+    let st = b.net_pool_stats();
+    assert_eq!(
+        (st.taken, st.built_inline),
+        (2, 0),
+        "both took a pooled namespace: {st:?}"
+    );
+    // The host interface says the policy.
+    assert!(b.host_interface(&open.id).unwrap().starts_with("aei"));
+    assert!(b.host_interface(&closed.id).unwrap().starts_with("aen"));
+    let r = common::try_connect(&open, INTERNET_IP, INTERNET_PORT).await;
+    assert_eq!(
+        r,
+        format!("connected {INTERNET_HOST_SIDE}"),
+        "NAT'd to the host's address"
+    );
+    let r = common::try_connect(&closed, INTERNET_IP, INTERNET_PORT).await;
+    assert!(common::is_blocked(&r), "no internet access: {r}");
+    // The node reaches both, and the renamed one still has its address and route.
+    probe_health(open.address.agent()).await.unwrap();
+    probe_health(closed.address.agent()).await.unwrap();
+    let route = common::sh(&closed, "ip -4 route show default").await;
+    assert!(
+        route.stdout.contains(&format!(
+            "via {}",
+            Ipv4Addr::from(u32::from(closed.address.ip) - 1)
+        )),
+        "{route:?}"
+    );
+    let t = common::traces(&b, &closed);
+    b.destroy(&open.id).await.unwrap();
+    b.destroy(&closed.id).await.unwrap();
+    common::assert_gone(&b, &t);
+    let pool = PoolTraces::of(&b);
+    b.shutdown().await;
+    pool.assert_gone(&b);
+    drop(internet);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_releases_the_namespace_pool_of_a_crashed_node_process() {
+    require_jail!();
+    let data = tempfile::tempdir().unwrap();
+    let mut cfg = common::config(data.path());
+    cfg.net_pool_size = 2;
+    let (crashed, _unused) = common::backend_with(|c| *c = cfg.clone()).await;
+    pool_ready(&crashed, 2).await;
+    let left = PoolTraces::of(&crashed);
+    assert_eq!(left.links.len(), 2);
+    assert_eq!(left.dirs.len(), 1);
+    // The node process "crashes": its pool's links and reservations stay.
+    std::mem::forget(crashed);
+    let restarted = JailBackend::new(cfg).await.unwrap();
+    pool_ready(&restarted, 2).await;
+    let report = restarted.reconcile(&[]).await.unwrap();
+    assert!(report.removed_sandboxes.is_empty(), "{report:?}");
+    for l in &left.links {
+        assert!(
+            report.removed_other.contains(&format!("link {l}")),
+            "{l} in {report:?}"
+        );
+    }
+    for ip in &left.addresses {
+        assert!(
+            report.removed_other.contains(&format!("address {ip}")),
+            "{ip} in {report:?}"
+        );
+    }
+    left.assert_released(&restarted);
+    // The restarted backend's own pool is untouched, and serves a create.
+    let own = PoolTraces::of(&restarted);
+    assert_eq!((own.links.len(), own.dirs.len()), (2, 1));
+    own.assert_present(&restarted);
+    let info = common::create_ready(&restarted, common::spec(&common::id("after"))).await;
+    assert_eq!(restarted.net_pool_stats().taken, 1);
+    restarted.destroy(&info.id).await.unwrap();
+    // A second pass finds nothing of either pool (other tests' leftovers may show).
+    let own = PoolTraces::of(&restarted);
+    let again = restarted.reconcile(&[]).await.unwrap();
+    assert!(again.removed_sandboxes.is_empty(), "{again:?}");
+    assert!(
+        !again
+            .removed_other
+            .iter()
+            .any(|r| r.starts_with("namespace pool")
+                || own.links.iter().any(|l| r == &format!("link {l}"))),
+        "{again:?}"
+    );
+    own.assert_present(&restarted);
+    restarted.shutdown().await;
+    own.assert_gone(&restarted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_backend_releases_its_namespace_pool() {
+    require_jail!();
+    let (b, data) = common::backend_with(|c| c.net_pool_size = 3).await;
+    pool_ready(&b, 3).await;
+    let pool = PoolTraces::of(&b);
+    drop(b);
+    // A fresh backend on the same data directory (its pool off) sees nothing left.
+    let (check, _unused) = common::backend_with(|c| {
+        *c = common::config(data.path());
+        c.net_pool_size = 0;
+    })
+    .await;
+    pool.assert_released(&check);
+    let report = check.reconcile(&[]).await.unwrap();
+    assert!(
+        !report
+            .removed_other
+            .iter()
+            .any(|r| r.starts_with("namespace pool")),
+        "{report:?}"
+    );
 }

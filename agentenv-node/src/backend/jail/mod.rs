@@ -22,6 +22,7 @@
 
 pub mod cgroup;
 pub mod net;
+pub mod netpool;
 pub mod seccomp;
 pub mod snapshot;
 pub mod spawn;
@@ -94,7 +95,12 @@ pub struct JailConfig {
     pub default_max_processes: u32,
     /// How long pause, resume and kill may take before they fail.
     pub op_timeout: Duration,
+    /// Network namespaces kept ready for creates (see [`netpool`]); 0 turns the pool off.
+    pub net_pool_size: usize,
 }
+
+/// Network namespaces a jail backend keeps ready unless configured otherwise.
+pub const DEFAULT_NET_POOL_SIZE: usize = 4;
 
 impl JailConfig {
     /// Defaults for a node with data under `data_dir`, running `agent_binary`.
@@ -115,6 +121,7 @@ impl JailConfig {
             cgroup_parent: "agentenv".into(),
             default_max_processes: 1024,
             op_timeout: Duration::from_secs(5),
+            net_pool_size: DEFAULT_NET_POOL_SIZE,
         }
     }
 }
@@ -150,7 +157,9 @@ pub struct JailBackend {
     cfg: JailConfig,
     templates: TemplateStore,
     hierarchy: Hierarchy,
-    pool: AddressPool,
+    pool: Arc<AddressPool>,
+    netpool: netpool::NetPool,
+    netpool_dir: PathBuf,
     netlink: rtnetlink::Handle,
     filters: Arc<Vec<seccompiler::BpfProgram>>,
     dns: Vec<Ipv4Addr>,
@@ -197,7 +206,7 @@ impl JailBackend {
         hierarchy
             .prepare_parent(&cfg.cgroup_parent)
             .map_err(setup)?;
-        let pool = AddressPool::new(cfg.address_pool, &cfg.runtime_dir).map_err(setup)?;
+        let pool = Arc::new(AddressPool::new(cfg.address_pool, &cfg.runtime_dir).map_err(setup)?);
         let dns = cfg
             .dns_servers
             .clone()
@@ -214,6 +223,15 @@ impl JailBackend {
         let (conn, netlink, _) = rtnetlink::new_connection()
             .map_err(|e| BackendError::io("opening a netlink socket", e))?;
         tokio::spawn(conn);
+        let netpool_dir = cfg.data_dir.join("jail").join("netpool");
+        let netpool = netpool::NetPool::start(
+            cfg.net_pool_size,
+            &cfg.iface_prefix,
+            netpool_dir.join(format!("{:016x}", rand::random::<u64>())),
+            pool.clone(),
+            netlink.clone(),
+        )
+        .map_err(setup)?;
         let filters = Arc::new(seccomp::sandbox_filters().map_err(setup)?);
         let host_cpus = std::thread::available_parallelism()
             .map(|n| n.get() as u32)
@@ -230,6 +248,8 @@ impl JailBackend {
             cfg,
             hierarchy,
             pool,
+            netpool,
+            netpool_dir,
             netlink,
             filters,
             dns,
@@ -321,6 +341,28 @@ impl JailBackend {
         net::list_links(&self.netlink, &self.cfg.iface_prefix)
             .await
             .unwrap_or_default()
+    }
+
+    /// What the pool of ready network namespaces did so far.
+    pub fn net_pool_stats(&self) -> netpool::NetPoolStats {
+        self.netpool.stats()
+    }
+
+    /// Where the namespace pools of this data directory keep their owner directories.
+    pub fn net_pool_dir(&self) -> &Path {
+        &self.netpool_dir
+    }
+
+    /// Host interfaces of the pooled network namespaces ready now.
+    pub fn pooled_interfaces(&self) -> Vec<String> {
+        self.netpool.interfaces()
+    }
+
+    /// Releases what the backend holds apart from its sandboxes: the pooled network
+    /// namespaces and their addresses (waiting until the kernel has removed their links).
+    /// Creates after this make their namespaces themselves.
+    pub async fn shutdown(&self) {
+        self.netpool.shutdown().await;
     }
 
     fn ready(&self, id: &str) -> Result<Arc<Sandbox>, BackendError> {
@@ -444,13 +486,11 @@ impl JailBackend {
             std::fs::create_dir_all(d)
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
         }
-        let slot = self.pool.reserve(&dir).map_err(|e| match e {
-            net::NetError::Exhausted(p) => BackendError::AddressPoolExhausted {
-                pool: p.to_string(),
-            },
-            other => setup(other),
-        })?;
+        let (slot, mut pooled) = self.reserve_net(&dir).await?;
         undo.slot = Some(slot);
+        if let Some(p) = &pooled {
+            undo.link = Some(p.net.host_if.clone());
+        }
         self.write_guest_files(&upper, &spec.id, slot)?;
         let log = std::fs::File::create(dir.join("agent.log"))
             .map_err(|e| BackendError::io("creating agent.log", e))?;
@@ -462,11 +502,28 @@ impl JailBackend {
         phases.mark("cgroup");
 
         let host_if = slot.host_ifname(&self.cfg.iface_prefix, spec.allow_internet_access);
-        undo.link = Some(host_if.clone());
-        let sandbox_net = net::create_sandbox_net(&self.netlink, slot, host_if.clone())
-            .await
-            .map_err(setup)?;
-        phases.mark("net");
+        let sandbox_net = match pooled.take() {
+            Some(mut p) => {
+                if p.net.host_if != host_if {
+                    // The host rules key on the name: it says the egress policy.
+                    net::rename_host_link(&self.netlink, &p.ns, &mut p.net, host_if.clone())
+                        .await
+                        .map_err(setup)?;
+                    undo.link = Some(host_if.clone());
+                }
+                phases.mark("pooled-net");
+                p.net
+            }
+            None => {
+                undo.link = Some(host_if.clone());
+                self.netpool.note_inline();
+                let n = net::create_sandbox_net(&self.netlink, slot, host_if.clone())
+                    .await
+                    .map_err(setup)?;
+                phases.mark("net");
+                n
+            }
+        };
 
         let created_at = SystemTime::now();
         let mut state = StateFile {
@@ -549,6 +606,36 @@ impl JailBackend {
             exited,
             op: tokio::sync::Mutex::new(()),
         }))
+    }
+
+    /// The address of a new sandbox whose directory is `dir`, with a ready network
+    /// namespace when the pool has one (its reservation then names `dir`).
+    async fn reserve_net(
+        &self,
+        dir: &Path,
+    ) -> Result<(Slot, Option<netpool::PooledNet>), BackendError> {
+        let p = match self.netpool.take() {
+            Some(p) => p,
+            None => match self.pool.reserve(dir) {
+                Ok(slot) => return Ok((slot, None)),
+                // The pool may hold the last free addresses in namespaces being made.
+                Err(net::NetError::Exhausted(pool)) => self
+                    .netpool
+                    .take_in_flight(self.cfg.op_timeout)
+                    .await
+                    .ok_or_else(|| BackendError::AddressPoolExhausted {
+                        pool: pool.to_string(),
+                    })?,
+                Err(other) => return Err(setup(other)),
+            },
+        };
+        let slot = p.net.slot;
+        if let Err(e) = self.pool.transfer(slot, dir) {
+            drop(p);
+            self.pool.release(slot);
+            return Err(setup(e));
+        }
+        Ok((slot, Some(p)))
     }
 
     fn write_guest_files(&self, upper: &Path, id: &str, slot: Slot) -> Result<(), BackendError> {
@@ -1075,6 +1162,17 @@ impl SandboxBackend for JailBackend {
                 }
             }
         }
+        // Namespace pools of earlier instances.
+        report.removed_other.extend(
+            netpool::leftovers(
+                &self.netpool_dir,
+                self.netpool.owner(),
+                &self.pool,
+                &self.netlink,
+                &self.cfg.iface_prefix,
+            )
+            .await,
+        );
         // Reservations whose owner directory is gone belong to nobody.
         for (slot, owner) in self.pool.reservations() {
             if !owner.as_os_str().is_empty() && !owner.exists() {

@@ -226,6 +226,21 @@ impl AddressPool {
         }
     }
 
+    /// Hands a reservation over to `owner` (rewritten in place, atomically).
+    pub fn transfer(&self, slot: Slot, owner: &Path) -> Result<(), NetError> {
+        let nonce: u64 = rand::random();
+        // Names that do not parse as an address are skipped by `reservations`.
+        let tmp = self.dir.join(format!(".{}.{nonce:016x}", slot.network));
+        std::fs::write(&tmp, owner.as_os_str().as_encoded_bytes()).map_err(io_err(format!(
+            "handing over the reservation of {}",
+            slot.network
+        )))?;
+        std::fs::rename(&tmp, self.slot_path(slot)).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io_err(format!("handing over the reservation of {}", slot.network))(e)
+        })
+    }
+
     pub fn is_reserved(&self, slot: Slot) -> bool {
         self.slot_path(slot).exists()
     }
@@ -432,6 +447,19 @@ pub struct SandboxNet {
 /// The interface name inside the sandbox.
 pub const GUEST_IF: &str = "eth0";
 
+/// A netlink connection inside a sandbox's network namespace; its task ends on drop.
+#[derive(Debug)]
+pub struct NsNetlink {
+    handle: Handle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for NsNetlink {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Creates a network namespace, a veth pair into it and the addresses and routes on both
 /// ends. On failure nothing is left (the namespace goes away with its last reference).
 pub async fn create_sandbox_net(
@@ -439,6 +467,18 @@ pub async fn create_sandbox_net(
     slot: Slot,
     host_if: String,
 ) -> Result<SandboxNet, NetError> {
+    create_sandbox_net_with_netlink(host, slot, host_if)
+        .await
+        .map(|(net, _)| net)
+}
+
+/// [`create_sandbox_net`], also returning the netlink connection inside the namespace
+/// (what [`rename_host_link`] needs).
+pub async fn create_sandbox_net_with_netlink(
+    host: &Handle,
+    slot: Slot,
+    host_if: String,
+) -> Result<(SandboxNet, NsNetlink), NetError> {
     let rt = tokio::runtime::Handle::current();
     // A fresh thread enters a new network namespace and opens a netlink socket there;
     // the namespace lives on through the returned descriptor and the socket.
@@ -466,16 +506,20 @@ pub async fn create_sandbox_net(
     })
     .join()
     .map_err(|_| NetError::Firewall("network namespace thread panicked".into()))??;
-    let conn_task = tokio::spawn(conn);
-    let result = configure(host, &ns_handle, &netns, slot, &host_if).await;
-    drop(ns_handle);
-    conn_task.abort();
+    let ns = NsNetlink {
+        handle: ns_handle,
+        task: tokio::spawn(conn),
+    };
+    let result = configure(host, &ns.handle, &netns, slot, &host_if).await;
     match result {
-        Ok(()) => Ok(SandboxNet {
-            netns,
-            host_if,
-            slot,
-        }),
+        Ok(()) => Ok((
+            SandboxNet {
+                netns,
+                host_if,
+                slot,
+            },
+            ns,
+        )),
         Err(e) => {
             let _ = delete_link(host, &host_if).await;
             Err(e)
@@ -561,6 +605,43 @@ async fn configure(
         .await
         .map_err(nl_err("adding the default route"))?;
     Ok(())
+}
+
+/// Renames the host end of a sandbox's veth pair to `name` (a link must be down to be
+/// renamed: down, then rename and up in one request) and waits until both ends are
+/// operational again. Addresses and routes stay.
+pub async fn rename_host_link(
+    host: &Handle,
+    ns: &NsNetlink,
+    net: &mut SandboxNet,
+    name: String,
+) -> Result<(), NetError> {
+    let old = net.host_if.clone();
+    let hidx = link_index(host, &old)
+        .await?
+        .ok_or_else(|| NetError::Firewall(format!("veth {old} vanished")))?;
+    host.link()
+        .set(LinkUnspec::new_with_index(hidx).down().build())
+        .execute()
+        .await
+        .map_err(nl_err(format!("taking {old} down")))?;
+    // The kernel applies the name before the flags.
+    host.link()
+        .set(
+            LinkUnspec::new_with_index(hidx)
+                .name(name.clone())
+                .up()
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(nl_err(format!("renaming {old} to {name}")))?;
+    net.host_if = name;
+    wait_oper_up(host, hidx, &net.host_if).await?;
+    let gidx = link_index(&ns.handle, GUEST_IF)
+        .await?
+        .ok_or_else(|| NetError::Firewall("eth0 missing in the sandbox namespace".into()))?;
+    wait_oper_up(&ns.handle, gidx, GUEST_IF).await
 }
 
 /// How long a new link may take to become operational.
