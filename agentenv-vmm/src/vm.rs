@@ -30,10 +30,13 @@ use crate::arch::{self, cpuid, mptable, regs};
 use crate::config::{ConfigError, MemoryBacking, VmConfig};
 use crate::devices::legacy::{self, DebugExit, I8042, SerialDevice};
 use crate::devices::virtio::VirtioDevice;
+use crate::devices::virtio::balloon::Balloon;
+pub use crate::devices::virtio::balloon::BalloonStats;
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, NOTIFY_OFFSET};
 use crate::devices::virtio::net::Net;
 use crate::devices::virtio::rng::Rng;
+use crate::devices::virtio::vsock::Vsock;
 use crate::devices::{Bus, BusError, InterruptLine, SharedDevice};
 use crate::hypervisor::kvm::KvmHypervisor;
 use crate::hypervisor::{
@@ -173,6 +176,8 @@ pub struct VmMetrics {
     pub snapshots: u64,
     pub virtio_devices: u64,
     pub exit_reason: Option<ExitReason>,
+    /// Per virtio device (by id): the transport's and the device's counters.
+    pub devices: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Default)]
@@ -292,6 +297,7 @@ pub struct Vm {
     hypervisor: Arc<dyn Hypervisor>,
     shared: Arc<Shared>,
     virtio: Vec<VirtioSlot>,
+    balloon: Option<Arc<Mutex<Balloon>>>,
     serial: Arc<Mutex<SerialDevice>>,
     /// The kernel command line the guest got.
     cmdline: String,
@@ -474,7 +480,21 @@ impl Vm {
         // Virtio devices at fixed slots, one IRQ each.
         let mut mmio = Bus::new();
         let mut virtio = Vec::new();
-        for (n, (id, device)) in devices(&config, &mem)?.into_iter().enumerate() {
+        let mut device_list = devices(&config, &mem)?;
+        let balloon = match &config.balloon {
+            Some(b) => {
+                let dev = Balloon::new(b.amount_mib, b.deflate_on_oom, b.stats_polling_interval_s)
+                    .map_err(|e| VmError::Device {
+                        id: "balloon".into(),
+                        reason: e.to_string(),
+                    })?;
+                let dev = Arc::new(Mutex::new(dev));
+                device_list.push(("balloon".to_string(), dev.clone()));
+                Some(dev)
+            }
+            None => None,
+        };
+        for (n, (id, device)) in device_list.into_iter().enumerate() {
             let base = arch::VIRTIO_MMIO_START + n as u64 * arch::VIRTIO_MMIO_SLOT;
             let irq = arch::VIRTIO_IRQ_BASE + n as u32;
             let irqfd = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(VmError::EventFd)?);
@@ -626,6 +646,7 @@ impl Vm {
             hypervisor: hv,
             shared,
             virtio,
+            balloon,
             serial,
             cmdline: cmdline_str,
             started: Mutex::new(false),
@@ -922,6 +943,36 @@ impl Vm {
         Ok(out)
     }
 
+    fn balloon(&self) -> Result<MutexGuard<'_, Balloon>, VmError> {
+        match &self.balloon {
+            Some(b) => Ok(b.lock().unwrap_or_else(|p| p.into_inner())),
+            None => Err(VmError::Unsupported(
+                "the VM has no balloon device (configure `balloon`)".into(),
+            )),
+        }
+    }
+
+    /// Sets the balloon's target size: the guest is asked to give back `mib` MiB.
+    pub fn balloon_set_target(&self, mib: u64) -> Result<(), VmError> {
+        if mib > self.config.memory_mib {
+            return Err(VmError::Unsupported(format!(
+                "balloon target {mib} MiB is more than the guest's {} MiB",
+                self.config.memory_mib
+            )));
+        }
+        self.balloon()?
+            .set_target_mib(mib)
+            .map_err(|e| VmError::Device {
+                id: "balloon".into(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The balloon's sizes and the guest's latest memory statistics.
+    pub fn balloon_stats(&self) -> Result<BalloonStats, VmError> {
+        Ok(self.balloon()?.stats())
+    }
+
     /// Ends the vCPU threads, joins them and returns why the VM ended.
     pub fn stop(&mut self) -> Result<ExitReason, VmError> {
         self.shared.exit.set(ExitReason::Stopped);
@@ -992,6 +1043,26 @@ impl Vm {
             snapshots: c.snapshots.load(Ordering::Relaxed),
             virtio_devices: self.virtio.len() as u64,
             exit_reason: self.shared.exit.get(),
+            devices: self
+                .virtio
+                .iter()
+                .map(|slot| {
+                    let transport = slot
+                        .transport
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .metrics();
+                    let device = slot
+                        .device
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .metrics();
+                    (
+                        slot.id.clone(),
+                        serde_json::json!({ "transport": transport, "device": device }),
+                    )
+                })
+                .collect(),
         }
     }
 
@@ -1022,7 +1093,8 @@ impl Drop for Vm {
 }
 
 /// The virtio devices of a configuration, in slot order: drives (the root drive first, so
-/// it is `/dev/vda`), network interfaces, vsock, balloon, rng.
+/// it is `/dev/vda`), network interfaces, vsock, rng. (The VM adds the balloon itself, last,
+/// to keep a handle for its controls.)
 pub fn default_devices(
     config: &VmConfig,
     _mem: &GuestMemoryMmap,
@@ -1048,15 +1120,12 @@ pub fn default_devices(
         })?;
         out.push((n.id.clone(), Arc::new(Mutex::new(dev))));
     }
-    if config.vsock.is_some() {
-        return Err(VmError::Unsupported(
-            "vsock: the virtio-vsock device is not in this build yet".into(),
-        ));
-    }
-    if config.balloon.is_some() {
-        return Err(VmError::Unsupported(
-            "balloon: the virtio-balloon device is not in this build yet".into(),
-        ));
+    if let Some(v) = &config.vsock {
+        let dev = Vsock::new(u64::from(v.guest_cid), &v.uds_path).map_err(|e| VmError::Device {
+            id: "vsock".into(),
+            reason: e.to_string(),
+        })?;
+        out.push(("vsock".to_string(), Arc::new(Mutex::new(dev))));
     }
     if config.rng {
         out.push(("rng".to_string(), Arc::new(Mutex::new(Rng::new()))));
