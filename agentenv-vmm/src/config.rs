@@ -376,6 +376,16 @@ impl VmConfig {
 
     /// Checks every field, with the hypervisor's vCPU limit.
     pub fn validate_with_max_vcpus(&self, max_vcpus: usize) -> Result<(), ConfigError> {
+        self.validate_inner(max_vcpus, false)
+    }
+
+    /// Checks every field a restore from a snapshot uses: the kernel, initrd and command
+    /// line are in the snapshot's memory already and are not read.
+    pub fn validate_for_restore(&self, max_vcpus: usize) -> Result<(), ConfigError> {
+        self.validate_inner(max_vcpus, true)
+    }
+
+    fn validate_inner(&self, max_vcpus: usize, restore: bool) -> Result<(), ConfigError> {
         let max = max_vcpus.min(usize::from(MAX_VCPUS));
         if self.vcpus == 0 || usize::from(self.vcpus) > max {
             return Err(invalid("vcpus", format!("must be between 1 and {max}")));
@@ -402,9 +412,11 @@ impl VmConfig {
                 ));
             }
         }
-        check_file("kernel", &self.kernel)?;
-        kernel_format(&self.kernel).map_err(|e| invalid("kernel", e))?;
-        if let Some(initrd) = &self.initrd {
+        if !restore {
+            check_file("kernel", &self.kernel)?;
+            kernel_format(&self.kernel).map_err(|e| invalid("kernel", e))?;
+        }
+        if let Some(initrd) = self.initrd.as_ref().filter(|_| !restore) {
             check_file("initrd", initrd)?;
             let len = std::fs::metadata(initrd).map(|m| m.len()).unwrap_or(0);
             if len == 0 {
@@ -724,6 +736,17 @@ mod tests {
         bad.cpuid_modifiers[0].modifiers[0].bitmap = "0b2".into();
         c.cpu_template = Some(bad);
         assert_eq!(field_of(&c), "cpu_template.cpuid_modifiers[0]");
+    }
+
+    #[test]
+    fn restore_validation_does_not_need_the_kernel_but_checks_the_rest() {
+        let (d, mut c) = base();
+        c.kernel = d.path().join("gone");
+        c.initrd = Some(d.path().join("gone too"));
+        c.validate_for_restore(8).unwrap();
+        assert_eq!(c.validate().unwrap_err().field(), "kernel");
+        c.memory_mib = 1;
+        assert_eq!(c.validate_for_restore(8).unwrap_err().field(), "memory_mib");
     }
 
     #[test]

@@ -383,7 +383,7 @@ impl Vm {
         snapshot_dir: &Path,
         devices: &DeviceFactory,
     ) -> Result<Vm, VmError> {
-        config.validate()?;
+        config.validate_for_restore(usize::from(crate::config::MAX_VCPUS))?;
         let hv: Arc<dyn Hypervisor> = Arc::new(KvmHypervisor::new()?);
         let host_model = cpuid::cpu_model(&hv.supported_cpuid()?);
         let state = snapshot::read_state(snapshot_dir, &host_model)?;
@@ -419,7 +419,10 @@ impl Vm {
         restore_memory: Option<&Path>,
     ) -> Result<Vm, VmError> {
         let max = hv.max_vcpus();
-        config.validate_with_max_vcpus(max)?;
+        match boot {
+            Boot::Kernel => config.validate_with_max_vcpus(max)?,
+            Boot::Restore(_) => config.validate_for_restore(max)?,
+        }
         install_kick_handler()?;
 
         let hv_vm = hv.create_vm()?;
@@ -1158,7 +1161,46 @@ enum Burst {
     Exit,
 }
 
+/// Accounts a vCPU thread's end, also when it unwinds from a panic (a bug): the VM then
+/// ends with an error instead of leaving `pause`/`stop` waiting for it.
+struct VcpuThreadGuard<'a> {
+    shared: &'a Shared,
+    idx: usize,
+}
+
+impl Drop for VcpuThreadGuard<'_> {
+    fn drop(&mut self) {
+        IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
+        if std::thread::panicking() {
+            self.shared.exit.set(ExitReason::Error(format!(
+                "vCPU {} thread panicked",
+                self.idx
+            )));
+        }
+        let panicking = std::thread::panicking();
+        {
+            let mut ctl = self.shared.ctl();
+            if panicking {
+                ctl.want = Want::Stop;
+            }
+            ctl.alive -= 1;
+            self.shared.ctl_cv.notify_all();
+        }
+        if panicking {
+            self.shared.kick_all();
+        }
+    }
+}
+
 fn vcpu_thread(shared: Arc<Shared>, idx: usize) {
+    let _guard = VcpuThreadGuard {
+        shared: &shared,
+        idx,
+    };
+    vcpu_loop(&shared, idx);
+}
+
+fn vcpu_loop(shared: &Shared, idx: usize) {
     let vcpu_lock = shared.vcpus[idx].clone();
     {
         let mut v = vcpu_lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -1179,18 +1221,13 @@ fn vcpu_thread(shared: Arc<Shared>, idx: usize) {
                         }
                         ctl.parked -= 1;
                     }
-                    Want::Stop => {
-                        IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
-                        ctl.alive -= 1;
-                        shared.ctl_cv.notify_all();
-                        return;
-                    }
+                    Want::Stop => return,
                 }
             }
         }
         let burst = {
             let mut v = vcpu_lock.lock().unwrap_or_else(|p| p.into_inner());
-            run_burst(v.as_mut(), &shared)
+            run_burst(v.as_mut(), shared)
         };
         if let Burst::Exit = burst {
             // The guest ended: every vCPU stops; `stop`/`wait` collect the reason.
@@ -1304,6 +1341,22 @@ mod tests {
         let p = dir.join("vmlinux");
         std::fs::write(&p, b).unwrap();
         p
+    }
+
+    #[test]
+    fn a_panicking_vcpu_thread_ends_the_vm_with_an_error_and_stop_still_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = VmConfig::new(tiny_elf(dir.path()));
+        config.memory_mib = 16;
+        let fake = Arc::new(FakeHypervisor::new(vec![FakeExit::Panic]));
+        let mut vm = Vm::build(fake, config, Boot::Kernel, &default_devices, None).unwrap();
+        vm.start().unwrap();
+        assert_eq!(
+            vm.wait(),
+            ExitReason::Error("vCPU 0 thread panicked".into())
+        );
+        assert!(matches!(vm.stop().unwrap(), ExitReason::Error(_)));
+        assert!(matches!(vm.pause(), Err(VmError::State(_))));
     }
 
     #[test]

@@ -251,3 +251,34 @@ fn smp_guest_finds_both_cpus_in_the_mp_table_and_the_ap_reports() {
     assert_eq!(r, ExitReason::Done(0), "serial: {log}");
     assert_eq!(log, "BSP sees 2 CPUs\nAP up\nBSP done\n");
 }
+
+#[test]
+fn file_backed_memory_is_the_file_the_guest_writes_into() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = asm64();
+    a.mov(rdi, 0x20_0000u64).unwrap();
+    a.mov(rax, 0x1122_3344_5566_7788u64).unwrap();
+    a.mov(qword_ptr(rdi), rax).unwrap();
+    done(&mut a, 0);
+    let mut c = config(dir.path(), kernel(dir.path(), &mut a));
+    c.memory_mib = 16;
+    let file = dir.path().join("guest.mem");
+    c.memory_backing = agentenv_vmm::config::MemoryBacking::File { path: file.clone() };
+    let mut vm = Vm::new(c).unwrap();
+    assert_eq!(run(&mut vm), ExitReason::Done(0));
+    let bytes = std::fs::read(&file).unwrap();
+    assert_eq!(bytes.len(), 16 << 20);
+    assert_eq!(
+        &bytes[0x20_0000..0x20_0008],
+        &0x1122_3344_5566_7788u64.to_le_bytes()
+    );
+}
+
+#[test]
+fn vm_handles_can_be_shared_between_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Vm>();
+}

@@ -15,6 +15,8 @@ pub enum FakeExit {
     IoOut(u16, Vec<u8>),
     MmioRead(u64, usize),
     MmioWrite(u64, Vec<u8>),
+    /// The "hypervisor" panics (stands in for a bug on the vCPU thread).
+    Panic,
 }
 
 #[derive(Default)]
@@ -197,6 +199,7 @@ impl HypervisorVcpu for FakeVcpu {
                 self.buf[..data.len()].copy_from_slice(&data);
                 VcpuExit::MmioWrite(addr, &self.buf[..data.len()])
             }
+            FakeExit::Panic => panic!("scripted panic"),
         })
     }
     fn immediate_exit_flag(&mut self) -> *mut u8 {
