@@ -193,6 +193,8 @@ if [ $want_rt = 1 ]; then
     echo 'AENV_RUNTIME_PATH="/run/aenv"'
     echo 'AENV_GUEST_BINARY_PATH="/var/lib/aenv/bin/agentenv-guest"'
     echo 'AENV_BACKEND="jail"'
+    echo '# The snapshot store every node shares (mount it first); unset: node-local.'
+    echo '#AENV_SNAPSHOT_STORE="/mnt/aenv-snapshots"'
   } | new_file "$root/etc/default/aenv" 0600 0 0 || true
   install -m 0644 "$here/systemd/aenv.service" "$root/etc/systemd/system/aenv.service"
 fi

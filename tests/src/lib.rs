@@ -233,10 +233,25 @@ pub fn start_node(
     home: tempfile::TempDir,
     scheduler: Option<&str>,
 ) -> NodeProc {
+    start_node_with_env(idx, id, addr, home, scheduler, &[])
+}
+
+/// [`start_node`] with more environment variables (`extra` wins over [`node_env`]).
+pub fn start_node_with_env(
+    idx: u8,
+    id: &str,
+    addr: SocketAddr,
+    home: tempfile::TempDir,
+    scheduler: Option<&str>,
+    extra: &[(String, String)],
+) -> NodeProc {
     let mut cmd = Command::new(binary("agentenv-node").expect("agentenv-node binary"));
     cmd.env_clear();
     cmd.env("PATH", std::env::var("PATH").unwrap_or_default());
     for (k, v) in node_env(idx, id, addr, home.path(), scheduler) {
+        cmd.env(k, v);
+    }
+    for (k, v) in extra {
         cmd.env(k, v);
     }
     let proc = Proc::spawn(id, cmd);
@@ -258,6 +273,8 @@ pub struct Cluster {
     pub nodes: Vec<NodeProc>,
     pub gateway_proc: Proc,
     pub scheduler_proc: Proc,
+    /// The snapshot store every node of the cluster shares (`AENV_SNAPSHOT_STORE`).
+    pub snapshot_store: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -308,16 +325,23 @@ impl Cluster {
             .parse()
             .expect("metrics address");
 
+        // One snapshot store for every node, as a shared mount would be.
+        let snapshot_store = dir.path().join("snapshot-store");
+        let shared = [(
+            "AENV_SNAPSHOT_STORE".to_string(),
+            snapshot_store.display().to_string(),
+        )];
         let node_procs: Vec<NodeProc> = nodes
             .iter()
             .enumerate()
             .map(|(i, (id, addr))| {
-                start_node(
+                start_node_with_env(
                     first_idx + i as u8,
                     id,
                     *addr,
                     tempfile::tempdir().expect("node home"),
                     Some(&scheduler),
+                    &shared,
                 )
             })
             .collect();
@@ -350,6 +374,7 @@ impl Cluster {
             nodes: node_procs,
             gateway_proc,
             scheduler_proc,
+            snapshot_store,
             _dir: dir,
         }
     }

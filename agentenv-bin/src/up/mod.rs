@@ -321,7 +321,9 @@ impl Up {
                 (Some(t), p)
             }
         };
-        for sub in ["logs", "run"] {
+        // `snapshot-store`: the storage every node shares (snapshots taken on one node
+        // start on any other).
+        for sub in ["logs", "run", "snapshot-store"] {
             let p = data_dir.join(sub);
             std::fs::create_dir_all(&p).map_err(fs_err("creating", &p))?;
         }
@@ -431,6 +433,7 @@ impl Up {
                 .env("AENV_BACKEND", "jail")
                 .env("AENV_GUEST_BINARY_PATH", guest)
                 .env("AENV_TEMPLATE_PATH", &self.opts.template_dir)
+                .env("AENV_SNAPSHOT_STORE", data.join("snapshot-store"))
                 .env("AENV_JAIL_ADDRESS_POOL", &pool)
                 .env(
                     "AENV_JAIL_IFACE_PREFIX",
