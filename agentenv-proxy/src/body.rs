@@ -173,6 +173,61 @@ impl Body for ReplayBody {
     }
 }
 
+/// One frame already read, then the rest of the body it came from.
+pub struct PrefixedBody<B> {
+    first: Option<Frame<Bytes>>,
+    rest: B,
+}
+
+impl<B> PrefixedBody<B> {
+    pub fn new(first: Frame<Bytes>, rest: B) -> Self {
+        Self {
+            first: Some(first),
+            rest,
+        }
+    }
+}
+
+impl<B> Body for PrefixedBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(first)));
+        }
+        Pin::new(&mut self.rest)
+            .poll_frame(cx)
+            .map(|f| f.map(|r| r.map_err(Into::into)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let first = self
+            .first
+            .as_ref()
+            .and_then(|f| f.data_ref())
+            .map_or(0, |d| d.len() as u64);
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + first);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + first);
+        }
+        hint
+    }
+}
+
 /// The upstream did not finish the body before the request deadline.
 #[derive(Debug, thiserror::Error)]
 #[error("upstream body not finished before the request timeout")]

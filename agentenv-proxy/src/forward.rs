@@ -2,7 +2,11 @@
 
 use std::net::IpAddr;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Uri};
 
 /// A node endpoint that is not an absolute `http://` or `https://` URL.
@@ -18,27 +22,98 @@ pub fn upstream_uri(
     path: &str,
     query: Option<&str>,
 ) -> Result<Uri, InvalidEndpoint> {
-    let invalid = || InvalidEndpoint(endpoint.to_string());
-    let base: Uri = endpoint.trim().parse().map_err(|_| invalid())?;
-    let scheme = base.scheme_str().ok_or_else(invalid)?;
-    if scheme != "http" && scheme != "https" {
-        return Err(invalid());
+    Endpoint::parse(endpoint)?.uri(&[path], query)
+}
+
+/// A node endpoint, parsed: scheme, authority and base path. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Endpoint(std::sync::Arc<EndpointParts>);
+
+#[derive(Debug)]
+struct EndpointParts {
+    raw: String,
+    scheme: Scheme,
+    authority: Authority,
+    base_path: String,
+}
+
+impl Endpoint {
+    /// An absolute `http://` or `https://` URL with a host; any query is
+    /// dropped.
+    pub fn parse(endpoint: &str) -> Result<Self, InvalidEndpoint> {
+        let invalid = || InvalidEndpoint(endpoint.to_string());
+        let base: Uri = endpoint.trim().parse().map_err(|_| invalid())?;
+        let scheme = base.scheme().ok_or_else(invalid)?.clone();
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+            return Err(invalid());
+        }
+        let authority = base.authority().ok_or_else(invalid)?.clone();
+        if authority.host().is_empty() {
+            return Err(invalid());
+        }
+        Ok(Self(std::sync::Arc::new(EndpointParts {
+            raw: endpoint.to_string(),
+            scheme,
+            authority,
+            base_path: base.path().to_string(),
+        })))
     }
-    let authority = base.authority().ok_or_else(invalid)?;
-    if authority.host().is_empty() {
-        return Err(invalid());
+
+    /// The endpoint's base path joined with each of `parts` (exactly one
+    /// `/` at every seam, escapes kept byte for byte), then `query`.
+    pub fn uri(&self, parts: &[&str], query: Option<&str>) -> Result<Uri, InvalidEndpoint> {
+        let e = &*self.0;
+        let len = e.base_path.len()
+            + parts.iter().map(|p| p.len() + 1).sum::<usize>()
+            + query.map_or(0, |q| q.len() + 1);
+        let mut s = String::with_capacity(len);
+        s.push_str(&e.base_path);
+        for part in parts {
+            match (s.ends_with('/'), part.starts_with('/')) {
+                (true, true) => s.push_str(&part[1..]),
+                (false, false) => {
+                    s.push('/');
+                    s.push_str(part);
+                }
+                _ => s.push_str(part),
+            }
+        }
+        if let Some(q) = query {
+            s.push('?');
+            s.push_str(q);
+        }
+        let invalid = || InvalidEndpoint(e.raw.clone());
+        let path_and_query =
+            PathAndQuery::from_maybe_shared(bytes::Bytes::from(s)).map_err(|_| invalid())?;
+        Uri::builder()
+            .scheme(e.scheme.clone())
+            .authority(e.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .map_err(|_| invalid())
     }
-    let joined = join_path(base.path(), path);
-    let mut s = String::with_capacity(scheme.len() + authority.as_str().len() + joined.len() + 8);
-    s.push_str(scheme);
-    s.push_str("://");
-    s.push_str(authority.as_str());
-    s.push_str(&joined);
-    if let Some(q) = query {
-        s.push('?');
-        s.push_str(q);
+
+    /// `endpoint`, parsed once per thread and then reused.
+    pub fn cached(endpoint: &str) -> Result<Self, InvalidEndpoint> {
+        /// Endpoints are the few nodes of a cluster; this bounds a cache
+        /// that an ever-changing node list would otherwise grow.
+        const MAX_CACHED: usize = 1024;
+        thread_local! {
+            static CACHE: RefCell<HashMap<String, Endpoint>> = RefCell::default();
+        }
+        CACHE.with(|cache| {
+            if let Some(e) = cache.borrow().get(endpoint) {
+                return Ok(e.clone());
+            }
+            let parsed = Self::parse(endpoint)?;
+            let mut cache = cache.borrow_mut();
+            if cache.len() >= MAX_CACHED {
+                cache.clear();
+            }
+            cache.insert(endpoint.to_string(), parsed.clone());
+            Ok(parsed)
+        })
     }
-    s.parse().map_err(|_| invalid())
 }
 
 /// `a` + `b` with exactly one `/` between them.
@@ -161,8 +236,26 @@ pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &For
     }
 }
 
-/// An IP address as a header value, formatted without allocating.
+/// An IP address as a header value. The last one made on this thread is
+/// reused: a client connection sends many requests from one address.
 fn ip_header_value(ip: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((cached, v)) if *cached == ip => v.clone(),
+            _ => {
+                let v = format_ip(ip);
+                *last = Some((ip, v.clone()));
+                v
+            }
+        }
+    })
+}
+
+fn format_ip(ip: IpAddr) -> HeaderValue {
     use std::io::Write;
     let mut buf = [0u8; 48];
     let mut cursor = std::io::Cursor::new(&mut buf[..]);

@@ -90,8 +90,32 @@ pub fn trim_trailing_slashes(path: &str) -> &str {
     if t.is_empty() { "/" } else { t }
 }
 
-fn segments(path: &str) -> Vec<&str> {
-    path.trim_matches('/').split('/').collect()
+/// Up to the first five `/`-separated segments of a path, without
+/// allocating: every pattern matched against them is at most four segments
+/// long or ends in `..`, so a longer path still matches and mismatches
+/// exactly as with all its segments.
+struct Segments<'a> {
+    buf: [&'a str; 5],
+    len: usize,
+}
+
+impl<'a> Segments<'a> {
+    fn as_slice(&self) -> &[&'a str] {
+        &self.buf[..self.len]
+    }
+}
+
+fn segments(path: &str) -> Segments<'_> {
+    let mut buf = [""; 5];
+    let mut len = 0;
+    for seg in path.trim_matches('/').split('/') {
+        if len == buf.len() {
+            break;
+        }
+        buf[len] = seg;
+        len += 1;
+    }
+    Segments { buf, len }
 }
 
 /// The sandbox id of `/sandboxes/{id}[/…]` (and `/v2/sandboxes/{id}[/…]`).
@@ -458,5 +482,18 @@ mod tests {
         assert_eq!(status_label(503), "5xx");
         assert_eq!(status_label(999), "other");
         assert_eq!(method_label(&Method::CONNECT), "OTHER");
+    }
+    #[test]
+    fn paths_longer_than_five_segments_match_like_shorter_ones() {
+        assert_eq!(path_sandbox_id("/sandboxes/a/b/c/d/e/f"), Some("a"));
+        assert_eq!(path_sandbox_id("/v2/sandboxes/a/b/c/d/e/f"), Some("a"));
+        assert!(!is_control_plane(&Method::POST, "/sandboxes/a/pause/x/y/z"));
+        assert!(!is_control_plane(
+            &Method::POST,
+            "/v2/sandboxes/a/connect/x"
+        ));
+        assert_eq!(route_label("/proxy/a/b/c/d/e/f/g"), "/proxy/*");
+        assert_eq!(route_label("/sandboxes/a/pause/b/c/d/e"), "unmatched");
+        assert_eq!(node_id_from_path("/nodes/n/a/b/c/d"), None);
     }
 }

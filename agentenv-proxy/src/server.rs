@@ -25,14 +25,14 @@ use tokio::time::Instant;
 use tonic::{Code, Status};
 
 use crate::body::{
-    BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, ReplayBody, boxed,
+    BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, PrefixedBody, ReplayBody, boxed,
     caused_by_client_body, client_body, concat, empty, error_response, full, json_response,
     read_prefix,
 };
 use crate::client::SchedulerClient;
 use crate::cluster_list::{self, ListedSandbox};
 use crate::forward::{
-    Forwarded, rewrite_request_headers, rewrite_response_headers, target_path, upstream_uri,
+    Endpoint, Forwarded, rewrite_request_headers, rewrite_response_headers, upstream_uri,
 };
 use crate::hint::capture_hint;
 use crate::host_route::{HostRoute, HostRouteError, HostRouter, InvalidDomain};
@@ -482,7 +482,9 @@ impl Gateway {
         };
         rec.source = source;
 
-        let scheduler = &self.inner.scheduler;
+        // Call the trait object itself, not the blanket impl for `Arc<T>`
+        // (which would box one more future per call).
+        let scheduler: &dyn SchedulerClient = &*self.inner.scheduler;
         let node = match sandbox_id {
             Some(id) => {
                 self.rpc("LookupNode", deadline, scheduler.lookup_node(&id))
@@ -527,12 +529,16 @@ impl Gateway {
             Err(status) => return scheduler_error(&status),
         };
 
-        let target = target_path(
-            req.uri().path(),
-            source.is_data_plane(),
-            is_proxy_path(&decoded),
-        );
-        let uri = match upstream_uri(&node.endpoint, &target, req.uri().query()) {
+        // Data-plane routes go under `/proxy` (kept once if already there).
+        let under_proxy = source.is_data_plane() && !is_proxy_path(&decoded);
+        let parts: &[&str] = if under_proxy {
+            &["/proxy", req.uri().path()]
+        } else {
+            &[req.uri().path()]
+        };
+        let uri = match Endpoint::cached(&node.endpoint)
+            .and_then(|e| e.uri(parts, req.uri().query()))
+        {
             Ok(u) => u,
             Err(e) => {
                 tracing::warn!(node_id = %node.node_id, error = %e, "scheduler returned an unusable endpoint");
@@ -678,13 +684,15 @@ impl Gateway {
         let (parts, body) = resp.into_parts();
         let body = match plan.deadline {
             Some(d) => {
-                let mut body = boxed(DeadlineBody::new(body, d));
+                let mut body = DeadlineBody::new(body, d);
                 // Wait for the first frame of an ordinary response, so the
                 // head and a small body leave in one write instead of two.
                 // Streams (no deadline) are relayed as they come.
-                if !body.is_end_stream() && !plan.record {
+                if body.is_end_stream() || plan.record {
+                    boxed(body)
+                } else {
                     match body.frame().await {
-                        Some(Ok(first)) => body = boxed(ReplayBody::new(vec![first], Some(body))),
+                        Some(Ok(first)) => boxed(PrefixedBody::new(first, body)),
                         Some(Err(e)) if e.is::<BodyDeadlineExceeded>() => {
                             return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
                         }
@@ -692,10 +700,9 @@ impl Gateway {
                             tracing::warn!(node_id = %plan.node.node_id, error = %e, "upstream response body failed");
                             return upstream_unavailable(&plan.node);
                         }
-                        None => body = empty(),
+                        None => empty(),
                     }
                 }
-                body
             }
             None => boxed(body),
         };
