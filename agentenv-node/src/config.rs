@@ -38,7 +38,7 @@ fn invalid(key: &'static str, value: impl Into<String>, fix: impl Into<String>) 
 /// Which backend runs sandboxes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
-    /// Pick the best one available (only `jail` exists in this build).
+    /// `microvm` on hardware KVM with a guest kernel and the VMM present, else `jail`.
     Auto,
     Jail,
     Microvm,
@@ -72,6 +72,12 @@ pub struct NodeConfig {
     /// sandbox's first process (`AENV_GUEST_INIT_MODE`, default on); off runs it as a
     /// plain server.
     pub guest_init_mode: bool,
+    /// The guest kernel of microVM sandboxes (`AENV_GUEST_KERNEL_PATH`), default
+    /// `<home>/guest/vmlinux` (built by agentenv-vmm/guest/build-kernel.sh).
+    pub guest_kernel: PathBuf,
+    /// The VMM binary of microVM sandboxes (`AENV_VMM_BINARY_PATH`), default
+    /// `<home>/bin/agentenv-vmm`.
+    pub vmm_binary: PathBuf,
     /// Template store root (`AENV_TEMPLATE_PATH`), default `<home>/templates`.
     pub template_path: PathBuf,
     /// Jail sandbox address pool (`AENV_JAIL_ADDRESS_POOL`), e.g. `10.12.0.0/16`.
@@ -112,6 +118,8 @@ struct FileConfig {
     backend: Option<toml::Value>,
     guest_binary_path: Option<PathBuf>,
     guest_init_mode: Option<bool>,
+    guest_kernel_path: Option<PathBuf>,
+    vmm_binary_path: Option<PathBuf>,
     template_path: Option<PathBuf>,
     #[serde(default)]
     node_identity: FileIdentity,
@@ -381,6 +389,14 @@ impl NodeConfig {
             Some(v) => parse_bool("AENV_GUEST_INIT_MODE", &v)?,
             None => file.guest_init_mode.unwrap_or(true),
         };
+        let guest_kernel = env("AENV_GUEST_KERNEL_PATH")
+            .map(PathBuf::from)
+            .or(file.guest_kernel_path.map(&rel))
+            .unwrap_or_else(|| home.join("guest").join("vmlinux"));
+        let vmm_binary = env("AENV_VMM_BINARY_PATH")
+            .map(PathBuf::from)
+            .or(file.vmm_binary_path.map(&rel))
+            .unwrap_or_else(|| home.join("bin").join("agentenv-vmm"));
         let template_path = env("AENV_TEMPLATE_PATH")
             .map(PathBuf::from)
             .or(file.template_path.map(&rel))
@@ -512,6 +528,8 @@ impl NodeConfig {
             backend,
             guest_binary,
             guest_init_mode,
+            guest_kernel,
+            vmm_binary,
             template_path,
             jail_address_pool: env("AENV_JAIL_ADDRESS_POOL")
                 .or(file.jail.address_pool)

@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 use crate::access::{self, KeyOrigin, TokenIssuer};
 use crate::api::{self, ApiState, NodeIdentity};
 use crate::backend::jail::{JailBackend, JailConfig, net::Ipv4Net};
+use crate::backend::microvm::{self, MicrovmBackend, MicrovmConfig};
 use crate::backend::{BackendError, KeptState, SandboxBackend};
 use crate::config::{BackendKind, NodeConfig};
 use crate::lifecycle::{
@@ -24,8 +25,10 @@ pub enum DaemonError {
     Access(#[from] access::AccessError),
     #[error("backend: {0}")]
     Backend(#[from] BackendError),
-    #[error("AENV_BACKEND=microvm is not available in this build: use AENV_BACKEND=jail (or auto)")]
-    MicrovmUnavailable,
+    #[error(
+        "AENV_BACKEND=microvm cannot run on this host: {0}; or use AENV_BACKEND=jail (or auto)"
+    )]
+    MicrovmUnavailable(String),
     #[error("invalid AENV_JAIL_ADDRESS_POOL {0:?}: use a CIDR such as 10.12.0.0/16")]
     AddressPool(String),
     #[error("paused-sandbox store: {0}")]
@@ -83,6 +86,55 @@ pub async fn jail_backend(
     Ok(b)
 }
 
+/// Builds the microvm backend of `cfg` (it shares the jail's address pool, interface
+/// prefix and cgroup parent settings); reconciliation keeps the snapshots in `kept`.
+pub async fn microvm_backend(
+    cfg: &NodeConfig,
+    kept: &[KeptState],
+) -> Result<MicrovmBackend, DaemonError> {
+    if let Some(reason) = microvm::unavailable_reason(&cfg.guest_kernel, &cfg.vmm_binary) {
+        return Err(DaemonError::MicrovmUnavailable(reason));
+    }
+    let mut m = MicrovmConfig::new(
+        &cfg.home,
+        &cfg.guest_binary,
+        &cfg.vmm_binary,
+        &cfg.guest_kernel,
+    );
+    m.runtime_dir = cfg.runtime_path.clone();
+    m.templates.root = cfg.template_path.clone();
+    m.address_pool = cfg
+        .jail_address_pool
+        .parse::<Ipv4Net>()
+        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
+    m.iface_prefix = cfg.jail_iface_prefix.clone();
+    m.cgroup_parent = cfg.jail_cgroup_parent.clone();
+    let b = MicrovmBackend::new(m).await?;
+    let report = b.reconcile(kept).await?;
+    if !report.removed_sandboxes.is_empty() {
+        tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
+    }
+    Ok(b)
+}
+
+/// The backend `AENV_BACKEND=auto` picks on this host, and why.
+pub fn auto_backend(cfg: &NodeConfig) -> (BackendKind, String) {
+    match microvm::unavailable_reason(&cfg.guest_kernel, &cfg.vmm_binary) {
+        None => (
+            BackendKind::Microvm,
+            format!(
+                "hardware KVM, the guest kernel {} and the VMM {} are present",
+                cfg.guest_kernel.display(),
+                cfg.vmm_binary.display()
+            ),
+        ),
+        Some(reason) => (
+            BackendKind::Jail,
+            format!("microVMs cannot run here: {reason}"),
+        ),
+    }
+}
+
 /// Opens the snapshot repository of `cfg` and checks that it is usable (a writable
 /// directory; a bucket that exists and accepts the credentials).
 pub async fn snapshot_repository(
@@ -132,25 +184,30 @@ impl Daemon {
             }
         }
         let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
-        // Before the backend: a repository that cannot work stops the start with
-        // nothing set up.
-        let snapshots = snapshot_repository(&cfg).await?;
         let kept: Vec<KeptState> = store
             .load_all()
             .map_err(LifecycleError::from)?
             .into_iter()
             .filter_map(|r| r.kept)
             .collect();
-        let backend: Arc<dyn SandboxBackend> = match cfg.backend {
-            BackendKind::Microvm => return Err(DaemonError::MicrovmUnavailable),
+        let kind = match cfg.backend {
             BackendKind::Auto => {
-                tracing::info!(
-                    "AENV_BACKEND=auto: using the jail backend (the microvm backend is not part of this build)"
-                );
-                Arc::new(jail_backend(&cfg, &kept).await?)
+                let (kind, why) = auto_backend(&cfg);
+                let name = if kind == BackendKind::Microvm {
+                    "microvm"
+                } else {
+                    "jail"
+                };
+                tracing::info!(backend = name, reason = %why, "AENV_BACKEND=auto: using the {name} backend: {why}");
+                kind
             }
-            BackendKind::Jail => Arc::new(jail_backend(&cfg, &kept).await?),
+            other => other,
         };
+        let backend: Arc<dyn SandboxBackend> = match kind {
+            BackendKind::Microvm => Arc::new(microvm_backend(&cfg, &kept).await?),
+            _ => Arc::new(jail_backend(&cfg, &kept).await?),
+        };
+        let snapshots = snapshot_repository(&cfg).await?;
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,
             auto_evict_interval: cfg.auto_evict_interval,

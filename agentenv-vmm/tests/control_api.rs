@@ -292,3 +292,39 @@ fn a_server_that_never_answers_times_the_client_out() {
     );
     drop(listener);
 }
+
+#[test]
+fn the_balloon_target_is_set_and_its_statistics_read_over_the_socket() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = halting_guest(dir.path());
+    let mut c: VmConfig = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    c.balloon = Some(agentenv_vmm::config::BalloonConfig {
+        amount_mib: 0,
+        deflate_on_oom: true,
+        stats_polling_interval_s: 0,
+    });
+    std::fs::write(&config, serde_json::to_vec(&c).unwrap()).unwrap();
+    let sock = dir.path().join("api.sock");
+    let mut child = vmm(&config, &sock, &["--start"]);
+    let rt = runtime();
+    let client = VmmClient::new(&sock, "t3");
+    rt.block_on(client.wait_ready(TIMEOUT)).unwrap();
+    assert_eq!(
+        rt.block_on(client.balloon_set_target(8)).unwrap()["target_mib"],
+        8
+    );
+    let stats = rt.block_on(client.balloon_stats()).unwrap();
+    assert_eq!(stats["target_mib"], 8, "{stats}");
+    // The guest program has no balloon driver: nothing is given back.
+    assert_eq!(stats["actual_mib"], 0, "{stats}");
+    let e = rt.block_on(client.balloon_set_target(64)).unwrap_err();
+    assert!(
+        e.to_string().contains("more than the guest's 32 MiB"),
+        "{e}"
+    );
+    rt.block_on(client.stop()).unwrap();
+    assert!(wait_exit(&mut child).success());
+}

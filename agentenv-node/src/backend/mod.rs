@@ -18,6 +18,7 @@
 
 pub mod agent;
 pub mod jail;
+pub mod microvm;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};

@@ -62,9 +62,12 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageErr
 }
 
 /// The kernel command line part that starts the agent from the image as PID 1 in init
-/// mode (arguments after `--` go to init).
+/// mode. The kernel hands an argument it does not know and that has no `=` to init, so
+/// `--init` reaches the agent; no `--` separator is used, because the VMM appends its
+/// console and device arguments after the configured command line and the kernel would
+/// pass everything after `--` to init.
 pub fn init_cmdline() -> String {
-    format!("init={AGENT_IMAGE_PATH} -- --init")
+    format!("init={AGENT_IMAGE_PATH} --init")
 }
 
 /// The cache key of an image: template metadata, agent contents, image format.
@@ -481,6 +484,7 @@ mod tests {
 
     #[test]
     fn init_runs_the_agent_in_init_mode() {
-        assert_eq!(init_cmdline(), "init=/agentenv/agentenv-guest -- --init");
+        assert_eq!(init_cmdline(), "init=/agentenv/agentenv-guest --init");
+        assert!(!init_cmdline().split_whitespace().any(|w| w == "--"));
     }
 }

@@ -104,14 +104,6 @@ impl Vmm {
         }
         v
     }
-
-    fn no_balloon(&self) -> Result<Value, String> {
-        if self.vm.virtio_devices().iter().any(|d| d.id == "balloon") {
-            Err("the balloon device cannot be driven by this VMM build yet".into())
-        } else {
-            Err("the VM has no balloon device: add `balloon` to its configuration".into())
-        }
-    }
 }
 
 impl Handler for Vmm {
@@ -154,7 +146,14 @@ impl Handler for Vmm {
                 let info = self.vm.snapshot(&dir, kind).map_err(|e| e.to_string())?;
                 serde_json::to_value(info).map_err(|e| e.to_string())
             }
-            Action::BalloonSetTarget { .. } | Action::BalloonStats => self.no_balloon(),
+            Action::BalloonSetTarget { mib } => {
+                self.vm.balloon_set_target(mib).map_err(|e| e.to_string())?;
+                Ok(json!({ "target_mib": mib }))
+            }
+            Action::BalloonStats => {
+                let stats = self.vm.balloon_stats().map_err(|e| e.to_string())?;
+                serde_json::to_value(stats).map_err(|e| e.to_string())
+            }
             Action::Metrics => {
                 let mut v = serde_json::to_value(self.vm.metrics()).map_err(|e| e.to_string())?;
                 v["state"] = json!(self.state.name());

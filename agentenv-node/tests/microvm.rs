@@ -1,0 +1,409 @@
+//! The microvm backend driven with a small guest program as its "kernel" (the agent never
+//! answers, so these tests pin the VM lifecycle, not the agent): the VMM runs inside the
+//! sandbox's network namespace and cgroup with the tap attached; pause leaves a snapshot
+//! and no VMM; resume restores a VMM from it; keep/create restores in the same address;
+//! destroy and reconcile leave no process, namespace, link, cgroup, file or address.
+
+#[path = "../../agentenv-vmm/tests/common/mod.rs"]
+mod guest;
+
+use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use agentenv_node::backend::microvm::{MicrovmBackend, MicrovmConfig};
+use agentenv_node::backend::{BackendError, SandboxBackend, SandboxSpec, SandboxState};
+use agentenv_node::template::TemplateMeta;
+use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why these tests cannot run here, if they cannot.
+fn skip_reason() -> Option<String> {
+    if !nix::unistd::Uid::effective().is_root() {
+        return Some("the microvm backend needs root (namespaces, cgroups, taps)".into());
+    }
+    if !Path::new("/dev/kvm").exists() {
+        return Some("/dev/kvm is missing".into());
+    }
+    None
+}
+
+macro_rules! require_microvm {
+    () => {
+        if let Some(reason) = skip_reason() {
+            println!("NOT RUN HERE: {reason}");
+            return;
+        }
+    };
+}
+
+/// The `agentenv-vmm` binary of this workspace, built once per test process.
+fn vmm_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "-q", "-p", "agentenv-vmm", "--bin", "agentenv-vmm"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build for agentenv-vmm");
+        assert!(status.success(), "building agentenv-vmm failed");
+        // tests live in target/<profile>/deps/; the binary in target/<profile>/.
+        let exe = std::env::current_exe().unwrap();
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .unwrap()
+            .join("agentenv-vmm");
+        assert!(bin.is_file(), "{} missing", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// Prints `ready`, then halts with interrupts off (the vCPU sleeps in the host kernel).
+fn halting_guest(dir: &Path) -> PathBuf {
+    let mut a = guest::asm64();
+    guest::print(&mut a, "ready\n");
+    let mut l = a.create_label();
+    a.set_label(&mut l).unwrap();
+    a.cli().unwrap();
+    a.hlt().unwrap();
+    a.jmp(l).unwrap();
+    guest::kernel(dir, &mut a)
+}
+
+/// A template store with one small template, `tiny`.
+fn tiny_template(root: &Path) {
+    let t = root.join("tiny");
+    std::fs::create_dir_all(t.join("rootfs/etc")).unwrap();
+    std::fs::write(t.join("rootfs/etc/hostname"), "tiny\n").unwrap();
+    let meta = TemplateMeta {
+        name: "tiny".into(),
+        built_at: 1,
+        source: "test".into(),
+    };
+    std::fs::write(t.join("template.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
+}
+
+async fn backend(data: &Path) -> MicrovmBackend {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "agentenv_node=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let kernel = halting_guest(data);
+    let agent = data.join("agentenv-guest");
+    std::fs::write(&agent, b"\x7fELF the agent never runs in these tests").unwrap();
+    let mut cfg = MicrovmConfig::new(data, &agent, vmm_binary(), kernel);
+    cfg.templates.root = data.join("templates");
+    tiny_template(&cfg.templates.root);
+    cfg.cgroup_parent = "agentenv-test-vm".into();
+    cfg.iface_prefix = "tv".into();
+    // The guest program is a plain ELF, not a Linux kernel: KVM under kvm_pvm runs it.
+    MicrovmBackend::new_unchecked(cfg).await.unwrap()
+}
+
+fn spec(id: &str) -> SandboxSpec {
+    let mut s = SandboxSpec::new(id, "tiny");
+    s.cpu_count = 1;
+    s.memory_mb = 32;
+    s
+}
+
+fn id(name: &str) -> String {
+    format!("{name}-{:08x}", rand::random::<u32>())
+}
+
+fn netns_inode(pid: i32) -> u64 {
+    std::fs::metadata(format!("/proc/{pid}/ns/net"))
+        .unwrap()
+        .ino()
+}
+
+/// Network namespaces some process on the host is in.
+fn host_netns() -> HashSet<u64> {
+    let mut out = HashSet::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(md) = std::fs::metadata(e.path().join("ns/net")) {
+            out.insert(md.ino());
+        }
+    }
+    out
+}
+
+fn alive(pid: i32) -> bool {
+    // A reaped process has no /proc entry; a zombie has state Z.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+async fn wait_gone(pid: i32) {
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while alive(pid) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "pid {pid} still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The interface the VMM attached to: `iff:` in the fdinfo of its /dev/net/tun descriptor.
+fn vmm_taps(pid: i32) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        if std::fs::read_link(e.path()).ok().as_deref() == Some(Path::new("/dev/net/tun")) {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                e.file_name().to_string_lossy()
+            ))
+            .unwrap_or_default();
+            if let Some(l) = info.lines().find_map(|l| l.strip_prefix("iff:")) {
+                out.push(l.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+async fn serial_contains(dir: &Path, text: &str) -> bool {
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    loop {
+        if std::fs::read_to_string(dir.join("serial.log"))
+            .unwrap_or_default()
+            .contains(text)
+        {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Checks that a running sandbox's VMM sits in its namespace and cgroup with the tap.
+async fn assert_vmm_in_place(b: &MicrovmBackend, id: &str) -> i32 {
+    let pid = b.vmm_pid(id).expect("a VMM runs");
+    assert!(alive(pid));
+    let host_ns = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
+    assert_ne!(
+        netns_inode(pid),
+        host_ns,
+        "the VMM runs in the sandbox namespace"
+    );
+    let dirs = b.cgroup_dirs(id);
+    assert!(!dirs.is_empty());
+    for d in &dirs {
+        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap();
+        assert!(
+            procs.lines().any(|l| l.trim() == pid.to_string()),
+            "VMM {pid} not in {}: {procs}",
+            d.display()
+        );
+    }
+    let tap = b
+        .ip_in_sandbox(id, &["-d", "link", "show", "tap0"])
+        .unwrap();
+    assert!(tap.contains("master br0"), "{tap}");
+    assert!(tap.contains("tun type tap"), "{tap}");
+    let eth0_v4 = b
+        .ip_in_sandbox(id, &["-4", "addr", "show", "dev", "eth0"])
+        .unwrap();
+    assert!(
+        !eth0_v4.contains("inet "),
+        "the guest owns the address: {eth0_v4}"
+    );
+    let eth0 = b.ip_in_sandbox(id, &["link", "show", "eth0"]).unwrap();
+    assert!(eth0.contains("master br0"), "{eth0}");
+    assert_eq!(
+        vmm_taps(pid),
+        vec!["tap0".to_string()],
+        "the VMM attached to tap0"
+    );
+    let status = b.vmm_client(id).unwrap().status().await.unwrap();
+    assert_eq!(status["state"], "running");
+    pid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_nothing() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let b = backend(data.path()).await;
+    let netns_before = host_netns();
+    let links_before = b.host_interfaces().await;
+    let sid = id("life");
+    let info = b.create(spec(&sid)).await.unwrap();
+    let dir = b.sandbox_dir(&sid);
+    assert_eq!(info.state, SandboxState::Running);
+    assert!(b.address_reserved(info.address.ip));
+    let host_if = b.host_interface(&sid).unwrap();
+    assert!(b.host_interfaces().await.contains(&host_if));
+    assert!(!links_before.contains(&host_if));
+    let pid = assert_vmm_in_place(&b, &sid).await;
+    let ns = netns_inode(pid);
+    assert!(!netns_before.contains(&ns));
+    assert!(serial_contains(&dir, "ready").await, "the guest ran");
+    let vm: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("vm.json")).unwrap()).unwrap();
+    let cmdline = vm["cmdline"].as_str().unwrap();
+    assert!(
+        cmdline.contains(&format!("ip={}::", info.address.ip)),
+        "{cmdline}"
+    );
+    assert!(
+        cmdline.contains("init=/agentenv/agentenv-guest"),
+        "{cmdline}"
+    );
+    assert!(dir.join("rootfs.ext4").is_file());
+    let usage = b.usage(&sid).await.unwrap();
+    assert!(usage.memory_limit_bytes >= 32 << 20, "{usage:?}");
+    assert!(usage.processes >= 1, "{usage:?}");
+
+    b.pause(&sid).await.unwrap();
+    assert_eq!(b.get(&sid).await.unwrap().state, SandboxState::Paused);
+    assert!(dir.join("snapshot").join(STATE_FILE).is_file());
+    assert!(dir.join("snapshot").join(MEMORY_FILE).is_file());
+    wait_gone(pid).await;
+    assert_eq!(b.vmm_pid(&sid), None);
+    // Pausing again is a no-op.
+    b.pause(&sid).await.unwrap();
+    // The sandbox keeps its network while paused.
+    assert!(b.ip_in_sandbox(&sid, &["link", "show", "tap0"]).is_ok());
+
+    let resumed = b.resume(&sid).await.unwrap();
+    assert_eq!(resumed.state, SandboxState::Running);
+    assert_eq!(resumed.address, info.address);
+    let pid2 = assert_vmm_in_place(&b, &sid).await;
+    assert_ne!(pid2, pid);
+    assert_eq!(netns_inode(pid2), ns, "restored into the same namespace");
+    assert!(
+        std::fs::read_to_string(dir.join("vmm.log"))
+            .unwrap()
+            .contains("restored=true"),
+        "the second VMM restored the snapshot"
+    );
+    let m = b.vmm_client(&sid).unwrap().metrics().await.unwrap();
+    assert_eq!(m["state"], "running");
+
+    let cgroups = b.cgroup_dirs(&sid);
+    b.destroy(&sid).await.unwrap();
+    wait_gone(pid2).await;
+    assert!(!dir.exists(), "the sandbox directory is gone");
+    for d in &cgroups {
+        assert!(!d.exists(), "{} is left", d.display());
+    }
+    assert!(!b.address_reserved(info.address.ip));
+    assert!(!b.host_interfaces().await.contains(&host_if));
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while host_netns().contains(&ns) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sandbox namespace is still held"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(matches!(
+        b.destroy(&sid).await,
+        Err(BackendError::NotFound(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_snapshot_restores_in_the_same_address_and_reconcile_drops_unreferenced_ones() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let b = backend(data.path()).await;
+    let sid = id("keep");
+    let info = b.create(spec(&sid)).await.unwrap();
+    let e = b.keep(&sid).await.unwrap_err();
+    assert!(matches!(e, BackendError::InvalidState { .. }), "{e}");
+    b.pause(&sid).await.unwrap();
+    let kept = b.keep(&sid).await.unwrap();
+    assert!(kept.path.join("snapshot").join(STATE_FILE).is_file());
+    assert!(
+        !b.address_reserved(info.address.ip),
+        "keep releases the address"
+    );
+    assert!(b.get(&sid).await.is_err());
+
+    let mut again = spec(&sid);
+    again.kept = Some(kept.clone());
+    let info2 = b.create(again).await.unwrap();
+    assert_eq!(info2.address.ip, info.address.ip);
+    assert!(!kept.path.exists(), "create takes the kept state over");
+    assert_vmm_in_place(&b, &sid).await;
+    b.pause(&sid).await.unwrap();
+    let kept2 = b.keep(&sid).await.unwrap();
+
+    // Reconcile keeps what is referenced and removes the rest.
+    let report = b.reconcile(std::slice::from_ref(&kept2)).await.unwrap();
+    assert!(kept2.path.exists(), "{report:?}");
+    let report = b.reconcile(&[]).await.unwrap();
+    assert!(!kept2.path.exists(), "{report:?}");
+    b.discard_kept(&kept2).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_cleans_up_after_a_node_process_that_died() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let sid = id("crash");
+    let (pid, ip, cgroups, host_if) = {
+        let b = backend(data.path()).await;
+        let info = b.create(spec(&sid)).await.unwrap();
+        let pid = b.vmm_pid(&sid).unwrap();
+        let r = (
+            pid,
+            info.address.ip,
+            b.cgroup_dirs(&sid),
+            b.host_interface(&sid).unwrap(),
+        );
+        // The backend goes away without destroying: a crashed node.
+        std::mem::forget(b);
+        r
+    };
+    assert!(alive(pid));
+    let b = backend(data.path()).await;
+    let report = b.reconcile(&[]).await.unwrap();
+    assert_eq!(report.removed_sandboxes, vec![sid.clone()], "{report:?}");
+    wait_gone(pid).await;
+    for d in &cgroups {
+        assert!(!d.exists(), "{} is left", d.display());
+    }
+    assert!(!b.address_reserved(ip));
+    assert!(!b.host_interfaces().await.contains(&host_if));
+    assert!(!b.sandbox_dir(&sid).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vmm_that_cannot_start_leaves_nothing_and_says_why() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let b = backend(data.path()).await;
+    let sid = id("bad");
+    let mut s = spec(&sid);
+    s.memory_mb = 8;
+    let e = b.create(s).await.unwrap_err();
+    assert!(e.to_string().contains("memoryMB"), "{e}");
+    let mut s = spec(&sid);
+    s.template = "missing".into();
+    let e = b.create(s).await.unwrap_err();
+    assert!(matches!(e, BackendError::UnknownTemplate(_)), "{e}");
+    assert!(!b.sandbox_dir(&sid).exists());
+    assert!(b.cgroup_dirs(&sid).iter().all(|d| !d.exists()));
+}
