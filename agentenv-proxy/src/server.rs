@@ -133,6 +133,67 @@ impl Drop for Recorder<'_> {
     }
 }
 
+/// The request histogram sample of a request whose response body is still
+/// being sent.
+struct RequestDone {
+    inner: Arc<Inner>,
+    labels: RequestLabels,
+    start: Instant,
+}
+
+impl RequestDone {
+    fn record(self) {
+        self.inner
+            .metrics
+            .observe_request(self.labels, self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// A response body that records its request when it ends, fails or is
+/// dropped (the client went away mid-body: the status was already sent).
+struct TimedBody {
+    inner: GatewayBody,
+    done: Option<RequestDone>,
+}
+
+impl Body for TimedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        let finished = match &polled {
+            std::task::Poll::Ready(None | Some(Err(_))) => true,
+            std::task::Poll::Ready(Some(Ok(_))) => this.inner.is_end_stream(),
+            std::task::Poll::Pending => false,
+        };
+        if finished && let Some(done) = this.done.take() {
+            done.record();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for TimedBody {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            done.record();
+        }
+    }
+}
+
 /// Where a proxied request goes and how.
 struct ProxyPlan {
     node: pb::Node,
@@ -340,8 +401,28 @@ impl Gateway {
             instrument: true,
         };
         let resp = self.dispatch(req, remote, &mut rec).await;
-        rec.status = Some(resp.status().as_u16());
-        resp
+        if !rec.instrument || resp.body().is_end_stream() {
+            rec.status = Some(resp.status().as_u16());
+            return resp;
+        }
+        // The request lasts until its response body has been sent.
+        rec.instrument = false;
+        let done = RequestDone {
+            inner: self.inner.clone(),
+            labels: RequestLabels {
+                method: rec.method,
+                route: rec.route,
+                route_source: rec.source.label(),
+                status: status_label(resp.status().as_u16()),
+            },
+            start: rec.start,
+        };
+        resp.map(|inner| {
+            boxed(TimedBody {
+                inner,
+                done: Some(done),
+            })
+        })
     }
 
     fn authorized(&self, headers: &HeaderMap) -> bool {

@@ -267,3 +267,34 @@ async fn trailers_reach_http1_and_h2_clients() {
         assert_eq!(seen.body, "req");
     }
 }
+
+#[tokio::test]
+async fn the_request_is_timed_until_its_response_body_ends() {
+    let (node, open, _log) = gated_stream_node("text/plain", false).await;
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
+    c.heartbeat("node-a", &["sbx-t"]).await;
+    let series = r#"agentenv_gateway_http_request_duration_seconds_count{method="GET",route="unmatched",route_source="header",status="2xx"}"#;
+    let resp = client()
+        .request(
+            Request::get(c.url("/files"))
+                .header("e2b-sandbox-id", "sbx-t")
+                .header("e2b-sandbox-port", "49983")
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(first, "frame-1");
+    // Head and first frame sent, body still open: not recorded yet.
+    assert_eq!(metric_value(&c.metrics_text(), series), None);
+    open.send(()).unwrap();
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(rest, "frame-2");
+    eventually("the request is recorded once its body ended", || {
+        metric_value(&c.metrics_text(), series) == Some(1.0)
+    })
+    .await;
+}
