@@ -301,6 +301,22 @@ impl SandboxCgroup {
         self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
     }
 
+    /// The files a single-threaded process writes `0` to in order to join: `tasks` on
+    /// v1, `cgroup.procs` on v2.
+    ///
+    /// On v1, moving the writing thread itself (`0` to `tasks`) skips the host-wide lock
+    /// that moving a whole process takes (`cgroup_threadgroup_rwsem`, whose write side
+    /// waits for an RCU grace period and for every fork and exit on the host); for a
+    /// process with one thread both move the same. v2 moves processes only.
+    pub fn join_files(&self) -> Vec<PathBuf> {
+        let file = if self.version == 1 {
+            "tasks"
+        } else {
+            "cgroup.procs"
+        };
+        self.dirs.iter().map(|d| d.join(file)).collect()
+    }
+
     fn write(&self, controller: &str, file: &str, value: &str) -> Result<(), CgroupError> {
         let path = self.dir_with(controller).join(file);
         std::fs::write(&path, value)
@@ -583,6 +599,11 @@ mod tests {
             ]
         );
         assert_eq!(
+            cg.join_files()[0],
+            Path::new("/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1/tasks")
+        );
+        assert_eq!(cg.join_files().len(), 4);
+        assert_eq!(
             cg.dir_with("cpuacct"),
             Path::new("/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1")
         );
@@ -619,6 +640,7 @@ mod tests {
                 "/sys/fs/cgroup/system.slice/aenv.service/agentenv/s1/cgroup.procs"
             )]
         );
+        assert_eq!(cg.join_files(), cg.procs_files());
     }
 
     #[test]

@@ -336,6 +336,17 @@ impl JailBackend {
         })
     }
 
+    /// Who holds the reservation of an address of the pool (a sandbox's directory, or a
+    /// namespace pool's), if anyone does.
+    pub fn address_owner(&self, ip: Ipv4Addr) -> Option<PathBuf> {
+        let network = Ipv4Addr::from(u32::from(ip) & !3);
+        self.pool
+            .reservations()
+            .into_iter()
+            .find(|(s, _)| s.network == network)
+            .map(|(_, owner)| owner)
+    }
+
     /// Names of host interfaces of sandboxes (of every node process on this host).
     pub async fn host_interfaces(&self) -> Vec<String> {
         net::list_links(&self.netlink, &self.cfg.iface_prefix)
@@ -552,7 +563,7 @@ impl JailBackend {
 
         let plan = spawn::ChildPlan::new(spawn::PlanInput {
             netns: sandbox_net.netns.as_fd(),
-            cgroup_procs: cg.procs_files(),
+            cgroup_procs: cg.join_files(),
             hostname: &spec.id,
             lower,
             upper: &upper,

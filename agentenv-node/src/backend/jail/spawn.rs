@@ -137,6 +137,8 @@ unsafe impl Send for ChildPlan {}
 /// Inputs of [`ChildPlan::new`].
 pub struct PlanInput<'a> {
     pub netns: BorrowedFd<'a>,
+    /// Files the child writes `0` to, to join its cgroups (see
+    /// [`super::cgroup::SandboxCgroup::join_files`]).
     pub cgroup_procs: Vec<std::path::PathBuf>,
     pub hostname: &'a str,
     pub lower: &'a Path,
