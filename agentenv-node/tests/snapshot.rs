@@ -219,6 +219,22 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     assert!(r.headers.get("x-next-token").is_none());
     let r = api(addr, "GET", "/snapshots/snap-web", "").await;
     assert_eq!(r.json()["snapshotID"], snap.as_str());
+    // Filtered by the source sandbox.
+    let r = api(addr, "GET", &format!("/snapshots?sandboxID={src}"), "").await;
+    assert_eq!(r.json().as_array().unwrap().len(), 2);
+    let r = api(addr, "GET", &format!("/snapshots?sandboxID={by_id}"), "").await;
+    assert_eq!(r.json(), serde_json::json!([]));
+    // Names resolve like template aliases (what `aenv template delete NAME` asks).
+    let r = api(addr, "GET", "/templates/aliases/snap-web", "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json(),
+        serde_json::json!({"templateID": snap, "public": false})
+    );
+    let r = api(addr, "GET", "/templates/aliases/nothing-here", "").await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = api(addr, "GET", "/templates/aliases/bad%20name", "").await;
+    assert_eq!(r.status, 400, "{}", r.text());
 
     // Delete by name: 204, again 204; then the id is unknown (404, saying so).
     let r = api(addr, "DELETE", "/templates/snap-web", "").await;

@@ -144,6 +144,7 @@ enum Route {
     Snapshots,
     SnapshotGet(String),
     TemplateDelete(String),
+    TemplateAlias(String),
 }
 
 impl Route {
@@ -166,6 +167,7 @@ impl Route {
             Route::Snapshots => "/snapshots",
             Route::SnapshotGet(_) => "/snapshots/{snapshot_id}",
             Route::TemplateDelete(_) => "/templates/{template_id}",
+            Route::TemplateAlias(_) => "/templates/aliases/{alias}",
         }
     }
 }
@@ -194,6 +196,9 @@ fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::POST, ["sandboxes", id, "snapshots"]) => Route::Snapshot(id.to_ascii_lowercase()),
         (Method::GET, ["snapshots"]) => Route::Snapshots,
         (Method::GET, ["snapshots", id]) if !id.is_empty() => Route::SnapshotGet(id.to_string()),
+        (Method::GET, ["templates", "aliases", alias]) if !alias.is_empty() => {
+            Route::TemplateAlias(alias.to_string())
+        }
         (Method::DELETE, ["templates", id]) if !id.is_empty() => {
             Route::TemplateDelete(id.to_string())
         }
@@ -636,6 +641,26 @@ async fn control(state: &Arc<ApiState>, route: Route, req: Request<Incoming>) ->
                 Err(e) => lifecycle_error(e.into()),
             }
         }
+        Route::TemplateAlias(alias) => {
+            if let Err(e) = crate::snapshot::validate_name(&alias) {
+                return lifecycle_error(e.into());
+            }
+            let repo = match orch.snapshot_repository() {
+                Ok(r) => r.clone(),
+                Err(e) => return lifecycle_error(e),
+            };
+            match repo.resolve(&alias).await {
+                Ok(Some(rec)) => json_response(
+                    StatusCode::OK,
+                    &serde_json::json!({"templateID": rec.id, "public": false}),
+                ),
+                Ok(None) => json_error(
+                    StatusCode::NOT_FOUND,
+                    format!("no snapshot or template named {alias}"),
+                ),
+                Err(e) => lifecycle_error(e.into()),
+            }
+        }
         Route::TemplateDelete(id) => {
             let repo = match orch.snapshot_repository() {
                 Ok(r) => r.clone(),
@@ -890,6 +915,10 @@ mod tests {
         assert_eq!(
             match_route(&Method::GET, "/snapshots/web"),
             Some(Route::SnapshotGet("web".into()))
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/templates/aliases/web"),
+            Some(Route::TemplateAlias("web".into()))
         );
         assert_eq!(
             match_route(&Method::DELETE, "/templates/web"),

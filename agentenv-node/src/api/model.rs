@@ -99,9 +99,11 @@ pub struct SnapshotInfoJson {
     pub updated_at: String,
 }
 
-/// `GET /snapshots` query: `limit`, `nextToken` (newest first, as `/v2/sandboxes`).
+/// `GET /snapshots` query: `sandboxID` (snapshots of that sandbox), `limit`,
+/// `nextToken` (newest first, as `/v2/sandboxes`).
 #[derive(Debug, Default)]
 pub struct SnapshotQuery {
+    pub sandbox_id: Option<String>,
     pub limit: usize,
     pub after: Option<(u64, String)>,
 }
@@ -111,6 +113,10 @@ impl SnapshotQuery {
     pub fn parse(q: &str) -> Result<Self, String> {
         let pairs = super::query_pairs(q);
         let mut out = SnapshotQuery {
+            sandbox_id: pairs
+                .get("sandboxID")
+                .filter(|s| !s.is_empty())
+                .map(|s| s.to_ascii_lowercase()),
             limit: 100,
             after: None,
         };
@@ -137,6 +143,12 @@ impl SnapshotQuery {
     ) -> (Vec<crate::snapshot::SnapshotRecord>, Option<String>) {
         let mut page: Vec<_> = items
             .into_iter()
+            .filter(|r| {
+                self.sandbox_id.as_deref().is_none_or(|want| {
+                    let crate::snapshot::SnapshotSource::Sandbox { source_sandbox_id } = &r.source;
+                    source_sandbox_id == want
+                })
+            })
             .filter(|r| match &self.after {
                 None => true,
                 Some((ms, id)) => {
