@@ -7,10 +7,18 @@
 #   agentenv-vmm/guest/build-kernel.sh            # build (or reuse) and print the directory
 #   AENV_GUEST_KERNEL_CACHE=/x build-kernel.sh    # another cache root
 #   JOBS=4 build-kernel.sh                        # parallel make jobs (default: nproc)
+#   build-kernel.sh --check-config                # only check that the fragment holds
+#                                                 # after olddefconfig (a minute; no build)
 #
 # Takes about 15 minutes on 2 cores. Needs root for apt-get when packages are missing.
 set -euo pipefail
 
+check_only=0
+case "${1:-}" in
+    --check-config) check_only=1 ;;
+    "") ;;
+    *) echo "usage: $0 [--check-config]" >&2; exit 2 ;;
+esac
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 fragment="$here/kernel.config"
 cache_root=${AENV_GUEST_KERNEL_CACHE:-/var/cache/agentenv/guest-kernel}
@@ -41,7 +49,7 @@ fi
 src_version=$(dpkg-query -W -f='${Version}' linux-source-6.1 2>/dev/null || echo unknown)
 key=$( (cat "$fragment"; echo "$src_version") | sha256sum | cut -c1-16)
 out="$cache_root/$key"
-if [ -f "$out/vmlinux" ] && [ -f "$out/bzImage" ]; then
+if [ "$check_only" = 0 ] && [ -f "$out/vmlinux" ] && [ -f "$out/bzImage" ]; then
     say "cached: $out"
     echo "$out"
     exit 0
@@ -55,9 +63,9 @@ tar -xf "$src_tar" -C "$work"
 tree=$(find "$work" -maxdepth 1 -mindepth 1 -type d -name 'linux-source-*' | head -n1)
 cd "$tree"
 say "configuring: tinyconfig + $(basename "$fragment")"
-make -s tinyconfig
+make -s tinyconfig >&2
 ./scripts/kconfig/merge_config.sh -m .config "$fragment" >/dev/null
-make -s olddefconfig
+make -s olddefconfig >&2
 # Every option of the fragment must have survived olddefconfig (a dependency missing in
 # the fragment silently drops an option otherwise).
 missing=0
@@ -71,6 +79,10 @@ while IFS= read -r line; do
     esac
 done < "$fragment"
 [ "$missing" = 0 ] || { say "the fragment does not hold with this source: fix kernel.config"; exit 1; }
+if [ "$check_only" = 1 ]; then
+    say "every option of $(basename "$fragment") holds after olddefconfig"
+    exit 0
+fi
 say "building with $jobs jobs (about 15 minutes on 2 cores)"
 start=$(date +%s)
 make -j"$jobs" vmlinux bzImage 2>&1 | grep --line-buffered -E '^  (LD|OBJCOPY|BUILD)|error' >&2 || true
