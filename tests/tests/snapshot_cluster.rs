@@ -118,10 +118,23 @@ fn a_snapshot_taken_on_one_node_starts_on_the_other_through_the_gateway() {
         "no sandbox from the snapshot started on the other node: source on {src_node}, copies on {nodes_used:?}"
     );
 
+    // The gateway lists it once (every node reads the same store).
+    let (st, v) = api(gw, "GET", "/snapshots", "");
+    assert_eq!(st, 200, "{v}");
+    let listed: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["snapshotID"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, [snap.as_str()]);
+
     // Deleted on one node, gone for the other.
     let other = &cluster.nodes[1 - src_node];
     let (st, _) = api(other.addr, "DELETE", "/templates/cluster-snap", "");
     assert_eq!(st, 204);
+    let (st, v) = api(gw, "GET", &format!("/snapshots/{snap}"), "");
+    assert_eq!(st, 404, "{v}");
     let (st, v) = api(
         cluster.nodes[src_node].addr,
         "POST",
