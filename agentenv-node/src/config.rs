@@ -86,6 +86,9 @@ pub struct NodeConfig {
     pub jail_iface_prefix: String,
     /// Jail cgroup parent (`AENV_JAIL_CGROUP_PARENT`).
     pub jail_cgroup_parent: String,
+    /// Network namespaces the jail keeps ready for creates (`AENV_JAIL_NET_POOL_SIZE`,
+    /// `[jail].net_pool_size`); 0 turns the pool off.
+    pub jail_net_pool_size: usize,
     /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
     pub proxy_domains: Vec<String>,
     /// `[sandbox_proxy].upload_idle_timeout_ms` (30 s).
@@ -205,6 +208,7 @@ struct FileJail {
     address_pool: Option<String>,
     iface_prefix: Option<String>,
     cgroup_parent: Option<String>,
+    net_pool_size: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -296,6 +300,9 @@ fn parse_bool(key: &'static str, v: &str) -> Result<bool, ConfigError> {
         _ => Err(invalid(key, v, "use true or false")),
     }
 }
+
+/// The most network namespaces the jail may keep ready.
+const MAX_NET_POOL_SIZE: usize = 1024;
 
 fn parse_u64(key: &'static str, v: &str) -> Result<u64, ConfigError> {
     v.trim()
@@ -478,6 +485,23 @@ impl NodeConfig {
                 "use at least 1",
             ));
         }
+        let jail_net_pool_size = match env("AENV_JAIL_NET_POOL_SIZE") {
+            Some(v) => parse_u64("AENV_JAIL_NET_POOL_SIZE", &v)?,
+            None => file
+                .jail
+                .net_pool_size
+                .unwrap_or(crate::backend::jail::DEFAULT_NET_POOL_SIZE as u64),
+        };
+        let jail_net_pool_size = usize::try_from(jail_net_pool_size)
+            .ok()
+            .filter(|n| *n <= MAX_NET_POOL_SIZE)
+            .ok_or_else(|| {
+                invalid(
+                    "jail.net_pool_size",
+                    &jail_net_pool_size.to_string(),
+                    "use at most 1024 (0 turns the pool off)",
+                )
+            })?;
         let default_cpu_count = file.machine.vcpu_count.unwrap_or(2);
         let default_memory_mb = file.machine.mem_size_mib.unwrap_or(512);
         if default_cpu_count == 0 {
@@ -540,6 +564,7 @@ impl NodeConfig {
             jail_cgroup_parent: env("AENV_JAIL_CGROUP_PARENT")
                 .or(file.jail.cgroup_parent)
                 .unwrap_or_else(|| "agentenv".into()),
+            jail_net_pool_size,
             proxy_domains,
             proxy_upload_idle_timeout,
             proxy_response_header_timeout,
@@ -769,6 +794,27 @@ mod tests {
         assert!(e.to_string().contains("backend.posix_fs"), "{e}");
         let e = load(&[], Some("[backend.oss]\nbucket_name = \"x\"\n")).unwrap_err();
         assert!(e.to_string().contains("bucket_name"), "{e}");
+    }
+
+    #[test]
+    fn jail_net_pool_size_comes_from_the_environment_or_the_file() {
+        let c = load(&[], None).unwrap();
+        assert_eq!(
+            c.jail_net_pool_size,
+            crate::backend::jail::DEFAULT_NET_POOL_SIZE
+        );
+        let c = load(&[], Some("[jail]\nnet_pool_size = 0\n")).unwrap();
+        assert_eq!(c.jail_net_pool_size, 0);
+        let c = load(
+            &[("AENV_JAIL_NET_POOL_SIZE", "8")],
+            Some("[jail]\nnet_pool_size = 2\n"),
+        )
+        .unwrap();
+        assert_eq!(c.jail_net_pool_size, 8);
+        let e = load(&[("AENV_JAIL_NET_POOL_SIZE", "many")], None).unwrap_err();
+        assert!(e.to_string().contains("AENV_JAIL_NET_POOL_SIZE"), "{e}");
+        let e = load(&[], Some("[jail]\nnet_pool_size = 5000\n")).unwrap_err();
+        assert!(e.to_string().contains("jail.net_pool_size"), "{e}");
     }
 
     #[test]

@@ -78,6 +78,7 @@ pub async fn jail_backend(
         .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
     j.iface_prefix = cfg.jail_iface_prefix.clone();
     j.cgroup_parent = cfg.jail_cgroup_parent.clone();
+    j.net_pool_size = cfg.jail_net_pool_size;
     let b = JailBackend::new(j).await?;
     let report = b.reconcile(kept).await?;
     if !report.removed_sandboxes.is_empty() {
