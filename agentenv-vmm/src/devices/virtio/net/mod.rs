@@ -467,6 +467,12 @@ impl Net {
         self.metrics.clone()
     }
 
+    /// How many times the worker caught a panic while handling an event (each one is a
+    /// bug; the device went on serving).
+    pub fn worker_panics(&self) -> u64 {
+        self.worker.as_ref().map_or(0, |w| w.handler_panics())
+    }
+
     fn tap_offload_flags(&self) -> u32 {
         let acked = |bit: u32| self.acked_features & (1u64 << bit) != 0;
         let mut flags = 0;

@@ -1,16 +1,12 @@
 //! Test helpers shared by the net and vsock device tests: guest memory with a dirty
-//! bitmap, a driver-side queue built on virtio-queue's mock, and bounded waits on the
-//! device's interrupt.
+//! bitmap, a driver-side split queue, and bounded waits on the device's interrupt.
 
 use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use virtio_queue::Queue;
-use virtio_queue::desc::RawDescriptor;
-use virtio_queue::desc::split::Descriptor as SplitDescriptor;
-use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{Bytes, GuestAddress};
@@ -72,10 +68,18 @@ impl Irq {
     }
 }
 
-/// The driver side of one split queue.
+/// The driver side of one split queue, laid out as virtio 1.x says (descriptor table,
+/// then the available ring, then the used ring 4-byte aligned).
+///
+/// Not `virtio_queue::mock::MockSplitQueue`: in virtio-queue 0.18 its `SplitQueueRing::end`
+/// adds the ring's element count instead of its byte length, so the used ring it lays out
+/// overlaps the second half of the available ring and a driver that posts more than
+/// half a queue of buffers overwrites the used index.
 pub struct Driver<'a> {
     mem: &'a GuestMemoryMmap,
-    mock: MockSplitQueue<'a, GuestMemoryMmap>,
+    desc: u64,
+    avail: u64,
+    used: u64,
     size: u16,
     next_desc: u16,
     avail_idx: u16,
@@ -88,9 +92,17 @@ impl<'a> Driver<'a> {
     /// A queue of `size` entries whose rings start at `base`, with data buffers handed out
     /// from `buf_base` on.
     pub fn new(mem: &'a GuestMemoryMmap, base: u64, size: u16, buf_base: u64) -> Self {
+        let desc = base;
+        let avail = desc + 16 * u64::from(size);
+        let used = (avail + 4 + 2 * u64::from(size) + 2).next_multiple_of(4);
+        let end = used + 4 + 8 * u64::from(size) + 2;
+        mem.write_slice(&vec![0u8; (end - base) as usize], GuestAddress(base))
+            .unwrap();
         Driver {
             mem,
-            mock: MockSplitQueue::create(mem, GuestAddress(base), size),
+            desc,
+            avail,
+            used,
             size,
             next_desc: 0,
             avail_idx: 0,
@@ -101,7 +113,18 @@ impl<'a> Driver<'a> {
 
     /// The device-side queue, set up as a transport would after the driver's writes.
     pub fn queue(&self) -> Queue {
-        self.mock.create_queue::<Queue>().unwrap()
+        let mut q = Queue::new(self.size).unwrap();
+        q.set_size(self.size);
+        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+        let (lo, hi) = split(self.desc);
+        q.set_desc_table_address(lo, hi);
+        let (lo, hi) = split(self.avail);
+        q.set_avail_ring_address(lo, hi);
+        let (lo, hi) = split(self.used);
+        q.set_used_ring_address(lo, hi);
+        q.set_ready(true);
+        assert!(q.is_valid(self.mem), "the test queue layout is invalid");
+        q
     }
 
     pub fn event(&self) -> EventFd {
@@ -115,11 +138,20 @@ impl<'a> Driver<'a> {
         addr
     }
 
+    fn store_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let mut d = [0u8; 16];
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        d[14..16].copy_from_slice(&next.to_le_bytes());
+        let at = self.desc + 16 * u64::from(index % self.size);
+        self.mem.write_slice(&d, GuestAddress(at)).unwrap();
+    }
+
     /// Writes raw descriptors at the given table indexes (no fix-ups) and publishes `head`.
     pub fn add_raw(&mut self, descs: &[(u16, u64, u32, u16, u16)], head: u16) {
         for &(index, addr, len, flags, next) in descs {
-            let desc = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
-            self.mock.desc_table().store(index, desc).unwrap();
+            self.store_desc(index, addr, len, flags, next);
         }
         self.publish(head);
     }
@@ -136,8 +168,7 @@ impl<'a> Driver<'a> {
             if (i as u16) + 1 < n {
                 flags |= VRING_DESC_F_NEXT;
             }
-            let desc = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
-            self.mock.desc_table().store(index, desc).unwrap();
+            self.store_desc(index, addr, len, flags, next);
         }
         self.next_desc = (head + n) % self.size;
         self.publish(head);
@@ -154,15 +185,15 @@ impl<'a> Driver<'a> {
     }
 
     fn publish(&mut self, head: u16) {
-        self.mock
-            .avail()
-            .ring()
-            .ref_at(usize::from(self.avail_idx % self.size))
-            .unwrap()
-            .store(head);
+        let slot = self.avail + 4 + 2 * u64::from(self.avail_idx % self.size);
+        self.mem
+            .write_slice(&head.to_le_bytes(), GuestAddress(slot))
+            .unwrap();
         self.avail_idx = self.avail_idx.wrapping_add(1);
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        self.mock.avail().idx().store(self.avail_idx);
+        self.mem
+            .write_slice(&self.avail_idx.to_le_bytes(), GuestAddress(self.avail + 2))
+            .unwrap();
     }
 
     /// Tells the device to look at the queue.
@@ -172,19 +203,22 @@ impl<'a> Driver<'a> {
 
     /// How many chains the device has used so far.
     pub fn used_idx(&self) -> u16 {
-        self.mock.used().idx().load()
+        let mut b = [0u8; 2];
+        self.mem
+            .read_slice(&mut b, GuestAddress(self.used + 2))
+            .unwrap();
+        u16::from_le_bytes(b)
     }
 
     /// The `n`-th used element: (head index, length written).
     pub fn used(&self, n: u16) -> (u16, u32) {
-        let elem = self
-            .mock
-            .used()
-            .ring()
-            .ref_at(usize::from(n % self.size))
-            .unwrap()
-            .load();
-        (elem.id() as u16, elem.len())
+        let at = self.used + 4 + 8 * u64::from(n % self.size);
+        let mut b = [0u8; 8];
+        self.mem.read_slice(&mut b, GuestAddress(at)).unwrap();
+        (
+            u32::from_le_bytes(b[0..4].try_into().unwrap()) as u16,
+            u32::from_le_bytes(b[4..8].try_into().unwrap()),
+        )
     }
 
     pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
@@ -209,5 +243,31 @@ pub fn activate_ctx(
         interrupt: irq.interrupt.clone(),
         queues: drivers.iter().map(|d| d.queue()).collect(),
         queue_events: drivers.iter().map(|d| d.event()).collect(),
+    }
+}
+
+/// A small deterministic generator for the garbage tests (xorshift64*), so a failure
+/// reproduces from its seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.max(1))
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A value in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
     }
 }

@@ -213,6 +213,12 @@ impl Vsock {
     pub fn metrics(&self) -> Arc<VsockMetrics> {
         self.metrics.clone()
     }
+
+    /// How many times the worker caught a panic while handling an event (each one is a
+    /// bug; the device went on serving).
+    pub fn worker_panics(&self) -> u64 {
+        self.worker.as_ref().map_or(0, |w| w.handler_panics())
+    }
 }
 
 impl VirtioDevice for Vsock {

@@ -573,3 +573,93 @@ fn config_space_holds_the_guest_cid_and_bad_settings_are_refused() {
         .expect("a regular file is not replaced");
     assert!(matches!(err, VsockError::PathInUse { .. }), "{err}");
 }
+
+#[test]
+fn random_garbage_from_the_guest_never_stops_the_device() {
+    use crate::devices::virtio::net::test_util::Rng;
+    let (dir, mem) = setup();
+    let path = tmp_socket(&dir);
+    let listener = UnixListener::bind(format!("{}_8000", path.display())).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let mut dev = Vsock::new(CID, &path).unwrap();
+    let mut g = Guest::new(&mem);
+    g.post_rx(64);
+    g.activate(&mem, &mut dev);
+    let mut rng = Rng::new(0x05ee_d0fa_050c);
+    let mut accepted = Vec::new();
+    let mut sent = 0u16;
+    for round in 0..40 {
+        for _ in 0..40 {
+            let op = rng.pick(&[0, 1, 1, 2, 3, 4, 5, 5, 5, 6, 7, 8, 0xffff]);
+            let mut h = g.packet(op as u16, 3000 + rng.below(4) as u32, 8000, 0);
+            if rng.below(10) == 0 {
+                h.dst_port = rng.next() as u32;
+            }
+            if rng.below(20) == 0 {
+                h.src_cid = rng.next();
+            }
+            if rng.below(20) == 0 {
+                h.type_ = rng.below(4) as u16;
+            }
+            h.flags = rng.below(8) as u32;
+            h.buf_alloc = rng.pick(&[0, 1, 4096, u32::MAX]);
+            h.fwd_cnt = rng.next() as u32;
+            let data_len = rng.pick(&[0usize, 1, 100, 4096]);
+            h.len = match rng.below(6) {
+                0 => rng.next() as u32,
+                _ => data_len as u32,
+            };
+            let data = vec![0x5a; data_len];
+            if rng.below(15) == 0 {
+                // A raw chain with random descriptor fields.
+                let i = 150 + rng.below(50) as u16;
+                let flags = rng.below(4) as u16;
+                let wild = rng.next();
+                let addr = rng.pick(&[0x90_0000, wild, 0x200_0000 - 8]);
+                g.tx.add_raw(
+                    &[(
+                        i,
+                        addr,
+                        rng.below(70_000) as u32,
+                        flags,
+                        rng.below(300) as u16,
+                    )],
+                    i,
+                );
+                g.tx.kick();
+            } else {
+                g.send(h, &data);
+            }
+            sent += 1;
+        }
+        g.wait_tx_used(sent);
+        // Answer the host side like a live peer would: accept, and drop some.
+        while let Ok((s, _)) = listener.accept() {
+            if round % 2 == 0 {
+                accepted.push(s);
+            }
+        }
+        // Recycle every receive buffer the device used.
+        while g.rx.used_idx() != g.rx_seen {
+            g.recv();
+        }
+    }
+    assert_eq!(dev.worker_panics(), 0);
+    let m = dev.metrics().snapshot();
+    assert!(m.tx_errors > 0 && m.rst_sent > 0, "{m:?}");
+    // Still serving a clean connection (packets of the garbage connections winding
+    // down may come first).
+    drop(accepted);
+    let mut host = host_connect(&path, 4242);
+    let req = loop {
+        let (h, _) = g.recv();
+        if h.op == OP_REQUEST && h.dst_port == 4242 {
+            break h;
+        }
+    };
+    g.send(g.packet(OP_RESPONSE, 4242, req.src_port, 0), &[]);
+    assert_eq!(read_line(&mut host), format!("OK {}\n", req.src_port));
+    g.send(g.packet(OP_RW, 4242, req.src_port, 2), b"ok");
+    assert_eq!(read_exact(&mut host, 2), b"ok");
+    assert_eq!(dev.worker_panics(), 0);
+}
