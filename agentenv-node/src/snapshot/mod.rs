@@ -144,6 +144,11 @@ pub fn validate_name(name: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
+/// A file name without directories: what a capture's files are.
+fn is_plain_file_name(f: &str) -> bool {
+    !f.is_empty() && f != "." && f != ".." && !f.contains('/') && !f.contains('\0')
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -334,6 +339,12 @@ impl SnapshotRepo {
         let prefix = self.artifact_prefix(id);
         let mut sizes = BTreeMap::new();
         for f in &capture.files {
+            if !is_plain_file_name(f) || f == "manifest.json" {
+                return Err(SnapshotError::Io {
+                    context: format!("publishing the capture file {f:?}"),
+                    source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+                });
+            }
             let n = self
                 .storage
                 .put_file(&format!("{prefix}{f}"), &dir.join(f))
@@ -382,6 +393,12 @@ impl SnapshotRepo {
     pub async fn download(&self, record: &SnapshotRecord, dir: &Path) -> Result<(), SnapshotError> {
         let prefix = self.artifact_prefix(&record.id);
         for f in &record.committed.capture.files {
+            if !is_plain_file_name(f) {
+                return Err(SnapshotError::Corrupt {
+                    id: record.id.clone(),
+                    reason: format!("the file name {f:?} is not a plain name"),
+                });
+            }
             let got = self
                 .storage
                 .get_file(&format!("{prefix}{f}"), &dir.join(f))
@@ -626,6 +643,20 @@ mod tests {
         // Delete by id.
         assert!(a.delete(&r3.id).await.unwrap());
         assert_eq!(b.list().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_record_naming_files_outside_the_download_directory_is_refused() {
+        let store = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let r = repo(store.path(), cache.path());
+        let (dir, cap) = capture(&r, b"x").await;
+        let mut rec = r.publish(&spec(None), cap, dir.path()).await.unwrap();
+        rec.committed.capture.files = vec!["../escape".into()];
+        let d = r.staging_dir().unwrap();
+        let e = r.download(&rec, d.path()).await.unwrap_err();
+        assert!(matches!(e, SnapshotError::Corrupt { .. }), "{e}");
+        assert!(!d.path().parent().unwrap().join("escape").exists());
     }
 
     #[tokio::test]
