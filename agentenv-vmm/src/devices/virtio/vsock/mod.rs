@@ -42,7 +42,9 @@ use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-pub use self::muxer::{CLOSE_TIMEOUT, CONN_BUF_ALLOC, MAX_CONNECTIONS, MAX_PKT_DATA};
+pub use self::muxer::{
+    CLOSE_TIMEOUT, CONN_BUF_ALLOC, MAX_CONNECTIONS, MAX_PENDING_RX, MAX_PKT_DATA,
+};
 use self::muxer::{MuxerState, TOKEN_EVENT, TOKEN_RX, TOKEN_TX, VsockCore};
 use super::worker::Worker;
 use super::{ActivateContext, ActivateError, VirtioDevice};
@@ -93,6 +95,7 @@ pub struct VsockMetrics {
     conns_opened: AtomicU64,
     conns_closed: AtomicU64,
     rst_sent: AtomicU64,
+    ctrl_dropped: AtomicU64,
     transport_resets: AtomicU64,
     interrupts: AtomicU64,
 }
@@ -113,6 +116,8 @@ pub struct VsockMetricsSnapshot {
     pub conns_opened: u64,
     pub conns_closed: u64,
     pub rst_sent: u64,
+    /// Control packets not queued because `MAX_PENDING_RX` were already waiting.
+    pub ctrl_dropped: u64,
     pub transport_resets: u64,
     pub interrupts: u64,
 }
@@ -139,6 +144,7 @@ impl VsockMetrics {
             conns_opened: g(&self.conns_opened),
             conns_closed: g(&self.conns_closed),
             rst_sent: g(&self.rst_sent),
+            ctrl_dropped: g(&self.ctrl_dropped),
             transport_resets: g(&self.transport_resets),
             interrupts: g(&self.interrupts),
         }

@@ -37,9 +37,10 @@ pub const MAX_PKT_DATA: usize = 64 * 1024;
 pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// At most this many connections (established or pending) at once.
 pub const MAX_CONNECTIONS: usize = 1024;
-/// At most this many packets wait for guest receive buffers; past it, new connections
-/// are refused (their host side closed), so a guest that never reads cannot grow memory.
-const MAX_PENDING_RX: usize = 4096;
+/// At most this many control packets wait for guest receive buffers; past it, new
+/// connections are refused and further control packets dropped (counted), so a guest
+/// that never reads cannot grow memory.
+pub const MAX_PENDING_RX: usize = 4096;
 /// The longest `CONNECT <port>\n` line we read.
 const MAX_CONNECT_LINE: usize = 32;
 /// Host ports of host-initiated connections start here.
@@ -246,13 +247,33 @@ impl VsockCore {
         }
     }
 
+    /// Queues a control packet of a live connection. A credit packet already waiting
+    /// is not queued twice, and past `MAX_PENDING_RX` waiting packets nothing is queued
+    /// (counted): a guest that sends without reading cannot grow the device's memory.
     fn push_ctrl(&mut self, key: Key, op: u16, flags: u32) {
+        if matches!(op, OP_CREDIT_UPDATE | OP_CREDIT_REQUEST)
+            && self
+                .state
+                .rx_items
+                .iter()
+                .any(|i| matches!(i, RxItem::Ctrl { key: k, op: o, .. } if *k == key && *o == op))
+        {
+            return;
+        }
+        if self.state.rx_items.len() >= MAX_PENDING_RX {
+            self.metrics.inc(&self.metrics.ctrl_dropped);
+            return;
+        }
         self.state
             .rx_items
             .push_back(RxItem::Ctrl { key, op, flags });
     }
 
     fn push_rst(&mut self, key: Key) {
+        if self.state.rx_items.len() >= MAX_PENDING_RX {
+            self.metrics.inc(&self.metrics.ctrl_dropped);
+            return;
+        }
         let h = self.header(key, OP_RST, 0, 0);
         self.state.rx_items.push_back(RxItem::Raw(h));
         self.metrics.inc(&self.metrics.rst_sent);

@@ -98,7 +98,8 @@ impl<'m> Guest<'m> {
         let hdr = Header::parse(bytes[..HDR_LEN].try_into().unwrap());
         assert_eq!(hdr.len as usize, len as usize - HDR_LEN, "{hdr:?}");
         // Give the buffer back, as a driver does.
-        let (head, addr) = self.rx.add_writable(RX_BUF);
+        self.rx_bufs.remove(&head);
+        let head = self.rx.add_chain(&[(addr, RX_BUF, true)]);
         self.rx_bufs.insert(head, addr);
         self.rx.kick();
         (hdr, bytes[HDR_LEN..].to_vec())
@@ -662,4 +663,34 @@ fn random_garbage_from_the_guest_never_stops_the_device() {
     g.send(g.packet(OP_RW, 4242, req.src_port, 2), b"ok");
     assert_eq!(read_exact(&mut host, 2), b"ok");
     assert_eq!(dev.worker_panics(), 0);
+}
+
+#[test]
+fn a_guest_that_sends_without_reading_cannot_grow_the_pending_queue() {
+    let (dir, mem) = setup();
+    let path = tmp_socket(&dir);
+    let mut dev = Vsock::new(CID, &path).unwrap();
+    let mut g = Guest::new(&mem);
+    g.activate(&mem, &mut dev);
+    // Every one of these earns an RST, and the guest posts no receive buffer.
+    let total = MAX_PENDING_RX + 300;
+    let mut sent = 0u16;
+    for i in 0..total {
+        g.send(g.packet(OP_RW, 10_000 + i as u32, 1, 0), &[]);
+        sent = sent.wrapping_add(1);
+        if sent % 128 == 0 {
+            g.wait_tx_used(sent);
+        }
+    }
+    g.irq
+        .wait_for("every packet to be read", || g.tx.used_idx() == sent);
+    let m = dev.metrics().snapshot();
+    assert_eq!(m.rst_sent as usize, MAX_PENDING_RX);
+    assert_eq!(m.ctrl_dropped as usize, 300);
+    // What was queued is delivered in order once the guest reads.
+    g.post_rx(64);
+    for i in 0..MAX_PENDING_RX {
+        let (h, _) = g.recv();
+        assert_eq!((h.op, h.dst_port), (OP_RST, 10_000 + i as u32));
+    }
 }
