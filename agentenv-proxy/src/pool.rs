@@ -8,6 +8,9 @@
 //! and the oldest ones are the first to go when the stack is full or they
 //! stayed idle longer than the idle timeout.
 //!
+//! `https://` nodes are reached over TLS (rustls) and verified against the
+//! bundled Mozilla roots, or the roots of a configuration given to the pool.
+//!
 //! A connection goes back to the pool only once the response body it carried
 //! has ended; a body dropped before its end, a failed body and an upgraded
 //! connection (`101 Switching Protocols`) are never reused. A connection the
@@ -17,7 +20,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,8 +32,12 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
+use rustls::ClientConfig;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
 
 use crate::body::GatewayBody;
 
@@ -43,6 +50,32 @@ pub struct PoolConfig {
     pub idle_timeout: Duration,
     /// Idle connections kept per authority in each shard; more are closed.
     pub max_idle_per_authority: usize,
+    /// TLS for `https://` nodes; `None` verifies them against the bundled
+    /// Mozilla roots ([`tls_config`] with `webpki_roots`).
+    pub tls: Option<Arc<ClientConfig>>,
+}
+
+/// A TLS client configuration (HTTP/1.1 over ALPN) that trusts `roots`.
+pub fn tls_config(roots: rustls::RootCertStore) -> Arc<ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("the ring provider supports the default TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Arc::new(cfg)
+}
+
+fn default_tls() -> Arc<ClientConfig> {
+    static DEFAULT: OnceLock<Arc<ClientConfig>> = OnceLock::new();
+    DEFAULT
+        .get_or_init(|| {
+            tls_config(rustls::RootCertStore {
+                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+            })
+        })
+        .clone()
 }
 
 impl Default for PoolConfig {
@@ -51,6 +84,7 @@ impl Default for PoolConfig {
             connect_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(90),
             max_idle_per_authority: 128,
+            tls: None,
         }
     }
 }
@@ -58,8 +92,16 @@ impl Default for PoolConfig {
 /// Why a request could not be exchanged with a node.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
-    #[error("upstream URI {0} is not an absolute http:// URI")]
+    #[error("upstream URI {0} is not an absolute http:// or https:// URI")]
     UnsupportedUri(Uri),
+    #[error("{0} is not a valid TLS server name")]
+    ServerName(Authority),
+    #[error("TLS handshake with {authority} failed: {source}")]
+    Tls {
+        authority: Authority,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("connecting to {authority} failed: {source}")]
     Connect {
         authority: Authority,
@@ -95,9 +137,16 @@ struct PoolInner {
     reaper_started: AtomicBool,
 }
 
+/// Where connections go: the authority, and whether over TLS.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Key {
+    tls: bool,
+    authority: Authority,
+}
+
 #[derive(Default)]
 struct Shard {
-    idle: HashMap<Authority, Vec<IdleConn>>,
+    idle: HashMap<Key, Vec<IdleConn>>,
 }
 
 struct IdleConn {
@@ -133,8 +182,13 @@ impl UpstreamPool {
         }
     }
 
-    /// Idle connections to `authority` across all shards, closed ones that
-    /// were not looked at yet included.
+    /// The pool's configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.inner.cfg
+    }
+
+    /// Idle connections to `authority` (plain and TLS) across all shards,
+    /// closed ones that were not looked at yet included.
     pub fn idle_count(&self, authority: &str) -> usize {
         let Ok(authority) = authority.parse::<Authority>() else {
             return 0;
@@ -142,7 +196,19 @@ impl UpstreamPool {
         self.inner
             .shards
             .iter()
-            .map(|s| s.lock().idle.get(&authority).map_or(0, Vec::len))
+            .map(|s| {
+                let shard = s.lock();
+                [false, true]
+                    .into_iter()
+                    .map(|tls| {
+                        let key = Key {
+                            tls,
+                            authority: authority.clone(),
+                        };
+                        shard.idle.get(&key).map_or(0, Vec::len)
+                    })
+                    .sum::<usize>()
+            })
             .sum()
     }
 
@@ -155,8 +221,11 @@ impl UpstreamPool {
     ) -> Result<Response<PooledBody>, PoolError> {
         let uri = std::mem::take(req.uri_mut());
         let mut parts = uri.into_parts();
-        let authority = match (&parts.scheme, parts.authority.take()) {
-            (Some(s), Some(a)) if *s == Scheme::HTTP => a,
+        let key = match (&parts.scheme, parts.authority.take()) {
+            (Some(s), Some(authority)) if *s == Scheme::HTTP || *s == Scheme::HTTPS => Key {
+                tls: *s == Scheme::HTTPS,
+                authority,
+            },
             (_, authority) => {
                 parts.authority = authority;
                 let uri = Uri::from_parts(parts).unwrap_or_default();
@@ -169,34 +238,39 @@ impl UpstreamPool {
         }
         *req.uri_mut() = Uri::from_parts(parts).expect("a path alone is an origin-form URI");
         if !req.headers().contains_key(header::HOST)
-            && let Ok(v) = HeaderValue::from_str(authority.as_str())
+            && let Ok(v) = HeaderValue::from_str(key.authority.as_str())
         {
             req.headers_mut().insert(header::HOST, v);
         }
 
-        while let Some(mut sender) = self.checkout(&authority) {
+        while let Some(mut sender) = self.checkout(&key) {
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, authority)),
+                Ok(resp) => return Ok(self.wrap(resp, sender, key)),
                 Err(mut e) => match e.take_message() {
                     // The connection closed before the request went out:
                     // nothing was sent, so another connection may take it.
                     Some(back) => {
-                        tracing::debug!(%authority, error = %e.error(), "pooled connection was closed; retrying on another");
+                        tracing::debug!(authority = %key.authority, error = %e.error(), "pooled connection was closed; retrying on another");
                         req = back;
                     }
                     None => {
                         return Err(PoolError::Exchange {
-                            authority,
+                            authority: key.authority,
                             source: e.into_error(),
                         });
                     }
                 },
             }
         }
-        let mut sender = self.connect(&authority).await?;
+        // Connecting is the rare path: boxed, so its state does not weigh on
+        // every request's future.
+        let mut sender = Box::pin(self.connect(&key)).await?;
         match sender.send_request(req).await {
-            Ok(resp) => Ok(self.wrap(resp, sender, authority)),
-            Err(source) => Err(PoolError::Exchange { authority, source }),
+            Ok(resp) => Ok(self.wrap(resp, sender, key)),
+            Err(source) => Err(PoolError::Exchange {
+                authority: key.authority,
+                source,
+            }),
         }
     }
 
@@ -205,10 +279,10 @@ impl UpstreamPool {
     }
 
     /// The most recently used idle connection that can take a request now.
-    fn checkout(&self, authority: &Authority) -> Option<SendRequest<GatewayBody>> {
+    fn checkout(&self, key: &Key) -> Option<SendRequest<GatewayBody>> {
         let now = Instant::now();
         let mut shard = self.shard().lock();
-        let stack = shard.idle.get_mut(authority)?;
+        let stack = shard.idle.get_mut(key)?;
         while let Some(conn) = stack.pop() {
             if now.saturating_duration_since(conn.since) >= self.inner.cfg.idle_timeout {
                 // Everything below is older still.
@@ -224,13 +298,16 @@ impl UpstreamPool {
         None
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<SendRequest<GatewayBody>, PoolError> {
+    async fn connect(&self, key: &Key) -> Result<SendRequest<GatewayBody>, PoolError> {
+        let authority = &key.authority;
         let host = authority.host();
         let host = host
             .strip_prefix('[')
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
-        let port = authority.port_u16().unwrap_or(80);
+        let port = authority
+            .port_u16()
+            .unwrap_or(if key.tls { 443 } else { 80 });
         let stream = match tokio::time::timeout(
             self.inner.cfg.connect_timeout,
             TcpStream::connect((host, port)),
@@ -249,33 +326,41 @@ impl UpstreamPool {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "setting TCP_NODELAY on an upstream connection failed");
         }
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|source| PoolError::Handshake {
-                authority: authority.clone(),
-                source,
-            })?;
-        let authority = authority.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(%authority, error = %e, "upstream connection ended with an error");
+        if !key.tls {
+            return handshake(stream, authority).await;
+        }
+        let name = ServerName::try_from(host.to_string())
+            .map_err(|_| PoolError::ServerName(authority.clone()))?;
+        let tls = self.inner.cfg.tls.clone().unwrap_or_else(default_tls);
+        let stream = match tokio::time::timeout(
+            self.inner.cfg.connect_timeout,
+            TlsConnector::from(tls).connect(name, stream),
+        )
+        .await
+        {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => {
+                return Err(PoolError::Tls {
+                    authority: authority.clone(),
+                    source,
+                });
             }
-        });
-        Ok(sender)
+            Err(_) => return Err(PoolError::ConnectTimeout(authority.clone())),
+        };
+        handshake(stream, authority).await
     }
 
     fn wrap(
         &self,
         resp: Response<Incoming>,
         sender: SendRequest<GatewayBody>,
-        authority: Authority,
+        key: Key,
     ) -> Response<PooledBody> {
         // An upgraded connection belongs to the upgrade from now on.
         let reusable = resp.status() != StatusCode::SWITCHING_PROTOCOLS;
         let mut slot = reusable.then(|| Slot {
             pool: Arc::downgrade(&self.inner),
-            authority,
+            key,
             sender,
         });
         if resp.body().is_end_stream()
@@ -304,6 +389,27 @@ impl UpstreamPool {
     }
 }
 
+/// HTTP/1.1 over `io`; the connection is driven by a task of its own.
+async fn handshake<T>(io: T, authority: &Authority) -> Result<SendRequest<GatewayBody>, PoolError>
+where
+    T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, conn) = http1::Builder::new()
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(|source| PoolError::Handshake {
+            authority: authority.clone(),
+            source,
+        })?;
+    let authority = authority.clone();
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(%authority, error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
 impl PoolInner {
     /// Closes idle connections that expired or that the node closed.
     fn evict_stale(&self, now: Instant) {
@@ -322,7 +428,7 @@ impl PoolInner {
 /// A connection on loan to one response body.
 struct Slot {
     pool: Weak<PoolInner>,
-    authority: Authority,
+    key: Key,
     sender: SendRequest<GatewayBody>,
 }
 
@@ -342,7 +448,7 @@ impl Slot {
         let first = {
             let mut shard = shard.lock();
             let first = shard.idle.is_empty();
-            let stack = shard.idle.entry(self.authority).or_default();
+            let stack = shard.idle.entry(self.key).or_default();
             if stack.len() >= inner.cfg.max_idle_per_authority {
                 // Full: the oldest idle connection makes room.
                 stack.remove(0);

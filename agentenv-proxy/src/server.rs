@@ -242,7 +242,19 @@ impl Gateway {
     pub fn with_own_pool(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            pool: upstream_pool(self.inner.opts.request_timeout),
+            pool: UpstreamPool::new(self.pool.config().clone()),
+        }
+    }
+
+    /// The same gateway reaching `https://` nodes with `tls` (e.g. trusting
+    /// a private CA) instead of the bundled Mozilla roots.
+    pub fn with_upstream_tls(&self, tls: Arc<rustls::ClientConfig>) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            pool: UpstreamPool::new(PoolConfig {
+                tls: Some(tls),
+                ..self.pool.config().clone()
+            }),
         }
     }
 
