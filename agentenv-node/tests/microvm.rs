@@ -1,7 +1,7 @@
 //! The microvm backend driven with a small guest program as its "kernel" (the agent never
 //! answers, so these tests pin the VM lifecycle, not the agent): the VMM runs inside the
 //! sandbox's network namespace and cgroup with the tap attached; pause leaves a snapshot
-//! and no VMM; resume restores a VMM from it; keep/create restores in the same address;
+//! and no VMM; resume restores a VMM from it; keep/create and capture/import restore it;
 //! destroy and reconcile leave no process, namespace, link, cgroup, file or address.
 
 #[path = "../../agentenv-vmm/tests/common/mod.rs"]
@@ -216,23 +216,43 @@ async fn assert_vmm_in_place(b: &MicrovmBackend, id: &str) -> i32 {
         );
     }
     let tap = b
-        .ip_in_sandbox(id, &["-d", "link", "show", "tap0"])
+        .run_in_sandbox(id, "ip", &["-d", "addr", "show", "dev", "tap0"])
         .unwrap();
-    assert!(tap.contains("master br0"), "{tap}");
     assert!(tap.contains("tun type tap"), "{tap}");
-    let eth0_v4 = b
-        .ip_in_sandbox(id, &["-4", "addr", "show", "dev", "eth0"])
+    assert!(tap.contains("inet 169.254.0.22/30"), "{tap}");
+    let eth0 = b
+        .run_in_sandbox(id, "ip", &["-4", "addr", "show", "dev", "eth0"])
+        .unwrap();
+    let ip = b.get(id).await.unwrap().address.ip;
+    assert!(eth0.contains(&format!("inet {ip}/30")), "{eth0}");
+    let nat = b
+        .run_in_sandbox(id, "iptables", &["-w", "-t", "nat", "-S"])
         .unwrap();
     assert!(
-        !eth0_v4.contains("inet "),
-        "the guest owns the address: {eth0_v4}"
+        nat.contains(&format!(
+            "-A PREROUTING -d {ip}/32 -i eth0 -j DNAT --to-destination 169.254.0.21"
+        )),
+        "{nat}"
     );
-    let eth0 = b.ip_in_sandbox(id, &["link", "show", "eth0"]).unwrap();
-    assert!(eth0.contains("master br0"), "{eth0}");
+    assert!(
+        nat.contains(&format!(
+            "-A POSTROUTING -s 169.254.0.21/32 -o eth0 -j SNAT --to-source {ip}"
+        )),
+        "{nat}"
+    );
+    let forwarding = b
+        .run_in_sandbox(id, "cat", &["/proc/sys/net/ipv4/ip_forward"])
+        .unwrap();
+    assert_eq!(forwarding.trim(), "1");
     assert_eq!(
         vmm_taps(pid),
         vec!["tap0".to_string()],
         "the VMM attached to tap0"
+    );
+    let proc_status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(
+        proc_status.lines().any(|l| l == "Seccomp:\t2"),
+        "the VMM runs under its seccomp filter"
     );
     let status = b.vmm_client(id).unwrap().status().await.unwrap();
     assert_eq!(status["state"], "running");
@@ -262,7 +282,7 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
         serde_json::from_slice(&std::fs::read(dir.join("vm.json")).unwrap()).unwrap();
     let cmdline = vm["cmdline"].as_str().unwrap();
     assert!(
-        cmdline.contains(&format!("ip={}::", info.address.ip)),
+        cmdline.contains("ip=169.254.0.21::169.254.0.22:255.255.255.252::eth0:off"),
         "{cmdline}"
     );
     assert!(
@@ -283,7 +303,7 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
     // Pausing again is a no-op.
     b.pause(&sid).await.unwrap();
     // The sandbox keeps its network while paused.
-    assert!(b.ip_in_sandbox(&sid, &["link", "show", "tap0"]).is_ok());
+    assert!(b.run_in_sandbox(&sid, "ip", &["link", "show", "tap0"]).is_ok());
 
     let resumed = b.resume(&sid).await.unwrap();
     assert_eq!(resumed.state, SandboxState::Running);
@@ -324,7 +344,7 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kept_snapshot_restores_in_the_same_address_and_reconcile_drops_unreferenced_ones() {
+async fn a_kept_snapshot_restores_with_its_memory_size_and_reconcile_drops_unreferenced_ones() {
     require_microvm!();
     let data = tempfile::tempdir().unwrap();
     let b = backend(data.path()).await;
@@ -344,7 +364,7 @@ async fn a_kept_snapshot_restores_in_the_same_address_and_reconcile_drops_unrefe
     let mut again = spec(&sid);
     again.kept = Some(kept.clone());
     let info2 = b.create(again).await.unwrap();
-    assert_eq!(info2.address.ip, info.address.ip);
+    assert_eq!(info2.memory_mb, 32);
     assert!(!kept.path.exists(), "create takes the kept state over");
     assert_vmm_in_place(&b, &sid).await;
     b.pause(&sid).await.unwrap();
@@ -356,6 +376,54 @@ async fn a_kept_snapshot_restores_in_the_same_address_and_reconcile_drops_unrefe
     let report = b.reconcile(&[]).await.unwrap();
     assert!(!kept2.path.exists(), "{report:?}");
     b.discard_kept(&kept2).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_of_a_running_sandbox_starts_new_sandboxes_next_to_it() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let b = backend(data.path()).await;
+    let sid = id("src");
+    let info = b.create(spec(&sid)).await.unwrap();
+    let pid = b.vmm_pid(&sid).unwrap();
+    let capture_dir = data.path().join("capture");
+    std::fs::create_dir(&capture_dir).unwrap();
+    let capture = b.snapshot(&sid, &capture_dir).await.unwrap();
+    assert_eq!(capture.backend, "microvm");
+    for f in &capture.files {
+        assert!(capture_dir.join(f).is_file(), "{f} missing");
+    }
+    assert!(capture.files.iter().any(|f| f == STATE_FILE));
+    // The source runs on in the same VMM.
+    assert_eq!(b.vmm_pid(&sid), Some(pid));
+    assert_eq!(b.get(&sid).await.unwrap().state, SandboxState::Running);
+    assert_eq!(
+        b.vmm_client(&sid).unwrap().status().await.unwrap()["state"],
+        "running"
+    );
+
+    let kept = b.import_snapshot(&capture, &capture_dir).await.unwrap();
+    let fork = id("fork");
+    let mut s = spec(&fork);
+    s.kept = Some(kept);
+    let finfo = b.create(s).await.unwrap();
+    assert_ne!(finfo.address.ip, info.address.ip, "each sandbox has its address");
+    assert_vmm_in_place(&b, &fork).await;
+    assert!(
+        std::fs::read_to_string(b.sandbox_dir(&fork).join("vmm.log"))
+            .unwrap()
+            .contains("restored=true"),
+        "the fork restored the capture"
+    );
+    // A capture of another backend is refused.
+    let bad = agentenv_node::backend::SnapshotCapture {
+        backend: "jail".into(),
+        files: vec!["layer.tar".into()],
+    };
+    let e = b.import_snapshot(&bad, &capture_dir).await.unwrap_err();
+    assert!(e.to_string().contains("not by a microVM"), "{e}");
+    b.destroy(&fork).await.unwrap();
+    b.destroy(&sid).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -71,6 +71,17 @@ fn raw_exchange(sock: &Path, lines: &[&str]) -> Vec<serde_json::Value> {
     out
 }
 
+/// The `Seccomp:` field of a process's status (0 none, 2 filter).
+fn seccomp_mode(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Seccomp:"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
 fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
     let deadline = std::time::Instant::now() + TIMEOUT;
     loop {
@@ -100,6 +111,7 @@ fn a_vm_is_paused_snapshotted_resumed_stopped_and_restored_over_the_socket() {
     let client = VmmClient::new(&sock, "t1");
     let status = rt.block_on(client.wait_ready(TIMEOUT)).unwrap();
     assert_eq!(status["state"], "running");
+    assert_eq!(seccomp_mode(child.id()), "2", "strict is the default");
     assert!(wait_until(TIMEOUT, || {
         std::fs::read_to_string(dir.path().join("serial.log"))
             .unwrap_or_default()
@@ -188,13 +200,14 @@ fn without_start_the_vm_waits_for_the_start_action() {
     let dir = tempfile::tempdir().unwrap();
     let config = halting_guest(dir.path());
     let sock = dir.path().join("api.sock");
-    let mut child = vmm(&config, &sock, &[]);
+    let mut child = vmm(&config, &sock, &["--seccomp", "off"]);
     let rt = runtime();
     let client = VmmClient::new(&sock, "t2");
     assert_eq!(
         rt.block_on(client.wait_ready(TIMEOUT)).unwrap()["state"],
         "created"
     );
+    assert_eq!(seccomp_mode(child.id()), "0");
     assert!(
         !std::fs::read_to_string(dir.path().join("serial.log"))
             .unwrap_or_default()

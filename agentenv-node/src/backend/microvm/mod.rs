@@ -8,9 +8,10 @@
 //!   `api.sock` (the VMM's control socket), `vmm.log`, `serial.log`, `vsock.sock`,
 //!   `snapshot/` once paused, and `state.json` (what reconciliation needs);
 //! * a network namespace made by the jail's [`create_sandbox_net`] (a veth pair to the
-//!   host, a /30 of the address pool, the host NAT and firewall rules), where `eth0` is
-//!   bridged with a tap (see [`net`]), so the guest owns the sandbox address and the data
-//!   plane is the jail's;
+//!   host, a /30 of the address pool, the host NAT and firewall rules) plus a tap to the
+//!   guest, whose own address is the same in every sandbox; the namespace translates the
+//!   sandbox address to it (see [`net`]), so the data plane is the jail's and a snapshot
+//!   restores into any address;
 //! * a cgroup limiting CPU (the spec's CPUs), memory (the guest's memory plus
 //!   [`MicrovmConfig::vmm_overhead_mib`]) and threads;
 //! * the VMM process, started inside that namespace and cgroup in a session of its own,
@@ -22,10 +23,13 @@
 //! namespace, address and cgroup stay). Resume = a new VMM restored from `snapshot/`.
 //! Keep moves the directory of a paused sandbox to `<data>/microvm/kept/<id>.<nonce>/`
 //! (its snapshot and disk) and releases everything else; a create naming it restores from
-//! it, in the same address slot when free (the guest's address is part of its memory).
+//! it (with the kept memory size and vCPUs, which a snapshot cannot change).
 //!
-//! Template snapshots (create by restore instead of cold boot) are not taken yet: every
-//! create boots the kernel.
+//! [`SandboxBackend::snapshot`] captures a running sandbox (paused for the moment of the
+//! capture): the VM snapshot, a copy of its disk and `state.json`.
+//! [`SandboxBackend::import_snapshot`] turns a capture into kept state, so creates from a
+//! template snapshot restore it instead of booting, as often as wanted and next to the
+//! sandbox it was taken from.
 
 pub mod net;
 
@@ -38,6 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agentenv_vmm::control::{SnapshotKind, VmmClient};
+use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -46,7 +51,8 @@ use super::jail::cgroup::{Hierarchy, Limits, SandboxCgroup};
 use super::jail::net::{self as jnet, AddressPool, HostRules, Ipv4Net, SandboxNet, Slot};
 use super::{
     AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
-    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, validate_sandbox_id,
+    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture,
+    validate_sandbox_id,
 };
 use crate::template::image;
 use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
@@ -54,6 +60,12 @@ use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfi
 /// The kernel arguments every guest gets before the backend's own.
 /// (The VMM adds the serial console and the virtio-mmio devices itself.)
 pub const DEFAULT_BOOT_ARGS: &str = "reboot=k panic=1 pci=off";
+
+/// The sandbox's disk in its directory (and in captures).
+const ROOTFS_FILE: &str = "rootfs.ext4";
+
+/// The files of a capture ([`SandboxBackend::snapshot`]).
+const CAPTURE_FILES: &[&str] = &[STATE_FILE, MEMORY_FILE, ROOTFS_FILE, "state.json"];
 
 /// Longest unix socket path.
 const MAX_SOCKET_PATH: usize = 107;
@@ -194,6 +206,11 @@ struct StateFile {
     host_if: String,
     slot: Ipv4Addr,
     created_at: u64,
+    /// The guest's vCPUs and memory (a restore needs the same).
+    #[serde(default)]
+    cpu_count: Option<u32>,
+    #[serde(default)]
+    memory_mb: Option<u64>,
 }
 
 /// A running VMM process.
@@ -361,14 +378,19 @@ impl MicrovmBackend {
         net.as_ref().map(|n| n.host_if.clone())
     }
 
-    /// Runs `ip` with `args` inside a sandbox's network namespace.
-    pub fn ip_in_sandbox(&self, id: &str, args: &[&str]) -> Result<String, BackendError> {
+    /// Runs `program` with `args` inside a sandbox's network namespace; its output.
+    pub fn run_in_sandbox(
+        &self,
+        id: &str,
+        program: &str,
+        args: &[&str],
+    ) -> Result<String, BackendError> {
         let sbx = self.ready(id)?;
         let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
         let n = net
             .as_ref()
             .ok_or_else(|| setup(format!("sandbox {id} has no network namespace")))?;
-        net::ip_in(n.netns.as_fd(), args, "").map_err(setup)
+        net::run_in(n.netns.as_fd(), program, args, "").map_err(setup)
     }
 
     /// Whether an address of the pool is reserved (by any node process on this host).
@@ -438,7 +460,7 @@ impl MicrovmBackend {
                 self.kept_dir.display()
             )));
         }
-        for f in ["snapshot", "rootfs.ext4", "state.json"] {
+        for f in ["snapshot", ROOTFS_FILE, "state.json"] {
             if !kept.path.join(f).exists() {
                 return Err(bad(&format!("{f} is missing")));
             }
@@ -451,14 +473,13 @@ impl MicrovmBackend {
         &self,
         spec: &SandboxSpec,
         dir: &Path,
-        slot: Slot,
     ) -> Result<agentenv_vmm::VmConfig, BackendError> {
         let dns = self.dns.first().map(|d| d.to_string()).unwrap_or_default();
         let mut cmdline = format!(
             "{} ip={}::{}:255.255.255.252::eth0:off:{dns}",
             self.cfg.boot_args,
-            slot.sandbox_ip(),
-            slot.host_ip(),
+            net::GUEST_IP,
+            net::TAP_IP,
         );
         if self.cfg.attach_devices {
             cmdline.push_str(" root=/dev/vda rw rootwait");
@@ -482,15 +503,14 @@ impl MicrovmBackend {
         if self.cfg.attach_devices {
             drives.push(agentenv_vmm::config::DriveConfig {
                 id: "rootfs".into(),
-                path: dir.join("rootfs.ext4"),
+                path: dir.join(ROOTFS_FILE),
                 read_only: false,
                 is_root: true,
             });
-            let o = slot.sandbox_ip().octets();
             nets.push(agentenv_vmm::config::NetConfig {
                 id: "eth0".into(),
                 tap: net::TAP_IF.into(),
-                guest_mac: format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", o[0], o[1], o[2], o[3]),
+                guest_mac: net::GUEST_MAC.into(),
             });
         }
         let cfg: agentenv_vmm::VmConfig = serde_json::from_value(serde_json::json!({
@@ -511,14 +531,25 @@ impl MicrovmBackend {
     /// Creates a sandbox, building the template and its image first if needed.
     pub async fn create_with_progress(
         &self,
-        spec: SandboxSpec,
+        mut spec: SandboxSpec,
         progress: Progress,
     ) -> Result<SandboxInfo, BackendError> {
         validate_sandbox_id(&spec.id)?;
-        let limits = self.check_limits(&spec)?;
         if let Some(kept) = &spec.kept {
             self.check_kept(kept)?;
+            // A snapshot restores the memory size and vCPUs it was taken with.
+            let st = read_state(&kept.path).ok_or_else(|| BackendError::BadKeptState {
+                path: kept.path.clone(),
+                reason: "state.json is unreadable".into(),
+            })?;
+            if let Some(c) = st.cpu_count {
+                spec.cpu_count = c;
+            }
+            if let Some(m) = st.memory_mb {
+                spec.memory_mb = m;
+            }
         }
+        let limits = self.check_limits(&spec)?;
         let sock = self.sandbox_dir(&spec.id).join("api.sock");
         if sock.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(setup(format!(
@@ -584,13 +615,7 @@ impl MicrovmBackend {
         let mut undo = Undo::new(self);
         let dir = self.sandbox_dir(&spec.id);
         undo.dir = Some(dir.clone());
-        let mut kept_slot = None;
         if let Some(kept) = &spec.kept {
-            let st = read_state(&kept.path).ok_or_else(|| BackendError::BadKeptState {
-                path: kept.path.clone(),
-                reason: "state.json is unreadable".into(),
-            })?;
-            kept_slot = Some(Slot { network: st.slot });
             std::fs::rename(&kept.path, &dir).map_err(|e| {
                 BackendError::io(
                     format!("moving {} to {}", kept.path.display(), dir.display()),
@@ -602,29 +627,17 @@ impl MicrovmBackend {
             std::fs::create_dir_all(&dir)
                 .map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
             if let Some(disk) = disk {
-                copy_sparse(disk, &dir.join("rootfs.ext4")).await?;
+                copy_sparse(disk, &dir.join(ROOTFS_FILE)).await?;
             }
         }
-        let slot = match kept_slot {
-            // The guest's address is part of the snapshot: restore into the same slot.
-            Some(slot) => {
-                reserve_slot(&self.cfg.runtime_dir, slot, &dir).map_err(|e| {
-                    setup(format!(
-                        "the kept sandbox's address {} is taken ({e}); destroy it and create it again",
-                        slot.sandbox_ip()
-                    ))
-                })?;
-                slot
-            }
-            None => self.pool.reserve(&dir).map_err(|e| match e {
-                jnet::NetError::Exhausted(p) => BackendError::AddressPoolExhausted {
-                    pool: p.to_string(),
-                },
-                other => setup(other),
-            })?,
-        };
+        let slot = self.pool.reserve(&dir).map_err(|e| match e {
+            jnet::NetError::Exhausted(p) => BackendError::AddressPoolExhausted {
+                pool: p.to_string(),
+            },
+            other => setup(other),
+        })?;
         undo.slot = Some(slot);
-        let config = self.vm_config(spec, &dir, slot)?;
+        let config = self.vm_config(spec, &dir)?;
         write_json(&dir.join("vm.json"), &config)?;
 
         let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &spec.id);
@@ -644,7 +657,7 @@ impl MicrovmBackend {
         let sandbox_net = jnet::create_sandbox_net(&self.netlink, slot, host_if.clone())
             .await
             .map_err(setup)?;
-        net::setup_tap(sandbox_net.netns.as_fd()).map_err(setup)?;
+        net::setup_tap(sandbox_net.netns.as_fd(), slot.sandbox_ip()).map_err(setup)?;
 
         let created_at = SystemTime::now();
         let mut state = StateFile {
@@ -657,6 +670,8 @@ impl MicrovmBackend {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            cpu_count: Some(spec.cpu_count),
+            memory_mb: Some(spec.memory_mb),
         };
         write_json(&dir.join("state.json"), &state)?;
 
@@ -971,15 +986,20 @@ fn format_pid(pid: libc::pid_t, buf: &mut [u8; 24]) -> &[u8] {
     &buf[i..]
 }
 
-/// Reserves one particular slot of the pool (the jail's reservation files).
-fn reserve_slot(runtime_dir: &Path, slot: Slot, owner: &Path) -> std::io::Result<()> {
-    use std::io::Write;
-    let path = runtime_dir.join("slots").join(slot.network.to_string());
-    let mut f = std::fs::File::options()
-        .write(true)
-        .create_new(true)
-        .open(path)?;
-    f.write_all(owner.as_os_str().as_encoded_bytes())
+/// Moves a file, copying (sparsely) when it is on another filesystem.
+async fn move_file(from: &Path, to: &Path) -> Result<(), BackendError> {
+    match std::fs::rename(from, to) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_sparse(from, to).await?;
+            let _ = std::fs::remove_file(from);
+            Ok(())
+        }
+        Err(e) => Err(BackendError::io(
+            format!("moving {} to {}", from.display(), to.display()),
+            e,
+        )),
+    }
 }
 
 /// Copies a disk image keeping holes (and sharing blocks where the filesystem can).
@@ -1229,6 +1249,81 @@ impl SandboxBackend for MicrovmBackend {
         let nonce: u64 = rand::random();
         let path = self.kept_dir.join(format!("{id}.{nonce:016x}"));
         self.teardown(&sbx, Some(&path)).await?;
+        Ok(KeptState { path })
+    }
+
+    async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
+        let sbx = self.ready(id)?;
+        let _op = sbx.op.lock().await;
+        let state = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state;
+        if state != SandboxState::Running {
+            return Err(BackendError::InvalidState {
+                id: id.to_string(),
+                state,
+                needed: SandboxState::Running,
+            });
+        }
+        sbx.client.pause().await.map_err(setup)?;
+        // While the vCPUs are parked the disk and the memory agree.
+        let captured = async {
+            sbx.client
+                .snapshot(dir, SnapshotKind::Full, self.cfg.snapshot_timeout)
+                .await
+                .map_err(setup)?;
+            copy_sparse(&sbx.dir.join(ROOTFS_FILE), &dir.join(ROOTFS_FILE)).await?;
+            let st = read_state(&sbx.dir).ok_or_else(|| {
+                setup(format!("{} is unreadable", sbx.dir.join("state.json").display()))
+            })?;
+            write_json(&dir.join("state.json"), &st)
+        }
+        .await;
+        let resumed = sbx.client.resume().await.map_err(setup);
+        captured?;
+        resumed?;
+        tracing::debug!(id, dir = %dir.display(), "microVM captured");
+        Ok(SnapshotCapture {
+            backend: "microvm".into(),
+            files: CAPTURE_FILES.iter().map(|f| f.to_string()).collect(),
+        })
+    }
+
+    async fn import_snapshot(
+        &self,
+        capture: &SnapshotCapture,
+        dir: &Path,
+    ) -> Result<KeptState, BackendError> {
+        let missing: Vec<&&str> = CAPTURE_FILES
+            .iter()
+            .filter(|f| !capture.files.iter().any(|c| c == **f))
+            .collect();
+        if capture.backend != "microvm" || !missing.is_empty() {
+            return Err(BackendError::BadKeptState {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "it was taken by the {} backend, not by a microVM (files {:?})",
+                    capture.backend, capture.files
+                ),
+            });
+        }
+        let nonce: u64 = rand::random();
+        let path = self.kept_dir.join(format!("snapshot.{nonce:016x}"));
+        let snap = path.join("snapshot");
+        std::fs::create_dir_all(&snap)
+            .map_err(|e| BackendError::io(format!("creating {}", snap.display()), e))?;
+        let moved = async {
+            for f in [STATE_FILE, MEMORY_FILE] {
+                move_file(&dir.join(f), &snap.join(f)).await?;
+            }
+            for f in [ROOTFS_FILE, "state.json"] {
+                move_file(&dir.join(f), &path.join(f)).await?;
+            }
+            Ok::<(), BackendError>(())
+        }
+        .await;
+        if let Err(e) = moved {
+            let _ = std::fs::remove_dir_all(&path);
+            return Err(e);
+        }
         Ok(KeptState { path })
     }
 

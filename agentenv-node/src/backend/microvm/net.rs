@@ -1,9 +1,19 @@
-//! The guest's side of a sandbox network namespace: a bridge joining the namespace end of
-//! the jail's veth pair (`eth0`) with a tap (`tap0`) the VMM attaches its virtio-net
-//! device to. The namespace's `eth0` loses its address, so the guest itself answers at the
-//! sandbox's address and the node reaches it exactly as it reaches a jail sandbox.
+//! The guest's side of a sandbox network namespace.
+//!
+//! The namespace is the jail's (see [`create_sandbox_net`]): `eth0` holds the sandbox's
+//! address, the peer of a host veth. A tap (`tap0`, [`TAP_IP`]/30) links the namespace to
+//! the guest, whose own address is always [`GUEST_IP`]: the namespace forwards and
+//! translates, DNAT of the sandbox address arriving on `eth0` to the guest, SNAT of the
+//! guest's traffic leaving by `eth0` to the sandbox address. The node reaches the agent at
+//! the sandbox address exactly as with the jail (the data plane is unchanged), and since
+//! the guest's address is the same in every sandbox, a snapshot restores into any address
+//! slot: a paused sandbox kept across a node restart, or a capture started as new
+//! sandboxes next to the one it was taken from.
+//!
+//! [`create_sandbox_net`]: crate::backend::jail::net::create_sandbox_net
 
 use std::io::Write;
+use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
@@ -12,36 +22,63 @@ use crate::backend::jail::net::GUEST_IF;
 
 /// The tap device inside every sandbox namespace.
 pub const TAP_IF: &str = "tap0";
-/// The bridge inside every sandbox namespace.
-pub const BRIDGE_IF: &str = "br0";
+/// The namespace's end of the tap: the guest's gateway.
+pub const TAP_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 22);
+/// The guest's address in every sandbox.
+pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 21);
+/// The guest's MAC address in every sandbox (locally administered).
+pub const GUEST_MAC: &str = "06:00:a9:fe:00:15";
 
 /// Errors setting up the namespace.
 #[derive(Debug, thiserror::Error)]
 pub enum TapError {
-    #[error("running ip in the sandbox namespace: {0}")]
-    Spawn(#[source] std::io::Error),
-    #[error("setting up {TAP_IF} and {BRIDGE_IF} in the sandbox namespace failed: {0}")]
-    Failed(String),
+    #[error("running {program} in the sandbox namespace: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{program} in the sandbox namespace failed: {output}")]
+    Failed { program: String, output: String },
 }
 
-/// The `ip -batch` requests that turn a jail namespace into a microVM one.
-pub fn batch() -> String {
+/// The `ip -batch` requests that add the tap.
+pub fn tap_batch() -> String {
     format!(
-        "addr flush dev {GUEST_IF}\n\
-         route flush dev {GUEST_IF}\n\
-         link add {BRIDGE_IF} type bridge\n\
-         tuntap add dev {TAP_IF} mode tap\n\
-         link set {TAP_IF} master {BRIDGE_IF}\n\
-         link set {GUEST_IF} master {BRIDGE_IF}\n\
-         link set {TAP_IF} up\n\
-         link set {BRIDGE_IF} up\n"
+        "tuntap add dev {TAP_IF} mode tap\n\
+         addr add {TAP_IP}/30 dev {TAP_IF}\n\
+         link set {TAP_IF} up\n"
     )
 }
 
-/// Runs `ip` inside the namespace `netns` with `args`, `stdin` fed to it.
-pub fn ip_in(netns: BorrowedFd<'_>, args: &[&str], stdin: &str) -> Result<String, TapError> {
+/// The `iptables-restore` input of the namespace's address translation.
+pub fn nat_rules(sandbox_ip: Ipv4Addr) -> String {
+    format!(
+        "*nat\n\
+         :PREROUTING ACCEPT [0:0]\n\
+         :INPUT ACCEPT [0:0]\n\
+         :OUTPUT ACCEPT [0:0]\n\
+         :POSTROUTING ACCEPT [0:0]\n\
+         -A PREROUTING -i {GUEST_IF} -d {sandbox_ip}/32 -j DNAT --to-destination {GUEST_IP}\n\
+         -A POSTROUTING -s {GUEST_IP}/32 -o {GUEST_IF} -j SNAT --to-source {sandbox_ip}\n\
+         COMMIT\n"
+    )
+}
+
+/// Runs `program` with `args` inside the namespace `netns`, `stdin` fed to it; returns
+/// its output.
+pub fn run_in(
+    netns: BorrowedFd<'_>,
+    program: &str,
+    args: &[&str],
+    stdin: &str,
+) -> Result<String, TapError> {
     let fd = netns.as_raw_fd();
-    let mut cmd = Command::new("ip");
+    let spawn_err = |source| TapError::Spawn {
+        program: program.to_string(),
+        source,
+    };
+    let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -56,26 +93,38 @@ pub fn ip_in(netns: BorrowedFd<'_>, args: &[&str], stdin: &str) -> Result<String
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(TapError::Spawn)?;
+    let mut child = cmd.spawn().map_err(spawn_err)?;
     if let Some(mut input) = child.stdin.take() {
-        input.write_all(stdin.as_bytes()).map_err(TapError::Spawn)?;
+        input.write_all(stdin.as_bytes()).map_err(spawn_err)?;
     }
-    let out = child.wait_with_output().map_err(TapError::Spawn)?;
+    let out = child.wait_with_output().map_err(spawn_err)?;
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
     if !out.status.success() {
-        return Err(TapError::Failed(text.trim().to_string()));
+        return Err(TapError::Failed {
+            program: program.to_string(),
+            output: text.trim().to_string(),
+        });
     }
     Ok(text)
 }
 
-/// Creates the tap and the bridge in the namespace and moves the sandbox address off
-/// `eth0` (the guest takes it).
-pub fn setup_tap(netns: BorrowedFd<'_>) -> Result<(), TapError> {
-    ip_in(netns, &["-batch", "-"], &batch()).map(|_| ())
+/// Adds the tap, turns on forwarding and installs the address translation between the
+/// sandbox address and the guest.
+pub fn setup_tap(netns: BorrowedFd<'_>, sandbox_ip: Ipv4Addr) -> Result<(), TapError> {
+    run_in(netns, "ip", &["-batch", "-"], &tap_batch())?;
+    // /proc/sys/net shows the namespace of the process that opens it.
+    run_in(
+        netns,
+        "sh",
+        &["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
+        "",
+    )?;
+    run_in(netns, "iptables-restore", &["-w"], &nat_rules(sandbox_ip))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -83,12 +132,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_batch_bridges_eth0_and_the_tap_and_frees_the_address() {
-        let b = batch();
-        assert!(b.starts_with("addr flush dev eth0\n"));
+    fn the_tap_is_the_guests_gateway_in_one_30() {
+        let b = tap_batch();
         assert!(b.contains("tuntap add dev tap0 mode tap\n"));
-        assert!(b.contains("link set eth0 master br0\n"));
-        assert!(b.contains("link set tap0 master br0\n"));
-        assert!(b.ends_with("link set br0 up\n"));
+        assert!(b.contains("addr add 169.254.0.22/30 dev tap0\n"));
+        assert_eq!(u32::from(GUEST_IP) & !3, u32::from(TAP_IP) & !3);
+    }
+
+    #[test]
+    fn nat_maps_the_sandbox_address_to_the_guest_both_ways() {
+        let r = nat_rules(Ipv4Addr::new(10, 12, 0, 6));
+        assert!(r.contains(
+            "-A PREROUTING -i eth0 -d 10.12.0.6/32 -j DNAT --to-destination 169.254.0.21\n"
+        ));
+        assert!(
+            r.contains("-A POSTROUTING -s 169.254.0.21/32 -o eth0 -j SNAT --to-source 10.12.0.6\n")
+        );
+        assert!(r.starts_with("*nat\n") && r.ends_with("COMMIT\n"));
     }
 }
