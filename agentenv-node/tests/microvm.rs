@@ -303,7 +303,10 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
     // Pausing again is a no-op.
     b.pause(&sid).await.unwrap();
     // The sandbox keeps its network while paused.
-    assert!(b.run_in_sandbox(&sid, "ip", &["link", "show", "tap0"]).is_ok());
+    assert!(
+        b.run_in_sandbox(&sid, "ip", &["link", "show", "tap0"])
+            .is_ok()
+    );
 
     let resumed = b.resume(&sid).await.unwrap();
     assert_eq!(resumed.state, SandboxState::Running);
@@ -407,7 +410,10 @@ async fn a_capture_of_a_running_sandbox_starts_new_sandboxes_next_to_it() {
     let mut s = spec(&fork);
     s.kept = Some(kept);
     let finfo = b.create(s).await.unwrap();
-    assert_ne!(finfo.address.ip, info.address.ip, "each sandbox has its address");
+    assert_ne!(
+        finfo.address.ip, info.address.ip,
+        "each sandbox has its address"
+    );
     assert_vmm_in_place(&b, &fork).await;
     assert!(
         std::fs::read_to_string(b.sandbox_dir(&fork).join("vmm.log"))
