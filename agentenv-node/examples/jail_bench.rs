@@ -390,6 +390,7 @@ async fn main() -> anyhow::Result<()> {
         cfg0.agent_args = b_args.clone();
         cfg0.net_pool_size = 0;
         let b0 = Arc::new(JailBackend::new(cfg0).await?);
+        let before = b.net_pool_stats();
         let (mut with, mut without) = (Vec::new(), Vec::new());
         let mut round = 0;
         while with.len() < n || without.len() < n {
@@ -405,7 +406,11 @@ async fn main() -> anyhow::Result<()> {
             }
             round += 1;
         }
-        versus = Some((stats(with), stats(without)));
+        versus = Some((
+            stats(with),
+            stats(without),
+            pool_line("batches", &b, before),
+        ));
     }
 
     let create_target = Some(Duration::from_millis(50));
@@ -422,7 +427,7 @@ async fn main() -> anyhow::Result<()> {
         &plain_start,
         create_target,
     );
-    if let Some((with, without)) = &versus {
+    if let Some((with, without, _)) = &versus {
         line("8 at a time, batches: pool", with, without, create_target);
         println!(
             "{:<28} p50 {}  p99 {}   (the reference of the line above)",
@@ -452,7 +457,11 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without a namespace pool"
     );
-    println!("creates {pool1}; {pool8}");
+    let pool_batches = versus
+        .as_ref()
+        .map(|(_, _, l)| format!("; {l}"))
+        .unwrap_or_default();
+    println!("creates {pool1}; {pool8}{pool_batches}");
     println!(
         "load average (1, 5, 15 min): {load_before} before, {} after, on {} CPUs",
         load_average(),

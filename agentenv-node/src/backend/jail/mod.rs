@@ -100,7 +100,7 @@ pub struct JailConfig {
 }
 
 /// Network namespaces a jail backend keeps ready unless configured otherwise.
-pub const DEFAULT_NET_POOL_SIZE: usize = 4;
+pub const DEFAULT_NET_POOL_SIZE: usize = 8;
 
 impl JailConfig {
     /// Defaults for a node with data under `data_dir`, running `agent_binary`.

@@ -238,20 +238,28 @@ impl Drop for NetPool {
         }
         // Without a runtime to wait on: delete the links with `ip` (synchronous), then
         // free the addresses. Builds cut short hold reservations too: all of the pool's go.
+        let known: Vec<(Slot, String)> = ready
+            .iter()
+            .map(|p| (p.net.slot, p.net.host_if.clone()))
+            .collect();
         drop(ready);
+        let del = |name: &str| {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", name])
+                .stderr(std::process::Stdio::null())
+                .status();
+        };
         for (slot, owner) in self.shared.addresses.reservations() {
             if owner != self.shared.owner {
                 continue;
             }
-            for internet in [true, false] {
-                let _ = std::process::Command::new("ip")
-                    .args([
-                        "link",
-                        "del",
-                        &slot.host_ifname(&self.shared.iface_prefix, internet),
-                    ])
-                    .stderr(std::process::Stdio::null())
-                    .status();
+            match known.iter().find(|(s, _)| *s == slot) {
+                Some((_, name)) => del(name),
+                None => {
+                    for internet in [true, false] {
+                        del(&slot.host_ifname(&self.shared.iface_prefix, internet));
+                    }
+                }
             }
             self.shared.addresses.release(slot);
         }
