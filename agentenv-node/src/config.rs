@@ -498,7 +498,7 @@ impl NodeConfig {
             .ok_or_else(|| {
                 invalid(
                     "jail.net_pool_size",
-                    &jail_net_pool_size.to_string(),
+                    jail_net_pool_size.to_string(),
                     "use at most 1024 (0 turns the pool off)",
                 )
             })?;
