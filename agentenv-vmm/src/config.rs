@@ -173,6 +173,51 @@ impl CpuTemplate {
     }
 }
 
+impl CpuTemplate {
+    /// The MSR masks `(index, bits that may stay set)`, checked.
+    pub fn msr_masks(&self) -> Result<Vec<(u32, u64)>, ConfigError> {
+        let mut out = Vec::new();
+        for (i, m) in self.msr_modifiers.iter().enumerate() {
+            let field = format!("cpu_template.msr_modifiers[{i}]");
+            let addr = parse_hex(&m.addr)
+                .ok_or_else(|| invalid(&field, format!("addr {:?} is not a hex number", m.addr)))?;
+            let keep = parse_mask(&m.bitmap, 64).ok_or_else(|| {
+                invalid(
+                    &field,
+                    format!(
+                        "bitmap {:?} is not up to 64 binary digits (0, 1, x), optionally prefixed with 0b",
+                        m.bitmap
+                    ),
+                )
+            })?;
+            out.push((addr, keep));
+        }
+        Ok(out)
+    }
+
+    /// The KVM capabilities the host must have (`"N"`; `"!N"` entries ask for nothing).
+    pub fn required_kvm_capabilities(&self) -> Result<Vec<u32>, ConfigError> {
+        let mut out = Vec::new();
+        for (i, c) in self.kvm_capabilities.iter().enumerate() {
+            let t = c.trim();
+            let (negated, digits) = match t.strip_prefix('!') {
+                Some(d) => (true, d),
+                None => (false, t),
+            };
+            let cap: u32 = digits.parse().map_err(|_| {
+                invalid(
+                    &format!("cpu_template.kvm_capabilities[{i}]"),
+                    format!("{c:?} is not a KVM capability number (optionally prefixed with !)"),
+                )
+            })?;
+            if !negated {
+                out.push(cap);
+            }
+        }
+        Ok(out)
+    }
+}
+
 fn parse_hex(s: &str) -> Option<u32> {
     let t = s.trim();
     let d = t
@@ -575,6 +620,8 @@ impl VmConfig {
         }
         if let Some(t) = &self.cpu_template {
             t.cpuid_masks()?;
+            t.msr_masks()?;
+            t.required_kvm_capabilities()?;
         }
         if self.virtio_device_count() > MAX_VIRTIO_DEVICES {
             return Err(invalid(
@@ -731,6 +778,14 @@ mod tests {
             }]
         );
         assert!(CpuTemplate::from_json("").unwrap().is_none());
+        let with_msr = r#"{"kvm_capabilities":["171","!172"],"msr_modifiers":[{"addr":"0x10a","bitmap":"0b1111"}]}"#;
+        let t2 = CpuTemplate::from_json(with_msr).unwrap().unwrap();
+        // A short bitmap keeps the high bits it does not list.
+        assert_eq!(t2.msr_masks().unwrap(), vec![(0x10a, u64::MAX)]);
+        assert_eq!(t2.required_kvm_capabilities().unwrap(), vec![171]);
+        let with_msr = r#"{"msr_modifiers":[{"addr":"0x10a","bitmap":"0b0000000000000000000000000000000000000000000000000000000000000101"}]}"#;
+        let t3 = CpuTemplate::from_json(with_msr).unwrap().unwrap();
+        assert_eq!(t3.msr_masks().unwrap(), vec![(0x10a, 5)]);
         let (_d, mut c) = base();
         let mut bad = t.clone();
         bad.cpuid_modifiers[0].modifiers[0].bitmap = "0b2".into();

@@ -546,9 +546,18 @@ impl Vm {
 
         // vCPUs.
         let supported = hv.supported_cpuid()?;
-        let masks = match &config.cpu_template {
-            Some(t) => t.cpuid_masks()?,
-            None => Vec::new(),
+        let (masks, msr_masks) = match &config.cpu_template {
+            Some(t) => {
+                for cap in t.required_kvm_capabilities()? {
+                    if !hv.check_extension(cap) {
+                        return Err(VmError::Unsupported(format!(
+                            "cpu_template.kvm_capabilities: this host's hypervisor lacks capability {cap}; use a template made for this cluster"
+                        )));
+                    }
+                }
+                (t.cpuid_masks()?, t.msr_masks()?)
+            }
+            None => (Vec::new(), Vec::new()),
         };
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for id in 0..config.vcpus {
@@ -571,6 +580,7 @@ impl Vm {
                             source,
                         }
                     })?;
+                    apply_msr_masks(vcpu.as_ref(), &msr_masks)?;
                 }
             }
             Boot::Restore(state) => {
@@ -1153,6 +1163,32 @@ fn root_cmdline(config: &VmConfig) -> Option<String> {
     ))
 }
 
+/// Masks the template's MSRs on a vCPU: each keeps only the bits its mask allows.
+fn apply_msr_masks(vcpu: &dyn HypervisorVcpu, masks: &[(u32, u64)]) -> Result<(), VmError> {
+    if masks.is_empty() {
+        return Ok(());
+    }
+    let indices: Vec<u32> = masks.iter().map(|m| m.0).collect();
+    let mut values = vcpu.get_msrs(&indices)?;
+    if values.len() != indices.len() {
+        let missing = indices[values.len()];
+        return Err(VmError::Unsupported(format!(
+            "cpu_template.msr_modifiers: MSR {missing:#x} cannot be read on this host"
+        )));
+    }
+    for (v, (_, keep)) in values.iter_mut().zip(masks) {
+        v.data &= keep;
+    }
+    let set = vcpu.set_msrs(&values)?;
+    if set != values.len() {
+        return Err(VmError::Unsupported(format!(
+            "cpu_template.msr_modifiers: MSR {:#x} cannot be written on this host",
+            values[set].index
+        )));
+    }
+    Ok(())
+}
+
 /// What ended a burst of guest execution.
 enum Burst {
     /// Kicked: look at the control state.
@@ -1341,6 +1377,31 @@ mod tests {
         let p = dir.join("vmlinux");
         std::fs::write(&p, b).unwrap();
         p
+    }
+
+    #[test]
+    fn cpu_template_masks_msrs_and_requires_its_kvm_capabilities() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = VmConfig::new(tiny_elf(dir.path()));
+        config.memory_mib = 16;
+        config.cpu_template = crate::config::CpuTemplate::from_json(
+            r#"{"kvm_capabilities":["1"],"msr_modifiers":[{"addr":"0x10a","bitmap":"0b0000000000000000000000000000000000000000000000000000000000000110"}]}"#,
+        )
+        .unwrap();
+        let fake = Arc::new(FakeHypervisor::new(Vec::new()));
+        let log = fake.log.clone();
+        drop(Vm::build(fake, config.clone(), Boot::Kernel, &default_devices, None).unwrap());
+        let calls = log.calls.lock().unwrap().clone();
+        assert!(
+            calls.iter().any(|c| c == "vcpu0 set_msrs 1 0x10a=0x6"),
+            "{calls:?}"
+        );
+        config.cpu_template.as_mut().unwrap().kvm_capabilities = vec!["9999".into()];
+        let fake = Arc::new(FakeHypervisor::new(Vec::new()));
+        let e = Vm::build(fake, config, Boot::Kernel, &default_devices, None)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("lacks capability 9999"), "{e}");
     }
 
     #[test]

@@ -282,3 +282,78 @@ fn vm_handles_can_be_shared_between_threads() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<Vm>();
 }
+
+/// An ELF with a PVH note is entered in 32-bit protected mode at the note's address with
+/// `ebx` pointing at the PVH start info (magic, command line, memory map).
+#[test]
+fn elf_with_a_pvh_note_is_entered_through_pvh() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = CodeAssembler::new(32).unwrap();
+    let mut bad = a.create_label();
+    a.cmp(ebx, 0x6000).unwrap();
+    a.jne(bad).unwrap();
+    a.cmp(dword_ptr(ebx), 0x336e_c578).unwrap();
+    a.jne(bad).unwrap();
+    // cmdline_paddr (low half) and a memory map with entries.
+    a.cmp(dword_ptr(ebx + 24), 0x20000).unwrap();
+    a.jne(bad).unwrap();
+    a.cmp(dword_ptr(ebx + 48), 2).unwrap();
+    a.jb(bad).unwrap();
+    a.mov(edi, dword_ptr(ebx + 24)).unwrap();
+    a.cmp(dword_ptr(edi), u32::from_le_bytes(*b"pvh ")).unwrap();
+    a.jne(bad).unwrap();
+    a.mov(dx, DONE_PORT as u32).unwrap();
+    a.mov(eax, 0x9d).unwrap();
+    a.out(dx, eax).unwrap();
+    a.set_label(&mut bad).unwrap();
+    a.mov(dx, DONE_PORT as u32).unwrap();
+    a.mov(eax, 0xbad).unwrap();
+    a.out(dx, eax).unwrap();
+    let code = a.assemble(ENTRY).unwrap();
+    let path = dir.path().join("vmlinux-pvh");
+    write_elf_with_notes(
+        &path,
+        ENTRY,
+        &[Segment {
+            addr: ENTRY,
+            bytes: code,
+        }],
+        &[("Xen", 18, (ENTRY as u32).to_le_bytes().to_vec())],
+    );
+    let mut c = config(dir.path(), path);
+    c.cmdline = "pvh boot".into();
+    let mut vm = Vm::new(c).unwrap();
+    assert_eq!(run(&mut vm), ExitReason::Done(0x9d));
+}
+
+/// A bzImage is loaded at its `code32_start` and entered at +0x200 in 64-bit mode, with
+/// its setup header carried into the zero page.
+#[test]
+fn bzimage_is_entered_at_its_64_bit_entry_with_its_header_in_the_zero_page() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = asm64();
+    let mut bad = a.create_label();
+    a.cmp(word_ptr(rsi + 0x206), 0x020f).unwrap();
+    a.jne(bad).unwrap();
+    a.test(byte_ptr(rsi + 0x211), 1).unwrap();
+    a.jz(bad).unwrap();
+    a.cmp(byte_ptr(rsi + 0x210), 0xff).unwrap();
+    a.jne(bad).unwrap();
+    done(&mut a, 0xb2);
+    a.set_label(&mut bad).unwrap();
+    done(&mut a, 0xbad);
+    let code = a.assemble(ENTRY + 0x200).unwrap();
+    // The 32-bit entry at +0 is never used: fill it with HLT.
+    let mut payload = vec![0xf4u8; 0x200];
+    payload.extend_from_slice(&code);
+    let path = dir.path().join("bzImage");
+    write_bzimage(&path, &payload);
+    let mut vm = Vm::new(config(dir.path(), path)).unwrap();
+    assert_eq!(run(&mut vm), ExitReason::Done(0xb2));
+}

@@ -79,6 +79,10 @@ impl Hypervisor for FakeHypervisor {
     fn msr_index_list(&self) -> Result<Vec<u32>> {
         Ok(vec![0x10, 0x174])
     }
+    fn check_extension(&self, cap: u32) -> bool {
+        // Pretends to lack capability 9999 only.
+        cap != 9999
+    }
 }
 
 pub struct FakeVm {
@@ -243,17 +247,27 @@ impl HypervisorVcpu for FakeVcpu {
         Ok(())
     }
     fn get_msrs(&self, indices: &[u32]) -> Result<Vec<MsrEntry>> {
+        // Every MSR reads as all ones.
         Ok(indices
             .iter()
             .map(|&index| MsrEntry {
                 index,
+                data: u64::MAX,
                 ..Default::default()
             })
             .collect())
     }
     fn set_msrs(&self, msrs: &[MsrEntry]) -> Result<usize> {
-        self.log
-            .push(format!("vcpu{} set_msrs {}", self.id, msrs.len()));
+        let list: Vec<String> = msrs
+            .iter()
+            .map(|m| format!("{:#x}={:#x}", m.index, m.data))
+            .collect();
+        self.log.push(format!(
+            "vcpu{} set_msrs {} {}",
+            self.id,
+            msrs.len(),
+            list.join(",")
+        ));
         Ok(msrs.len())
     }
     fn get_lapic(&self) -> Result<LapicState> {

@@ -69,6 +69,10 @@ impl Hypervisor for KvmHypervisor {
         Ok(CACHE.get_or_init(|| cpuid.as_slice().to_vec()).clone())
     }
 
+    fn check_extension(&self, cap: u32) -> bool {
+        self.kvm.check_extension_raw(libc::c_ulong::from(cap)) > 0
+    }
+
     fn msr_index_list(&self) -> Result<Vec<u32>> {
         static CACHE: OnceLock<Vec<u32>> = OnceLock::new();
         if let Some(c) = CACHE.get() {

@@ -135,6 +135,8 @@ pub trait Hypervisor: Send + Sync {
     fn supported_cpuid(&self) -> Result<Vec<CpuIdEntry>>;
     /// The MSRs whose state is saved and restored.
     fn msr_index_list(&self) -> Result<Vec<u32>>;
+    /// Whether the hypervisor has capability `cap` (a `KVM_CAP_*` number for KVM).
+    fn check_extension(&self, cap: u32) -> bool;
 }
 
 /// One VM: memory, interrupts and the in-kernel devices.

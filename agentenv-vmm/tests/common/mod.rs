@@ -27,9 +27,18 @@ pub struct Segment {
 
 /// Writes an ELF64 executable with the given segments, entered at `entry`.
 pub fn write_elf(path: &Path, entry: u64, segments: &[Segment]) {
+    write_elf_with_notes(path, entry, segments, &[]);
+}
+
+/// An ELF note `(name, type, desc)`.
+pub type Note = (&'static str, u32, Vec<u8>);
+
+/// Writes an ELF64 executable with loadable segments and one PT_NOTE segment per note.
+pub fn write_elf_with_notes(path: &Path, entry: u64, segments: &[Segment], notes: &[Note]) {
     let ehsize = 64usize;
     let phsize = 56usize;
-    let mut data_off = ehsize + phsize * segments.len();
+    let phnum = segments.len() + notes.len();
+    let mut data_off = ehsize + phsize * phnum;
     let mut out = vec![0u8; data_off];
     out[..4].copy_from_slice(b"\x7fELF");
     out[4] = 2; // ELFCLASS64
@@ -42,7 +51,7 @@ pub fn write_elf(path: &Path, entry: u64, segments: &[Segment]) {
     out[32..40].copy_from_slice(&(ehsize as u64).to_le_bytes()); // phoff
     out[52..54].copy_from_slice(&(ehsize as u16).to_le_bytes());
     out[54..56].copy_from_slice(&(phsize as u16).to_le_bytes());
-    out[56..58].copy_from_slice(&(segments.len() as u16).to_le_bytes());
+    out[56..58].copy_from_slice(&(phnum as u16).to_le_bytes());
     for (i, s) in segments.iter().enumerate() {
         let ph = ehsize + i * phsize;
         let p = &mut out[ph..ph + phsize];
@@ -56,10 +65,48 @@ pub fn write_elf(path: &Path, entry: u64, segments: &[Segment]) {
         p[48..56].copy_from_slice(&0x1000u64.to_le_bytes());
         data_off += s.bytes.len();
     }
+    let mut note_blobs = Vec::new();
+    for (i, (name, kind, desc)) in notes.iter().enumerate() {
+        let mut n = Vec::new();
+        let name = format!("{name}\0");
+        n.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        n.extend_from_slice(&(desc.len() as u32).to_le_bytes());
+        n.extend_from_slice(&kind.to_le_bytes());
+        n.extend_from_slice(name.as_bytes());
+        n.resize(n.len().next_multiple_of(4), 0);
+        n.extend_from_slice(desc);
+        n.resize(n.len().next_multiple_of(4), 0);
+        let ph = ehsize + (segments.len() + i) * phsize;
+        let p = &mut out[ph..ph + phsize];
+        p[0..4].copy_from_slice(&4u32.to_le_bytes()); // PT_NOTE
+        p[8..16].copy_from_slice(&(data_off as u64).to_le_bytes());
+        p[32..40].copy_from_slice(&(n.len() as u64).to_le_bytes());
+        p[48..56].copy_from_slice(&4u64.to_le_bytes());
+        data_off += n.len();
+        note_blobs.push(n);
+    }
     for s in segments {
         out.extend_from_slice(&s.bytes);
     }
+    for n in note_blobs {
+        out.extend_from_slice(&n);
+    }
     std::fs::write(path, out).unwrap();
+}
+
+/// Writes a minimal bzImage: one setup sector with the boot protocol header (version
+/// 2.15, loaded high at 1 MiB) and `payload` as the protected-mode kernel. The VMM enters
+/// its 64-bit entry, 0x200 bytes into the payload.
+pub fn write_bzimage(path: &Path, payload: &[u8]) {
+    let mut b = vec![0u8; 2 * 512];
+    b[0x1f1] = 1; // setup_sects
+    b[0x1fe..0x200].copy_from_slice(&0xaa55u16.to_le_bytes());
+    b[0x202..0x206].copy_from_slice(b"HdrS");
+    b[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+    b[0x211] = 1; // LOADED_HIGH
+    b[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes()); // code32_start
+    b.extend_from_slice(payload);
+    std::fs::write(path, b).unwrap();
 }
 
 /// A 64-bit assembler.
