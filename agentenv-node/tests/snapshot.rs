@@ -57,7 +57,11 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     let store = home.path().join("snapshot-store/repository");
     assert!(store.join(format!("catalog/records/{snap}.json")).is_file());
     assert!(store.join("catalog/aliases/snap-web").is_file());
-    assert!(store.join(format!("snapshots/{snap}/layer.tar")).is_file());
+    assert!(
+        store
+            .join(format!("snapshots/{snap}/layer.tar.zst"))
+            .is_file()
+    );
 
     // The source keeps running, with its files.
     assert_eq!(state(addr, &src).await.as_deref(), Some("running"));
@@ -241,7 +245,11 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     assert_eq!(r.status, 204, "{}", r.text());
     let r = api(addr, "DELETE", "/templates/snap-web", "").await;
     assert_eq!(r.status, 204, "{}", r.text());
-    assert!(!store.join(format!("snapshots/{snap}/layer.tar")).exists());
+    assert!(
+        !store
+            .join(format!("snapshots/{snap}/layer.tar.zst"))
+            .exists()
+    );
     let r = api(
         addr,
         "POST",

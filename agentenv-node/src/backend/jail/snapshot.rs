@@ -1,4 +1,5 @@
-//! Snapshots of jail sandboxes: the overlay's writable layer (`upper/`) as a tar archive.
+//! Snapshots of jail sandboxes: the overlay's writable layer (`upper/`) as a tar archive,
+//! compressed with zstd.
 //!
 //! Capture freezes the sandbox's cgroup so no process writes while the layer is read,
 //! archives `upper/` and thaws: the sandbox keeps running. The archive keeps what the
@@ -15,15 +16,37 @@ use std::path::{Component, Path, PathBuf};
 use super::{JailBackend, setup};
 use crate::backend::{BackendError, KeptState, SandboxState, SnapshotCapture};
 
-/// Name of the layer archive in a capture.
-pub const LAYER_FILE: &str = "layer.tar";
+/// Name of the layer archive in a capture (tar, zstd-compressed).
+pub const LAYER_FILE: &str = "layer.tar.zst";
+
+/// An uncompressed layer archive, also accepted when starting from a snapshot.
+pub const LAYER_FILE_PLAIN: &str = "layer.tar";
+
+/// zstd level of layer archives: fast, since the sandbox is frozen while it runs.
+const ZSTD_LEVEL: i32 = 1;
 
 const XATTR_PAX_PREFIX: &str = "SCHILY.xattr.";
 
-/// Archives the directory `upper` into the file `out`; returns the archive's size.
+/// Archives the directory `upper` into the file `out` (zstd-compressed when its name
+/// ends with `.zst`); returns the archive's size.
 pub fn archive_layer(upper: &Path, out: &Path) -> std::io::Result<u64> {
     let file = std::fs::File::create(out)?;
-    let mut b = tar::Builder::new(std::io::BufWriter::with_capacity(1 << 20, file));
+    let w = std::io::BufWriter::with_capacity(1 << 20, file);
+    if out.extension().is_some_and(|e| e == "zst") {
+        let enc = zstd::Encoder::new(w, ZSTD_LEVEL)?;
+        let enc = write_layer(upper, enc)?;
+        let w = enc.finish()?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        return Ok(file.metadata()?.len());
+    }
+    let w = write_layer(upper, w)?;
+    let file = w.into_inner().map_err(|e| e.into_error())?;
+    Ok(file.metadata()?.len())
+}
+
+/// Writes the tar stream of `upper` into `w` and returns `w`.
+fn write_layer<W: std::io::Write>(upper: &Path, w: W) -> std::io::Result<W> {
+    let mut b = tar::Builder::new(w);
     b.follow_symlinks(false);
     b.mode(tar::HeaderMode::Complete);
     let mut stack: Vec<PathBuf> = vec![PathBuf::new()];
@@ -79,9 +102,7 @@ pub fn archive_layer(upper: &Path, out: &Path) -> std::io::Result<u64> {
             }
         }
     }
-    let w = b.into_inner()?;
-    let file = w.into_inner().map_err(|e| e.into_error())?;
-    Ok(file.metadata()?.len())
+    b.into_inner()
 }
 
 /// A relative path without `..`, or an error naming it.
@@ -104,9 +125,18 @@ fn safe_relative(p: &Path) -> std::io::Result<PathBuf> {
 
 /// Unpacks a layer archive made by [`archive_layer`] into the (empty) directory `upper`.
 pub fn unpack_layer(archive: &Path, upper: &Path) -> std::io::Result<()> {
-    use nix::sys::stat::{Mode, SFlag, makedev, mknod};
     let file = std::fs::File::open(archive)?;
-    let mut a = tar::Archive::new(std::io::BufReader::with_capacity(1 << 20, file));
+    let r = std::io::BufReader::with_capacity(1 << 20, file);
+    if archive.extension().is_some_and(|e| e == "zst") {
+        read_layer(zstd::Decoder::with_buffer(r)?, upper)
+    } else {
+        read_layer(r, upper)
+    }
+}
+
+fn read_layer<R: std::io::Read>(r: R, upper: &Path) -> std::io::Result<()> {
+    use nix::sys::stat::{Mode, SFlag, makedev, mknod};
+    let mut a = tar::Archive::new(r);
     a.set_preserve_permissions(true);
     a.set_preserve_ownerships(true);
     a.set_preserve_mtime(true);
@@ -212,7 +242,10 @@ impl JailBackend {
         capture: &SnapshotCapture,
         dir: &Path,
     ) -> Result<KeptState, BackendError> {
-        if capture.backend != "jail" || !capture.files.iter().any(|f| f == LAYER_FILE) {
+        let layer = [LAYER_FILE, LAYER_FILE_PLAIN]
+            .into_iter()
+            .find(|l| capture.files.iter().any(|f| f == l));
+        let (true, Some(layer)) = (capture.backend == "jail", layer) else {
             return Err(BackendError::BadKeptState {
                 path: dir.to_path_buf(),
                 reason: format!(
@@ -220,10 +253,10 @@ impl JailBackend {
                     capture.backend, capture.files
                 ),
             });
-        }
+        };
         let nonce: u64 = rand::random();
         let path = self.kept_dir.join(format!("snapshot.{nonce:016x}"));
-        let archive = dir.join(LAYER_FILE);
+        let archive = dir.join(layer);
         let p = path.clone();
         let result = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             std::fs::create_dir(&p)?;
@@ -277,13 +310,33 @@ mod tests {
         .unwrap();
         let _sock = std::os::unix::net::UnixListener::bind(up.join("agent.sock")).unwrap();
 
-        let out = tempfile::tempdir().unwrap();
-        let archive = out.path().join(LAYER_FILE);
-        assert!(archive_layer(up, &archive).unwrap() > 0);
-        let dst = out.path().join("upper");
-        std::fs::create_dir(&dst).unwrap();
-        unpack_layer(&archive, &dst).unwrap();
+        std::fs::write(
+            up.join("big.log"),
+            "a log line that repeats\n".repeat(40_000),
+        )
+        .unwrap();
 
+        let mut sizes = Vec::new();
+        for name in [LAYER_FILE, LAYER_FILE_PLAIN] {
+            let out = tempfile::tempdir().unwrap();
+            let archive = out.path().join(name);
+            sizes.push(archive_layer(up, &archive).unwrap());
+            let dst = out.path().join("upper");
+            std::fs::create_dir(&dst).unwrap();
+            unpack_layer(&archive, &dst).unwrap();
+            check_layer(&dst);
+        }
+        assert!(
+            sizes[0] * 10 < sizes[1],
+            "the zstd archive is much smaller: {sizes:?}"
+        );
+    }
+
+    fn check_layer(dst: &Path) {
+        assert_eq!(
+            std::fs::read(dst.join("big.log")).unwrap().len(),
+            "a log line that repeats\n".len() * 40_000
+        );
         assert_eq!(
             std::fs::read(dst.join("home/user/notes.txt")).unwrap(),
             b"hello snapshot"
