@@ -12,6 +12,15 @@
 //!
 //! The exit loop allocates nothing per exit: port I/O and MMIO go through two buses
 //! (sorted ranges, binary search), counters are atomics.
+//!
+//! ## Devices
+//! Port I/O: the 8250 UART at 0x3f8 (IRQ 4 through an irqfd), the i8042 at 0x60/0x64
+//! (`out 0x64, 0xfe` ends the VM with [`ExitReason::Reset`]) and the debug-exit port 0x501
+//! ([`ExitReason::Done`]). Virtio-mmio device `n` sits at `0xd000_0000 + n * 0x1000` with
+//! IRQ `5 + n` (an irqfd on that GSI, routed by the in-kernel IOAPIC and PIC); each queue
+//! `q` has an ioeventfd on `QueueNotify` (offset 0x50, 4 bytes, datamatch `q`), so queue
+//! notifications never exit to the VMM. Each device is announced on the kernel command
+//! line as `virtio_mmio.device=4K@<base>:<irq>`.
 
 use std::cell::Cell;
 use std::fs::File;

@@ -191,6 +191,35 @@ fn diff_snapshot_holds_only_the_pages_the_guest_dirtied() {
     let vm = Vm::restore(config, &diff).unwrap();
     assert_eq!(read_u64(&vm, READY2), 1);
     assert_eq!(read_u64(&vm, PAGES + 0x7000), PAGES + 0x7000);
+
+    // A restored VM diffs against the snapshot it came from: one page written by the
+    // host, nothing run, so the next diff holds exactly that page over a copy of `diff`.
+    const MARK: u64 = 0x70_0000;
+    vm.guest_memory()
+        .write_obj(0xfeed_u64, GuestAddress(MARK))
+        .unwrap();
+    let diff2 = dir.path().join("diff2");
+    let info = vm.snapshot(&diff2, SnapshotKind::Diff).unwrap();
+    assert_eq!(info.pages_written, 1);
+    assert_eq!(
+        snapshot::diff_pages(&diff2, &host).unwrap().unwrap(),
+        vec![MARK / 4096]
+    );
+    let mem2 = std::fs::read(diff2.join(MEMORY_FILE)).unwrap();
+    let at = MARK as usize;
+    assert_eq!(
+        u64::from_le_bytes(mem2[at..at + 8].try_into().unwrap()),
+        0xfeed
+    );
+    let at = (PAGES + 0x7000) as usize;
+    assert_eq!(
+        u64::from_le_bytes(mem2[at..at + 8].try_into().unwrap()),
+        PAGES + 0x7000
+    );
+    // The source snapshot is untouched.
+    let mem = std::fs::read(diff.join(MEMORY_FILE)).unwrap();
+    let at = MARK as usize;
+    assert_eq!(&mem[at..at + 8], &[0; 8]);
 }
 
 fn snapshot_of_a_running_guest(dir: &Path) -> (VmConfig, std::path::PathBuf) {
