@@ -268,6 +268,67 @@ fn write_pvh_start_info(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::{Backing, create};
+
+    /// A bzImage with one setup sector, loaded high, with the given `initrd_addr_max`.
+    fn bzimage(dir: &Path, initrd_addr_max: u32) -> std::path::PathBuf {
+        let mut b = vec![0u8; 2 * 512];
+        b[0x1f1] = 1;
+        b[0x1fe..0x200].copy_from_slice(&0xaa55u16.to_le_bytes());
+        b[0x202..0x206].copy_from_slice(b"HdrS");
+        b[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        b[0x211] = 1;
+        b[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes());
+        b[0x22c..0x230].copy_from_slice(&initrd_addr_max.to_le_bytes());
+        b.extend_from_slice(&[0xf4; 0x1000]);
+        let p = dir.join("bzImage");
+        std::fs::write(&p, b).unwrap();
+        p
+    }
+
+    #[test]
+    fn initrd_goes_page_aligned_below_initrd_addr_max_and_the_zero_page_says_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = create(64 << 20, Backing::Anonymous, false).unwrap();
+        let initrd = dir.path().join("initrd");
+        std::fs::write(&initrd, vec![0xa5u8; 10_000]).unwrap();
+        let kernel = bzimage(dir.path(), 0x01ff_ffff);
+        let cmdline = build_cmdline("init=/bin/sh", &[]).unwrap();
+        let e = load(&mem, &kernel, Some(&initrd), &cmdline).unwrap();
+        assert_eq!(e.entry, 0x10_0200);
+        assert_eq!(e.mode, EntryMode::Long64);
+        let (addr, size) = e.initrd.unwrap();
+        assert_eq!(size, 10_000);
+        assert_eq!(addr % 0x1000, 0);
+        assert!(addr + size <= 0x0200_0000, "{addr:#x}");
+        assert!(addr >= e.kernel_end);
+        assert_eq!(
+            mem.read_obj::<u8>(GuestAddress(addr + 9_999)).unwrap(),
+            0xa5
+        );
+        let params: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
+        let (image, rsize) = (params.hdr.ramdisk_image, params.hdr.ramdisk_size);
+        assert_eq!((u64::from(image), u64::from(rsize)), (addr, size));
+        assert_eq!({ params.hdr.cmd_line_ptr }, CMDLINE_START as u32);
+        assert_eq!({ params.hdr.type_of_loader }, 0xff);
+        assert_eq!(params.e820_entries, 3);
+        let mut cl = vec![0u8; 12];
+        mem.read_slice(&mut cl, GuestAddress(CMDLINE_START))
+            .unwrap();
+        assert_eq!(&cl, b"init=/bin/sh");
+    }
+
+    #[test]
+    fn an_initrd_that_does_not_fit_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = create(16 << 20, Backing::Anonymous, false).unwrap();
+        let initrd = dir.path().join("initrd");
+        std::fs::write(&initrd, vec![0u8; 15 << 20]).unwrap();
+        let kernel = bzimage(dir.path(), 0);
+        let cmdline = build_cmdline("", &[]).unwrap();
+        let e = load(&mem, &kernel, Some(&initrd), &cmdline).unwrap_err();
+        assert!(e.to_string().contains("do not fit"), "{e}");
+    }
 
     #[test]
     fn cmdline_gets_console_and_devices_but_keeps_user_settings() {
