@@ -302,3 +302,82 @@ fn restore_refuses_other_versions_other_cpus_and_corrupted_state() {
     // And the untouched snapshot still restores.
     Vm::restore(config, &snap).unwrap();
 }
+
+/// Two vCPUs both running when snapshotted (the AP in real mode after INIT/SIPI, the BSP in
+/// long mode) both continue in the restored VM: per-vCPU registers, segments and MP state
+/// are restored for each.
+#[test]
+fn smp_guest_with_both_vcpus_counting_continues_after_restore() {
+    if !kvm_available() {
+        return;
+    }
+    const TRAMPOLINE: u64 = 0x3000;
+    const AP_COUNT: u64 = 0x3800;
+    const BSP_COUNT: u64 = 0x20_0000;
+    let dir = scratch();
+
+    let mut ap = CodeAssembler::new(16).unwrap();
+    ap.xor(ax, ax).unwrap();
+    ap.mov(ds, ax).unwrap();
+    let mut l = ap.create_label();
+    ap.set_label(&mut l).unwrap();
+    ap.inc(dword_ptr(AP_COUNT)).unwrap();
+    ap.jmp(l).unwrap();
+    let ap_code = ap.assemble(TRAMPOLINE).unwrap();
+
+    let mut a = asm64();
+    a.mov(rdi, 0xfee0_0000u64).unwrap();
+    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
+    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
+    a.mov(dword_ptr(rdi + 0x300), 0x4500).unwrap();
+    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
+    a.mov(dword_ptr(rdi + 0x300), 0x4603).unwrap();
+    a.mov(rdi, BSP_COUNT).unwrap();
+    let mut l = a.create_label();
+    a.set_label(&mut l).unwrap();
+    a.inc(qword_ptr(rdi)).unwrap();
+    a.jmp(l).unwrap();
+    let k = kernel_with(
+        dir.path(),
+        &mut a,
+        vec![Segment {
+            addr: TRAMPOLINE,
+            bytes: ap_code,
+        }],
+    );
+    let mut config = VmConfig::new(k);
+    config.vcpus = 2;
+    config.memory_mib = 32;
+
+    let counts = |vm: &Vm| {
+        let ap = vm
+            .guest_memory()
+            .read_obj::<u32>(GuestAddress(AP_COUNT))
+            .unwrap();
+        (read_u64(vm, BSP_COUNT), u64::from(ap))
+    };
+    let mut vm = Vm::new(config.clone()).unwrap();
+    vm.start().unwrap();
+    assert!(wait_until(TIMEOUT, || {
+        let (b, a) = counts(&vm);
+        b > 100 && a > 100
+    }));
+    vm.pause().unwrap();
+    let saved = counts(&vm);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    vm.stop().unwrap();
+    drop(vm);
+
+    let vm = Vm::restore(config, &snap).unwrap();
+    assert_eq!(counts(&vm), saved);
+    vm.resume().unwrap();
+    assert!(
+        wait_until(TIMEOUT, || {
+            let (b, a) = counts(&vm);
+            b > saved.0 + 100 && a > saved.1 + 100
+        }),
+        "saved {saved:?}, now {:?}",
+        counts(&vm)
+    );
+}
