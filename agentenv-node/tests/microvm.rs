@@ -282,7 +282,9 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
         serde_json::from_slice(&std::fs::read(dir.join("vm.json")).unwrap()).unwrap();
     let cmdline = vm["cmdline"].as_str().unwrap();
     assert!(
-        cmdline.contains("ip=169.254.0.21::169.254.0.22:255.255.255.252::eth0:off"),
+        cmdline.contains(&format!(
+            "ip=169.254.0.21::169.254.0.22:255.255.255.252:{sid}:eth0:off"
+        )),
         "{cmdline}"
     );
     assert!(

@@ -476,10 +476,12 @@ impl MicrovmBackend {
     ) -> Result<agentenv_vmm::VmConfig, BackendError> {
         let dns = self.dns.first().map(|d| d.to_string()).unwrap_or_default();
         let mut cmdline = format!(
-            "{} ip={}::{}:255.255.255.252::eth0:off:{dns}",
+            "{} ip={}::{}:255.255.255.252:{}:eth0:off:{dns}",
             self.cfg.boot_args,
             net::GUEST_IP,
             net::TAP_IP,
+            // The kernel sets its host name from here (ids are valid host names).
+            spec.id,
         );
         if self.cfg.attach_devices {
             cmdline.push_str(" root=/dev/vda rw rootwait");
@@ -1172,8 +1174,14 @@ impl SandboxBackend for MicrovmBackend {
             return Err(setup(e));
         }
         let _ = std::fs::remove_dir_all(&snap);
-        std::fs::rename(&staging, &snap)
-            .map_err(|e| BackendError::io(format!("publishing {}", snap.display()), e))?;
+        if let Err(e) = std::fs::rename(&staging, &snap) {
+            let _ = sbx.client.resume().await;
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(BackendError::io(
+                format!("publishing {}", snap.display()),
+                e,
+            ));
+        }
         self.stop_vmm(&sbx, true).await?;
         sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state = SandboxState::Paused;
         tracing::debug!(id, snapshot = %snap.display(), "microVM paused into a snapshot");
@@ -1272,7 +1280,10 @@ impl SandboxBackend for MicrovmBackend {
                 .map_err(setup)?;
             copy_sparse(&sbx.dir.join(ROOTFS_FILE), &dir.join(ROOTFS_FILE)).await?;
             let st = read_state(&sbx.dir).ok_or_else(|| {
-                setup(format!("{} is unreadable", sbx.dir.join("state.json").display()))
+                setup(format!(
+                    "{} is unreadable",
+                    sbx.dir.join("state.json").display()
+                ))
             })?;
             write_json(&dir.join("state.json"), &st)
         }
