@@ -113,6 +113,9 @@ struct Recorder<'a> {
     source: RouteSource,
     status: Option<u16>,
     instrument: bool,
+    /// The response body is already whole in memory: its end is known
+    /// when the head is.
+    body_complete: bool,
 }
 
 impl Drop for Recorder<'_> {
@@ -411,9 +414,10 @@ impl Gateway {
             source: RouteSource::Unknown,
             status: None,
             instrument: true,
+            body_complete: false,
         };
         let resp = self.dispatch(req, remote, &mut rec).await;
-        if !rec.instrument || resp.body().is_end_stream() {
+        if !rec.instrument || rec.body_complete || resp.body().is_end_stream() {
             rec.status = Some(resp.status().as_u16());
             return resp;
         }
@@ -647,7 +651,7 @@ impl Gateway {
             record,
             host_route,
         };
-        self.proxy(req, remote, plan).await
+        self.proxy(req, remote, plan, &mut rec.body_complete).await
     }
 
     async fn rpc<T>(
@@ -674,11 +678,13 @@ impl Gateway {
         result
     }
 
+    /// Sets `body_complete` when the response body is already whole.
     async fn proxy(
         &self,
         mut req: Request<GatewayBody>,
         remote: SocketAddr,
         plan: ProxyPlan,
+        body_complete: &mut bool,
     ) -> Response<GatewayBody> {
         let websocket = is_websocket(req.headers());
         let client_upgrade = websocket.then(|| hyper::upgrade::on(&mut req));
@@ -785,7 +791,10 @@ impl Gateway {
                     boxed(body)
                 } else {
                     match body.frame().await {
-                        Some(Ok(first)) => boxed(PrefixedBody::new(first, body)),
+                        Some(Ok(first)) => {
+                            *body_complete = body.is_end_stream();
+                            boxed(PrefixedBody::new(first, body))
+                        }
                         Some(Err(e)) if e.is::<BodyDeadlineExceeded>() => {
                             return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
                         }
@@ -940,7 +949,7 @@ impl Gateway {
             record: false,
             host_route: None,
         };
-        self.proxy(req, remote, plan).await
+        self.proxy(req, remote, plan, &mut false).await
     }
 
     async fn cluster_list(
