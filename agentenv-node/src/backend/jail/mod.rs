@@ -577,15 +577,18 @@ impl JailBackend {
             filters: self.filters.as_ref().clone(),
         })
         .map_err(setup)?;
-        let pid = tokio::task::spawn_blocking(move || {
+        phases.mark("plan");
+        let (pid, queued) = tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
             let r = spawn::spawn(&plan);
             drop(plan);
-            r
+            (r, started)
         })
         .await
-        .map_err(|e| setup(format!("spawn task: {e}")))?
-        .map_err(setup)?;
+        .map_err(|e| setup(format!("spawn task: {e}")))?;
+        let pid = pid.map_err(setup)?;
         drop(log);
+        phases.split("queue", queued);
         phases.mark("spawn");
         undo.pid = Some(pid);
         let exited = watch_exit(pid).map_err(|e| BackendError::io("watching PID 1", e))?;
@@ -843,6 +846,13 @@ impl Phases {
             last: std::time::Instant::now(),
             done: Vec::new(),
         }
+    }
+
+    /// Ends the phase `name` at `at` (between the last mark and now).
+    fn split(&mut self, name: &'static str, at: std::time::Instant) {
+        let at = at.clamp(self.last, std::time::Instant::now());
+        self.done.push((name, at - self.last));
+        self.last = at;
     }
 
     fn mark(&mut self, name: &'static str) {
