@@ -843,7 +843,9 @@ impl VsockCore {
         if !self.state.reset_pending {
             return;
         }
+        let mut used = false;
         while let Some(chain) = self.queues[EVENT_QUEUE].pop_descriptor_chain(&self.mem) {
+            used = true;
             match check_chain(chain, &self.mem, Direction::WriteOnly, 4096) {
                 Ok(c) if c.writable_len() >= 4 => {
                     // Event id 0: VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.
@@ -852,11 +854,12 @@ impl VsockCore {
                     } else {
                         0
                     };
-                    let _ = self.queues[EVENT_QUEUE].add_used(&self.mem, c.head, len);
+                    if let Err(e) = self.queues[EVENT_QUEUE].add_used(&self.mem, c.head, len) {
+                        tracing::warn!(error = %e, "vsock: cannot update the used ring");
+                    }
                     self.state.reset_pending = false;
                     self.metrics.inc(&self.metrics.transport_resets);
-                    self.notify(EVENT_QUEUE);
-                    return;
+                    break;
                 }
                 Ok(c) => {
                     self.metrics.inc(&self.metrics.rx_errors);
@@ -868,7 +871,9 @@ impl VsockCore {
                 }
             }
         }
-        self.notify(EVENT_QUEUE);
+        if used {
+            self.notify(EVENT_QUEUE);
+        }
     }
 
     fn expire(&mut self, ctl: &WorkerCtl) {
