@@ -6,6 +6,11 @@
 //! three with wrk (64 connections, then 1 connection for the added latency)
 //! and prints requests/s, p50/p99 and the ratios.
 //!
+//! The machine may be shared: the three targets are measured in turn,
+//! `BENCH_ROUNDS` times (default 3), and the summary gives the median of
+//! each figure and the median of the per-round gateway/nginx ratios (each
+//! ratio compares runs made seconds apart). The load average is printed.
+//!
 //! `cargo run --release -p agentenv-proxy --example bench [-- SECONDS]`
 //! needs the Debian packages `nginx` and `wrk`.
 
@@ -99,35 +104,62 @@ fn main() {
         load_average()
     );
     let mut results = Vec::new();
+    let rounds: usize = std::env::var("BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
     for conns in [64usize, 1] {
-        let mut row = Vec::new();
-        for (name, addr) in targets {
-            // Warm up pools and caches, then measure.
+        // Warm up pools and caches.
+        for (_, addr) in targets {
             wrk(addr, conns, 1);
-            let nginx_pid = nginx.id();
-            let cpu = move || match name {
-                "nginx" => nginx_cpu_seconds(nginx_pid),
-                "gateway" => gateway_cpu_seconds(),
-                _ => f64::NAN,
-            };
-            let before = cpu();
-            let mut r = wrk(addr, conns, secs);
-            r.cpu_us = (cpu() - before) * 1e6 / (r.rps * secs as f64);
-            println!(
-                "{conns:>3} conns  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs   proxy CPU/request {:>6.1} µs",
-                r.rps, r.p50_us, r.p99_us, r.cpu_us
-            );
-            row.push(r);
         }
-        results.push((conns, row));
+        let mut runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
+        for round in 1..=rounds {
+            for (i, (name, addr)) in targets.into_iter().enumerate() {
+                let nginx_pid = nginx.id();
+                let cpu = move || match name {
+                    "nginx" => nginx_cpu_seconds(nginx_pid),
+                    "gateway" => gateway_cpu_seconds(),
+                    _ => f64::NAN,
+                };
+                let before = cpu();
+                let mut r = wrk(addr, conns, secs);
+                r.cpu_us = (cpu() - before) * 1e6 / (r.rps * secs as f64);
+                println!(
+                    "{conns:>3} conns  round {round}  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs   proxy CPU/request {:>6.1} µs   load {}",
+                    r.rps,
+                    r.p50_us,
+                    r.p99_us,
+                    r.cpu_us,
+                    load_average()
+                );
+                runs[i].push(r);
+            }
+        }
+        let ratios: Vec<f64> = runs[2]
+            .iter()
+            .zip(&runs[1])
+            .map(|(g, n)| g.rps / n.rps)
+            .collect();
+        let row: Vec<Run> = runs.iter().map(|r| median_run(r)).collect();
+        results.push((conns, row, median(ratios)));
         println!();
     }
-    for (conns, row) in &results {
+    println!("medians of {rounds} round(s):");
+    for (conns, row, paired) in &results {
         let (direct, nginx_r, gw) = (row[0], row[1], row[2]);
         println!("{conns} connection(s):");
+        for (name, r) in [("direct", direct), ("nginx", nginx_r), ("gateway", gw)] {
+            println!(
+                "  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs",
+                r.rps, r.p50_us, r.p99_us
+            );
+        }
         println!(
-            "  throughput gateway/nginx = {:.2}   gateway/direct = {:.2}   nginx/direct = {:.2}",
+            "  throughput gateway/nginx = {:.2} (median of per-round ratios {:.2})   gateway/direct = {:.2}   nginx/direct = {:.2}",
             gw.rps / nginx_r.rps,
+            paired,
             gw.rps / direct.rps,
             nginx_r.rps / direct.rps
         );
@@ -147,6 +179,26 @@ fn main() {
     }
     println!("load average at the end: {}", load_average());
     stop(&mut nginx);
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Each figure's median over the runs.
+fn median_run(runs: &[Run]) -> Run {
+    let of = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    Run {
+        rps: of(|r| r.rps),
+        p50_us: of(|r| r.p50_us),
+        p99_us: of(|r| r.p99_us),
+        cpu_us: of(|r| r.cpu_us),
+    }
 }
 
 /// The 1, 5 and 15 minute load averages: the machine may be shared, and
