@@ -664,3 +664,30 @@ fn random_descriptor_chains_never_stop_the_device() {
         }
     });
 }
+
+#[test]
+fn a_batch_of_transmit_chains_raises_one_interrupt() {
+    in_netns(|| {
+        let mem = guest_memory(MEM_SIZE);
+        let mut rig = Rig::new(&mem, 0);
+        let sock = packet_socket(0x88b5);
+        let mut frame = vec![0xff; 6];
+        frame.extend_from_slice(&GUEST_MAC);
+        frame.extend_from_slice(&[0x88, 0xb5]);
+        frame.resize(100, 1);
+        // Fifty frames queued before the device looks: one pass, one interrupt.
+        for _ in 0..50 {
+            rig.send(plain_hdr(), &frame);
+        }
+        rig.start(&mem);
+        rig.wait_tx_used(50);
+        for _ in 0..50 {
+            assert_eq!(recv_frame(&sock), frame);
+        }
+        let m = rig.metrics();
+        assert_eq!(m.tx_packets, 50);
+        rig.irq
+            .wait_for("the interrupt", || rig.metrics().interrupts >= 1);
+        assert_eq!(rig.metrics().interrupts, 1);
+    });
+}
