@@ -6,11 +6,10 @@
 
 #[path = "../../agentenv-vmm/tests/common/mod.rs"]
 mod guest;
+mod microvm_common;
 
-use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use agentenv_node::backend::microvm::{MicrovmBackend, MicrovmConfig};
@@ -40,30 +39,6 @@ macro_rules! require_microvm {
     };
 }
 
-/// The `agentenv-vmm` binary of this workspace, built once per test process.
-fn vmm_binary() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "-q", "-p", "agentenv-vmm", "--bin", "agentenv-vmm"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for agentenv-vmm");
-        assert!(status.success(), "building agentenv-vmm failed");
-        // tests live in target/<profile>/deps/; the binary in target/<profile>/.
-        let exe = std::env::current_exe().unwrap();
-        let bin = exe
-            .parent()
-            .and_then(Path::parent)
-            .unwrap()
-            .join("agentenv-vmm");
-        assert!(bin.is_file(), "{} missing", bin.display());
-        bin
-    })
-    .clone()
-}
-
 /// Prints `ready`, then halts with interrupts off (the vCPU sleeps in the host kernel).
 fn halting_guest(dir: &Path) -> PathBuf {
     let mut a = guest::asm64();
@@ -89,7 +64,9 @@ fn tiny_template(root: &Path) {
     std::fs::write(t.join("template.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
 }
 
-async fn backend(data: &Path) -> MicrovmBackend {
+/// A backend on `data` whose sandbox addresses come from `10.15.<net>.0/24`: each test has
+/// its own network, so no other test reuses its addresses and link names meanwhile.
+async fn backend(data: &Path, net: u8) -> MicrovmBackend {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -100,11 +77,12 @@ async fn backend(data: &Path) -> MicrovmBackend {
     let kernel = halting_guest(data);
     let agent = data.join("agentenv-guest");
     std::fs::write(&agent, b"\x7fELF the agent never runs in these tests").unwrap();
-    let mut cfg = MicrovmConfig::new(data, &agent, vmm_binary(), kernel);
+    let mut cfg = MicrovmConfig::new(data, &agent, microvm_common::vmm_binary(), kernel);
     cfg.templates.root = data.join("templates");
     tiny_template(&cfg.templates.root);
     cfg.cgroup_parent = "agentenv-test-vm".into();
     cfg.iface_prefix = "tv".into();
+    cfg.address_pool = format!("10.15.{net}.0/24").parse().unwrap();
     // The guest program is a plain ELF, not a Linux kernel: KVM under kvm_pvm runs it.
     MicrovmBackend::new_unchecked(cfg).await.unwrap()
 }
@@ -124,17 +102,6 @@ fn netns_inode(pid: i32) -> u64 {
     std::fs::metadata(format!("/proc/{pid}/ns/net"))
         .unwrap()
         .ino()
-}
-
-/// Network namespaces some process on the host is in.
-fn host_netns() -> HashSet<u64> {
-    let mut out = HashSet::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        if let Ok(md) = std::fs::metadata(e.path().join("ns/net")) {
-            out.insert(md.ino());
-        }
-    }
-    out
 }
 
 fn alive(pid: i32) -> bool {
@@ -263,8 +230,7 @@ async fn assert_vmm_in_place(b: &MicrovmBackend, id: &str) -> i32 {
 async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_nothing() {
     require_microvm!();
     let data = tempfile::tempdir().unwrap();
-    let b = backend(data.path()).await;
-    let netns_before = host_netns();
+    let b = backend(data.path(), 1).await;
     let links_before = b.host_interfaces().await;
     let sid = id("life");
     let info = b.create(spec(&sid)).await.unwrap();
@@ -276,7 +242,6 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
     assert!(!links_before.contains(&host_if));
     let pid = assert_vmm_in_place(&b, &sid).await;
     let ns = netns_inode(pid);
-    assert!(!netns_before.contains(&ns));
     assert!(serial_contains(&dir, "ready").await, "the guest ran");
     let vm: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("vm.json")).unwrap()).unwrap();
@@ -333,15 +298,9 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
         assert!(!d.exists(), "{} is left", d.display());
     }
     assert!(!b.address_reserved(info.address.ip));
+    // The host end of the veth goes only with the namespace holding its peer: the
+    // namespace is gone too (its inode number may already serve another namespace).
     assert!(!b.host_interfaces().await.contains(&host_if));
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
-    while host_netns().contains(&ns) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the sandbox namespace is still held"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     assert!(matches!(
         b.destroy(&sid).await,
         Err(BackendError::NotFound(_))
@@ -352,7 +311,7 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
 async fn a_kept_snapshot_restores_with_its_memory_size_and_reconcile_drops_unreferenced_ones() {
     require_microvm!();
     let data = tempfile::tempdir().unwrap();
-    let b = backend(data.path()).await;
+    let b = backend(data.path(), 2).await;
     let sid = id("keep");
     let info = b.create(spec(&sid)).await.unwrap();
     let e = b.keep(&sid).await.unwrap_err();
@@ -387,7 +346,7 @@ async fn a_kept_snapshot_restores_with_its_memory_size_and_reconcile_drops_unref
 async fn a_capture_of_a_running_sandbox_starts_new_sandboxes_next_to_it() {
     require_microvm!();
     let data = tempfile::tempdir().unwrap();
-    let b = backend(data.path()).await;
+    let b = backend(data.path(), 3).await;
     let sid = id("src");
     let info = b.create(spec(&sid)).await.unwrap();
     let pid = b.vmm_pid(&sid).unwrap();
@@ -440,7 +399,7 @@ async fn reconcile_cleans_up_after_a_node_process_that_died() {
     let data = tempfile::tempdir().unwrap();
     let sid = id("crash");
     let (pid, ip, cgroups, host_if) = {
-        let b = backend(data.path()).await;
+        let b = backend(data.path(), 4).await;
         let info = b.create(spec(&sid)).await.unwrap();
         let pid = b.vmm_pid(&sid).unwrap();
         let r = (
@@ -454,7 +413,7 @@ async fn reconcile_cleans_up_after_a_node_process_that_died() {
         r
     };
     assert!(alive(pid));
-    let b = backend(data.path()).await;
+    let b = backend(data.path(), 4).await;
     let report = b.reconcile(&[]).await.unwrap();
     assert_eq!(report.removed_sandboxes, vec![sid.clone()], "{report:?}");
     wait_gone(pid).await;
@@ -470,7 +429,7 @@ async fn reconcile_cleans_up_after_a_node_process_that_died() {
 async fn a_vmm_that_cannot_start_leaves_nothing_and_says_why() {
     require_microvm!();
     let data = tempfile::tempdir().unwrap();
-    let b = backend(data.path()).await;
+    let b = backend(data.path(), 5).await;
     let sid = id("bad");
     let mut s = spec(&sid);
     s.memory_mb = 8;

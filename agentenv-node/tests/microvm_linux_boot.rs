@@ -8,6 +8,7 @@
 //! reaches userspace (shared/spec/vmm-notes.md, "What does not work here"): the test says
 //! so and returns.
 
+mod microvm_common;
 mod node_common;
 
 use std::path::{Path, PathBuf};
@@ -35,21 +36,6 @@ fn guest_kernel() -> PathBuf {
     PathBuf::from(dir).join("vmlinux")
 }
 
-fn vmm_binary() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = std::process::Command::new(cargo)
-        .args(["build", "-q", "-p", "agentenv-vmm", "--bin", "agentenv-vmm"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("running cargo build for agentenv-vmm");
-    assert!(status.success(), "building agentenv-vmm failed");
-    let exe = std::env::current_exe().unwrap();
-    exe.parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("agentenv-vmm")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_linux_guest_boots_with_the_agent_as_init_and_runs_a_command() {
     if Path::new("/sys/module/kvm_pvm").exists() {
@@ -64,7 +50,7 @@ async fn a_linux_guest_boots_with_the_agent_as_init_and_runs_a_command() {
     }
     require_node!();
     let kernel = guest_kernel();
-    let vmm = vmm_binary();
+    let vmm = microvm_common::vmm_binary();
     if let Some(reason) = unavailable_reason(&kernel, &vmm) {
         panic!("hardware KVM is present but microVMs cannot run: {reason}");
     }
