@@ -307,7 +307,7 @@ fn a_server_that_never_answers_times_the_client_out() {
 }
 
 #[test]
-fn the_balloon_target_is_set_and_its_statistics_read_over_the_socket() {
+fn the_balloon_target_is_set_and_its_statistics_read_over_the_socket_under_the_filter() {
     if !kvm_available() {
         return;
     }
@@ -321,10 +321,18 @@ fn the_balloon_target_is_set_and_its_statistics_read_over_the_socket() {
     });
     std::fs::write(&config, serde_json::to_vec(&c).unwrap()).unwrap();
     let sock = dir.path().join("api.sock");
-    let mut child = vmm(&config, &sock, &["--start"]);
+    // Strict seccomp and no --start: the vCPU thread starts under the filter.
+    let mut child = vmm(&config, &sock, &[]);
     let rt = runtime();
     let client = VmmClient::new(&sock, "t3");
     rt.block_on(client.wait_ready(TIMEOUT)).unwrap();
+    assert_eq!(seccomp_mode(child.id()), "2");
+    assert_eq!(rt.block_on(client.start()).unwrap()["state"], "running");
+    assert!(wait_until(TIMEOUT, || {
+        std::fs::read_to_string(dir.path().join("serial.log"))
+            .unwrap_or_default()
+            .contains("ready")
+    }));
     assert_eq!(
         rt.block_on(client.balloon_set_target(8)).unwrap()["target_mib"],
         8
