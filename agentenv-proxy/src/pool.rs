@@ -3,7 +3,8 @@
 //!
 //! Idle connections live in shards, one per thread that uses the pool (a
 //! thread picks its shard once), so a request takes and returns connections
-//! under a lock no other thread touches. Each shard keeps, per authority, a
+//! under a lock no other thread touches; only when its own shard has none
+//! does it look into the others', without waiting on their locks. Each shard keeps, per authority, a
 //! stack of idle connections: the most recently used one is reused first,
 //! and the oldest ones are the first to go when the stack is full or they
 //! stayed idle longer than the idle timeout.
@@ -274,14 +275,27 @@ impl UpstreamPool {
         }
     }
 
-    fn shard(&self) -> &Mutex<Shard> {
-        &self.inner.shards[thread_number() % self.inner.shards.len()]
-    }
-
-    /// The most recently used idle connection that can take a request now.
+    /// The most recently used idle connection that can take a request now:
+    /// from this thread's shard, else (without waiting on a lock) from
+    /// another thread's.
     fn checkout(&self, key: &Key) -> Option<SendRequest<GatewayBody>> {
         let now = Instant::now();
-        let mut shard = self.shard().lock();
+        let shards = &self.inner.shards;
+        let own = thread_number() % shards.len();
+        if let Some(sender) = self.take_idle(&mut shards[own].lock(), key, now) {
+            return Some(sender);
+        }
+        (1..shards.len())
+            .map(|i| &shards[(own + i) % shards.len()])
+            .find_map(|shard| self.take_idle(&mut *shard.try_lock()?, key, now))
+    }
+
+    fn take_idle(
+        &self,
+        shard: &mut Shard,
+        key: &Key,
+        now: Instant,
+    ) -> Option<SendRequest<GatewayBody>> {
         let stack = shard.idle.get_mut(key)?;
         while let Some(conn) = stack.pop() {
             if now.saturating_duration_since(conn.since) >= self.inner.cfg.idle_timeout {
@@ -372,12 +386,17 @@ impl UpstreamPool {
     }
 
     fn start_reaper(inner: &Arc<PoolInner>) {
+        // A body may be dropped outside any runtime: the reaper then starts
+        // with a later release.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         if inner.reaper_started.swap(true, Ordering::Relaxed) {
             return;
         }
         let period = (inner.cfg.idle_timeout / 2).max(Duration::from_millis(100));
         let weak = Arc::downgrade(inner);
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -445,18 +464,16 @@ impl Slot {
             since: Instant::now(),
         };
         let shard = &inner.shards[thread_number() % inner.shards.len()];
-        let first = {
+        {
             let mut shard = shard.lock();
-            let first = shard.idle.is_empty();
             let stack = shard.idle.entry(self.key).or_default();
             if stack.len() >= inner.cfg.max_idle_per_authority {
                 // Full: the oldest idle connection makes room.
                 stack.remove(0);
             }
             stack.push(conn);
-            first
-        };
-        if first {
+        }
+        if !inner.reaper_started.load(Ordering::Relaxed) {
             UpstreamPool::start_reaper(&inner);
         }
     }

@@ -231,3 +231,23 @@ async fn a_refused_connection_is_an_error_naming_the_authority() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_read_to_its_end_outside_any_runtime_returns_its_connection() {
+    let up = Upstream::start().await;
+    let pool = UpstreamPool::new(PoolConfig::default());
+    let resp = pool.send(up.request("/small")).await.unwrap();
+    let body = resp.into_body();
+    // Read on a plain thread: returning the connection must not need a
+    // runtime there.
+    let read = std::thread::spawn(move || futures::executor::block_on(body.collect()));
+    let bytes = tokio::task::spawn_blocking(move || read.join().unwrap())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    assert_eq!(bytes, "ok");
+    assert_eq!(pool.idle_count(&up.addr.to_string()), 1);
+    assert_eq!(read_all(&pool, up.request("/small")).await, "ok");
+    assert_eq!(up.accepted(), 1);
+}
