@@ -15,7 +15,6 @@
 //! root and `/dev/kvm`.
 
 #[path = "../../agentenv-vmm/tests/common/mod.rs"]
-#[allow(dead_code)]
 mod guest;
 #[path = "../tests/microvm_common/mod.rs"]
 mod microvm_common;
