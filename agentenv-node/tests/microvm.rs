@@ -287,8 +287,14 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
             .contains("restored=true"),
         "the second VMM restored the snapshot"
     );
-    let m = b.vmm_client(&sid).unwrap().metrics().await.unwrap();
+    let client = b.vmm_client(&sid).unwrap();
+    let m = client.metrics().await.unwrap();
     assert_eq!(m["state"], "running");
+    // rootfs, eth0, balloon, rng
+    assert_eq!(m["virtio_devices"], 4, "{m}");
+    client.balloon_set_target(8).await.unwrap();
+    let stats = client.balloon_stats().await.unwrap();
+    assert_eq!(stats["target_mib"], 8, "{stats}");
 
     let cgroups = b.cgroup_dirs(&sid);
     b.destroy(&sid).await.unwrap();

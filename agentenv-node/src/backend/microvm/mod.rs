@@ -523,6 +523,18 @@ impl MicrovmBackend {
             "drives": drives,
             "net": nets,
             "serial_output": dir.join("serial.log"),
+            // A balloon the node can inflate to take memory back (empty at start; the
+            // guest gets pages back when it runs short), and entropy for the guest.
+            "balloon": if self.cfg.attach_devices {
+                serde_json::json!({
+                    "amount_mib": 0,
+                    "deflate_on_oom": true,
+                    "stats_polling_interval_s": 5,
+                })
+            } else {
+                serde_json::Value::Null
+            },
+            "rng": self.cfg.attach_devices,
         }))
         .map_err(|e| setup(format!("building the VM configuration: {e}")))?;
         cfg.validate()
