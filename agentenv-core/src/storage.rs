@@ -726,6 +726,83 @@ impl Storage for OpendalStorage {
         }
     }
 
+    /// On `fs` a file is copied by the kernel (`copy_file_range`) into the upload
+    /// directory, synced and renamed into place; on S3 it streams as [`Storage::put`].
+    async fn put_file(&self, key: &str, path: &Path) -> Result<u64, StorageError> {
+        validate_key(key)?;
+        let Kind::Fs { root } = &self.kind else {
+            let mut f = tokio::fs::File::open(path)
+                .await
+                .map_err(|e| self.io_err("opening the upload source for", key, e))?;
+            return self.put(key, &mut f).await;
+        };
+        let tmp = root
+            .join(FS_UPLOAD_DIR)
+            .join(format!("{:016x}.put", rand_u64()));
+        let target = root.join(key);
+        let r = async {
+            tokio::fs::create_dir_all(root.join(FS_UPLOAD_DIR)).await?;
+            let n = tokio::fs::copy(path, &tmp).await?;
+            tokio::fs::File::open(&tmp).await?.sync_all().await?;
+            if let Some(parent) = target.parent() {
+                tokio::fs::create_dir_all(parent).await?;
+            }
+            tokio::fs::rename(&tmp, &target).await?;
+            Ok::<u64, std::io::Error>(n)
+        }
+        .await;
+        if r.is_err() {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        }
+        r.map_err(|e| self.io_err("uploading", key, e))
+    }
+
+    /// On `fs` the object is copied by the kernel to a file beside `path`, synced and
+    /// renamed; on S3 it streams as [`Storage::get`].
+    async fn get_file(&self, key: &str, path: &Path) -> Result<u64, StorageError> {
+        validate_key(key)?;
+        let tmp = path.with_extension(format!("part-{:016x}", rand_u64()));
+        let r = match &self.kind {
+            Kind::Fs { root } => {
+                let src = root.join(key);
+                async {
+                    let n = tokio::fs::copy(&src, &tmp).await?;
+                    tokio::fs::File::open(&tmp).await?.sync_all().await?;
+                    tokio::fs::rename(&tmp, path).await?;
+                    Ok::<u64, std::io::Error>(n)
+                }
+                .await
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound if !src.is_file() => StorageError::NotFound {
+                        store: self.describe(),
+                        key: key.to_string(),
+                    },
+                    _ => self.io_err("downloading", key, e),
+                })
+            }
+            Kind::S3 { .. } => {
+                async {
+                    let mut f = tokio::fs::File::create(&tmp)
+                        .await
+                        .map_err(|e| self.io_err("creating the download target of", key, e))?;
+                    let n = self.get(key, &mut f).await?;
+                    f.sync_all()
+                        .await
+                        .map_err(|e| self.io_err("syncing the download of", key, e))?;
+                    tokio::fs::rename(&tmp, path)
+                        .await
+                        .map_err(|e| self.io_err("renaming the download of", key, e))?;
+                    Ok(n)
+                }
+                .await
+            }
+        };
+        if r.is_err() {
+            let _ = tokio::fs::remove_file(&tmp).await;
+        }
+        r
+    }
+
     async fn create_new(&self, key: &str, data: Bytes) -> Result<bool, StorageError> {
         validate_key(key)?;
         match &self.kind {

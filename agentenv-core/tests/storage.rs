@@ -234,6 +234,44 @@ async fn exercise(store: Arc<dyn Storage>) {
         .await
         .unwrap();
     assert_eq!(std::fs::read(&dst).unwrap(), b"manifest bytes");
+    // A large file both ways, and an absent one.
+    let big = dir.path().join("big.bin");
+    {
+        let mut f = tokio::fs::File::create(&big).await.unwrap();
+        tokio::io::copy(
+            &mut Pattern {
+                left: 9 << 20,
+                pos: 0,
+            },
+            &mut f,
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        store.put_file("artifacts/s3/big", &big).await.unwrap(),
+        9 << 20
+    );
+    let back = dir.path().join("back.bin");
+    assert_eq!(
+        store.get_file("artifacts/s3/big", &back).await.unwrap(),
+        9 << 20
+    );
+    assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&big).unwrap());
+    store.delete("artifacts/s3/big").await.unwrap();
+    match store
+        .get_file("artifacts/none", &dir.path().join("none"))
+        .await
+    {
+        Err(StorageError::NotFound { .. }) => {}
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    assert!(!dir.path().join("none").exists());
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        4,
+        "no partial files left"
+    );
     // A put replaces.
     store
         .put("artifacts/s1/manifest.json", &mut &b"v2"[..])
