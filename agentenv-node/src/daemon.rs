@@ -185,6 +185,9 @@ impl Daemon {
             }
         }
         let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
+        // Before the backend: a repository that cannot work stops the start with
+        // nothing set up.
+        let snapshots = snapshot_repository(&cfg).await?;
         let kept: Vec<KeptState> = store
             .load_all()
             .map_err(LifecycleError::from)?
@@ -208,7 +211,6 @@ impl Daemon {
             BackendKind::Microvm => Arc::new(microvm_backend(&cfg, &kept).await?),
             _ => Arc::new(jail_backend(&cfg, &kept).await?),
         };
-        let snapshots = snapshot_repository(&cfg).await?;
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,
             auto_evict_interval: cfg.auto_evict_interval,
