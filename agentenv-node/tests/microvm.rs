@@ -33,7 +33,7 @@ fn skip_reason() -> Option<String> {
 macro_rules! require_microvm {
     () => {
         if let Some(reason) = skip_reason() {
-            println!("NOT RUN HERE: {reason}");
+            println!("SKIPPED: {reason}");
             return;
         }
     };

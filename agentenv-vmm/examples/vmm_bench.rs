@@ -287,7 +287,7 @@ fn copy_reference(src: &Path, dst: &Path, repeats: usize) -> Stats {
 
 fn main() {
     if !Path::new("/dev/kvm").exists() {
-        println!("NOT RUN HERE: /dev/kvm is missing");
+        println!("cannot run: /dev/kvm is missing");
         return;
     }
     let pvm = Path::new("/sys/module/kvm_pvm").exists();

@@ -22,15 +22,11 @@ mod common;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agentenv_vmm::config::{NetConfig, parse_mac};
-use agentenv_vmm::devices::virtio::VirtioDevice;
-use agentenv_vmm::devices::virtio::net::{Net, NetMetrics};
-use agentenv_vmm::memory::GuestMemoryMmap;
-use agentenv_vmm::vm::VirtioDevices;
-use agentenv_vmm::{ExitReason, Vm, VmConfig, VmError};
+use agentenv_vmm::config::NetConfig;
+use agentenv_vmm::devices::virtio::net::NetMetricsSnapshot;
+use agentenv_vmm::{ExitReason, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
 use vm_memory::{Bytes, GuestAddress};
@@ -573,34 +569,11 @@ fn vm_config(dir: &std::path::Path, tap: &str, mode: Mode) -> VmConfig {
     c
 }
 
-/// Builds the VM with its net device made from `config.net` as the VMM does, keeping a
-/// handle on the device's counters (the VM's metrics do not carry them).
-fn net_vm(config: VmConfig) -> (Vm, Arc<NetMetrics>) {
-    let slot: Arc<Mutex<Option<Arc<NetMetrics>>>> = Arc::default();
-    let keep = slot.clone();
-    let factory = move |c: &VmConfig, _: &GuestMemoryMmap| -> Result<VirtioDevices, VmError> {
-        let mut out: VirtioDevices = Vec::new();
-        for n in &c.net {
-            let device = |reason: String| VmError::Device {
-                id: n.id.clone(),
-                reason,
-            };
-            let mac = parse_mac(&n.guest_mac)
-                .ok_or_else(|| device(format!("guest_mac {:?}", n.guest_mac)))?;
-            let dev = Net::new(n.id.clone(), &n.tap, mac).map_err(|e| device(e.to_string()))?;
-            *keep.lock().unwrap() = Some(dev.metrics());
-            let dev: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(dev));
-            out.push((n.id.clone(), dev));
-        }
-        Ok(out)
-    };
-    let vm = Vm::with_devices(config, &factory).unwrap();
-    let metrics = slot
-        .lock()
-        .unwrap()
-        .take()
-        .expect("the net device was built");
-    (vm, metrics)
+/// The VM's own net device's counters, as `Vm::metrics` reports them.
+fn net_counters(vm: &Vm) -> NetMetricsSnapshot {
+    let m = vm.metrics();
+    serde_json::from_value(m.devices["eth0"]["device"].clone())
+        .unwrap_or_else(|e| panic!("the VM reports the net device's counters ({e}): {m:?}"))
 }
 
 fn read_guest(vm: &Vm, addr: u64, len: usize) -> Vec<u8> {
@@ -657,7 +630,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
             !has_carrier(&link(TAP)),
             "nobody is attached to the tap yet"
         );
-        let (mut vm, net) = net_vm(vm_config(dir.path(), TAP, Mode::ArpRequest));
+        let mut vm = Vm::new(vm_config(dir.path(), TAP, Mode::ArpRequest)).unwrap();
         // The device attached to the tap of this namespace (opening a missing name would
         // have created another tap instead).
         assert!(has_carrier(&link(TAP)), "the VM attached to {TAP}");
@@ -677,7 +650,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
             r,
             Some(ExitReason::Done(0)),
             "serial: {log:?}, device: {:?}",
-            net.snapshot()
+            net_counters(&vm)
         );
         assert_eq!(log, "virtio-net ok\n");
         println!("guest run: {took:?}");
@@ -710,7 +683,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
         assert_eq!(&buf[VNET_HDR_LEN..], &reply[..]);
         assert_eq!(read_u16(&vm, TX_USED + 2), 1, "the request was used");
 
-        let m = net.snapshot();
+        let m = net_counters(&vm);
         assert_eq!(m.tx_packets, 1, "{m:?}");
         assert_eq!(m.tx_bytes, request.len() as u64, "{m:?}");
         assert!(m.rx_packets >= 1, "{m:?}");
@@ -729,7 +702,7 @@ fn frame_written_to_the_tap_lands_in_the_guests_receive_buffer() {
     const TAP: &str = "vnet-rx0";
     in_netns(TAP, || {
         let dir = tempfile::tempdir().unwrap();
-        let (mut vm, net) = net_vm(vm_config(dir.path(), TAP, Mode::HostFrame));
+        let mut vm = Vm::new(vm_config(dir.path(), TAP, Mode::HostFrame)).unwrap();
         assert!(has_carrier(&link(TAP)), "the VM attached to {TAP}");
         wait_tap_transmits(TAP);
         let sock = packet_socket(TAP);
@@ -753,7 +726,7 @@ fn frame_written_to_the_tap_lands_in_the_guests_receive_buffer() {
             r,
             Some(ExitReason::Done(0)),
             "serial: {log:?}, device: {:?}",
-            net.snapshot()
+            net_counters(&vm)
         );
         assert_eq!(log, "virtio-net ok\n");
         println!("guest run: {took:?}");
@@ -766,7 +739,7 @@ fn frame_written_to_the_tap_lands_in_the_guests_receive_buffer() {
         assert_eq!(&buf[..10], &[0; 10], "no offload in the header");
         assert_eq!(&buf[10..12], &1u16.to_le_bytes(), "num_buffers is 1");
         assert_eq!(&buf[VNET_HDR_LEN..], &frame[..], "the frame arrived whole");
-        let m = net.snapshot();
+        let m = net_counters(&vm);
         assert!(m.rx_packets >= 1, "{m:?}");
         assert!(m.rx_bytes >= frame.len() as u64, "{m:?}");
         assert_eq!(m.tx_packets, 0, "the guest sent nothing: {m:?}");

@@ -490,6 +490,10 @@ impl Net {
 }
 
 impl VirtioDevice for Net {
+    fn metrics(&self) -> serde_json::Value {
+        serde_json::to_value(self.metrics.snapshot()).unwrap_or_default()
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_NET
     }

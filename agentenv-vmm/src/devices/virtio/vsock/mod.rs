@@ -228,6 +228,10 @@ impl Vsock {
 }
 
 impl VirtioDevice for Vsock {
+    fn metrics(&self) -> serde_json::Value {
+        serde_json::to_value(self.metrics.snapshot()).unwrap_or_default()
+    }
+
     fn device_type(&self) -> u32 {
         VIRTIO_ID_VSOCK
     }
