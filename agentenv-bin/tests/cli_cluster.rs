@@ -373,13 +373,39 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     );
     a.ok(&["timeout", &id2, "1200"]);
 
-    // -- template and snapshot commands say what the server does not support.
+    // -- snapshots: create one with a name, list it (all, and by source sandbox), delete
+    // it by name.
+    let created = a.ok(&["snapshot", "create", &id2, "--name", "cli-snap"]);
+    let snap_id = created
+        .trim()
+        .strip_prefix("Created snapshot ")
+        .unwrap_or_else(|| panic!("{created:?}"))
+        .to_string();
+    let snap_ids = |args: &[&str]| -> Vec<String> {
+        listed(&a, args)
+            .iter()
+            .map(|v| v["snapshotID"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let all = listed(&a, &["snapshot", "ls"]);
+    let mine = all
+        .iter()
+        .find(|v| v["snapshotID"] == snap_id.as_str())
+        .unwrap_or_else(|| panic!("{snap_id} listed: {all:?}"));
+    assert_eq!(mine["names"], serde_json::json!(["cli-snap"]), "{mine}");
+    assert!(snap_ids(&["snapshot", "ls", "--sandbox-id", &id2]).contains(&snap_id));
+    assert!(!snap_ids(&["snapshot", "ls", "--sandbox-id", &id1]).contains(&snap_id));
+    assert_eq!(
+        a.ok(&["template", "delete", "cli-snap"]).trim(),
+        format!("Deleted template {snap_id}")
+    );
+    assert!(!snap_ids(&["snapshot", "ls"]).contains(&snap_id));
+
+    // -- template build commands say what the server does not support.
     let dockerfile = work.path().join("Dockerfile");
     std::fs::write(&dockerfile, "FROM ubuntu:24.04\nRUN echo hi\n").unwrap();
     for args in [
         vec!["template", "ls"],
-        vec!["snapshot", "ls"],
-        vec!["snapshot", "create", id2.as_str()],
         vec!["pull", "ubuntu:22.04"],
         vec!["build", dockerfile.to_str().unwrap(), "--name", "t"],
     ] {

@@ -404,10 +404,13 @@ async fn twenty_concurrent_sandboxes_leave_nothing_behind() {
 }
 
 /// A network namespace standing in for the internet: 198.51.100.1 (TEST-NET-2) with a
-/// TCP server that answers with the peer address it sees, routed from the host.
+/// TCP server that answers with the peer address it sees, routed from the host. The
+/// addresses are fixed, so one fake internet exists at a time on the host: tests in other
+/// processes wait for it (an exclusive lock on a file held as long as the value lives).
 struct FakeInternet {
     ns: String,
     server: std::process::Child,
+    _exclusive: std::fs::File,
 }
 
 const INTERNET_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -416,6 +419,11 @@ const INTERNET_PORT: u16 = 8080;
 
 impl FakeInternet {
     fn start() -> Self {
+        let lock =
+            std::fs::File::create(std::env::temp_dir().join("agentenv-test-inet.lock")).unwrap();
+        // SAFETY: flock on a file descriptor this function owns.
+        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock: {}", std::io::Error::last_os_error());
         let ns = format!("agentenv-test-inet-{}", std::process::id());
         let host_if = format!("tinet{}", std::process::id() % 1_000_000);
         let run = |args: &[&str]| {
@@ -459,7 +467,11 @@ impl FakeInternet {
             .args(["netns", "exec", &ns, "python3", "-c", &code])
             .spawn()
             .unwrap();
-        let me = Self { ns, server };
+        let me = Self {
+            ns,
+            server,
+            _exclusive: lock,
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect_timeout(
             &(INTERNET_IP, INTERNET_PORT).into(),
