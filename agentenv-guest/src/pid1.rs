@@ -234,9 +234,52 @@ fn spawn_agent(exe: &Path, args: &[OsString]) -> Option<libc::pid_t> {
     }
 }
 
+/// The resolver configuration the kernel's IP autoconfiguration (`ip=` on a VM's command
+/// line) published in `pnp` (`/proc/net/pnp`): its `nameserver`, `domain` and `search`
+/// lines. `None` when it names no nameserver.
+fn resolv_conf_from_pnp(pnp: &str) -> Option<String> {
+    let lines: Vec<&str> = pnp
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            let key = l.split_whitespace().next().unwrap_or("");
+            matches!(key, "nameserver" | "domain" | "search") && l.split_whitespace().count() > 1
+        })
+        .collect();
+    lines
+        .iter()
+        .any(|l| l.starts_with("nameserver"))
+        .then(|| lines.join("\n") + "\n")
+}
+
+/// A VM guest learns its DNS servers from the kernel's command line only; when the root
+/// filesystem's resolver file names none, write the ones the kernel published. A jail
+/// (no `/proc/net/pnp`) and a root that already has nameservers are left as they are.
+fn resolver_from_kernel(pnp: &Path, resolv_conf: &Path) {
+    let Ok(pnp) = std::fs::read_to_string(pnp) else {
+        return;
+    };
+    let Some(conf) = resolv_conf_from_pnp(&pnp) else {
+        return;
+    };
+    let current = std::fs::read_to_string(resolv_conf).unwrap_or_default();
+    if current
+        .lines()
+        .any(|l| l.trim_start().starts_with("nameserver"))
+    {
+        return;
+    }
+    // A dangling symlink (e.g. to a resolver daemon's file) is replaced by a file.
+    let _ = std::fs::remove_file(resolv_conf);
+    if let Err(e) = std::fs::write(resolv_conf, conf) {
+        tracing::warn!(path = %resolv_conf.display(), error = %e, "could not write the resolver configuration");
+    }
+}
+
 /// Runs init mode; returns the exit code for the whole sandbox.
 pub fn run(agent_args: Vec<OsString>) -> Result<i32, Pid1Error> {
     mount_pseudo_filesystems()?;
+    resolver_from_kernel(Path::new("/proc/net/pnp"), Path::new("/etc/resolv.conf"));
     let exe = std::fs::read_link("/proc/self/exe").map_err(Pid1Error::Exe)?;
     let mut all = FORWARDED.to_vec();
     all.push(libc::SIGCHLD);
@@ -310,5 +353,56 @@ pub fn run(agent_args: Vec<OsString>) -> Result<i32, Pid1Error> {
                 restart_at = Some(Instant::now() + MIN_RESTART_INTERVAL);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PNP: &str =
+        "#MANUAL\nnameserver 10.12.0.1\nnameserver 1.1.1.1\ndomain sbx.local\nbootserver 0.0.0.0\n";
+
+    #[test]
+    fn the_kernels_nameservers_become_the_resolver_configuration() {
+        assert_eq!(
+            resolv_conf_from_pnp(PNP).as_deref(),
+            Some("nameserver 10.12.0.1\nnameserver 1.1.1.1\ndomain sbx.local\n")
+        );
+        assert_eq!(resolv_conf_from_pnp("#MANUAL\nbootserver 0.0.0.0\n"), None);
+        assert_eq!(resolv_conf_from_pnp(""), None);
+    }
+
+    #[test]
+    fn resolver_file_is_written_only_when_it_names_no_nameserver() {
+        let dir = tempfile::tempdir().unwrap();
+        let pnp = dir.path().join("pnp");
+        let conf = dir.path().join("resolv.conf");
+        std::fs::write(&pnp, PNP).unwrap();
+
+        // Missing: written.
+        resolver_from_kernel(&pnp, &conf);
+        let written = std::fs::read_to_string(&conf).unwrap();
+        assert!(written.starts_with("nameserver 10.12.0.1\n"), "{written}");
+
+        // Already names a nameserver: kept.
+        std::fs::write(&conf, "nameserver 192.0.2.53\n").unwrap();
+        resolver_from_kernel(&pnp, &conf);
+        assert_eq!(
+            std::fs::read_to_string(&conf).unwrap(),
+            "nameserver 192.0.2.53\n"
+        );
+
+        // A dangling symlink: replaced by a file.
+        std::fs::remove_file(&conf).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("nowhere"), &conf).unwrap();
+        resolver_from_kernel(&pnp, &conf);
+        assert!(!std::fs::symlink_metadata(&conf).unwrap().is_symlink());
+        assert!(std::fs::read_to_string(&conf).unwrap().contains("1.1.1.1"));
+
+        // No /proc/net/pnp (a jail): nothing touched.
+        std::fs::remove_file(&conf).unwrap();
+        resolver_from_kernel(&dir.path().join("absent"), &conf);
+        assert!(!conf.exists());
     }
 }
