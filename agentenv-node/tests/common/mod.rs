@@ -222,6 +222,9 @@ pub struct Traces {
     pub namespaces: Vec<(String, u64)>,
     pub cgroup_dirs: Vec<PathBuf>,
     pub host_if: String,
+    /// The host interface's index: names and addresses are reused at once by sandboxes of
+    /// tests running in parallel, interface indexes are not.
+    pub host_ifindex: u32,
     pub ip: Ipv4Addr,
     pub gateway: Ipv4Addr,
     pub dir: PathBuf,
@@ -238,12 +241,19 @@ pub fn traces(b: &JailBackend, info: &SandboxInfo) -> Traces {
             (ns.to_string(), ino)
         })
         .collect();
+    let host_if = b.host_interface(&info.id).expect("host interface");
+    let host_ifindex = std::fs::read_to_string(format!("/sys/class/net/{host_if}/ifindex"))
+        .expect("the host interface's index")
+        .trim()
+        .parse()
+        .expect("an interface index");
     let t = Traces {
         id: info.id.clone(),
         pid,
         namespaces,
         cgroup_dirs: b.cgroup_dirs(&info.id),
-        host_if: b.host_interface(&info.id).expect("host interface"),
+        host_if,
+        host_ifindex,
         ip: info.address.ip,
         gateway: Ipv4Addr::from(u32::from(info.address.ip) - 1),
         dir: b.sandbox_dir(&info.id),
@@ -335,24 +345,32 @@ pub fn assert_gone(b: &JailBackend, t: &Traces) {
     for d in &t.cgroup_dirs {
         assert!(!d.exists(), "{}: cgroup {} still exists", t.id, d.display());
     }
+    // The same name may already belong to a parallel test's sandbox that got the same
+    // address: only this sandbox's interface (by index) counts.
     let links = host_links();
     assert!(
-        !links.contains(&format!(": {}@", t.host_if))
-            && !links.contains(&format!(": {}:", t.host_if)),
-        "{}: link {} still exists",
+        !links
+            .lines()
+            .any(|l| l.starts_with(&format!("{}: {}", t.host_ifindex, t.host_if))),
+        "{}: link {} (index {}) still exists",
         t.id,
-        t.host_if
+        t.host_if,
+        t.host_ifindex
     );
     let addrs = host_addresses();
     assert!(
-        !addrs.contains(&format!("inet {}/", t.gateway)),
+        !addrs
+            .lines()
+            .any(|l| l.starts_with(&format!("{}: ", t.host_ifindex))
+                && l.contains(&format!("inet {}/", t.gateway))),
         "{}: address {} still on the host",
         t.id,
         t.gateway
     );
+    let owner = b.address_owner(t.ip);
     assert!(
-        !b.address_reserved(t.ip),
-        "{}: address {} still reserved",
+        owner.as_ref().is_none_or(|o| !o.starts_with(&t.dir)),
+        "{}: address {} still reserved by it ({owner:?})",
         t.id,
         t.ip
     );
