@@ -5,8 +5,8 @@
 //!
 //! It needs hardware KVM. Under `kvm_pvm` (the development and CI machines) guest kernel
 //! code is emulated and a guest's system calls never reach its kernel, so no Linux guest
-//! reaches userspace (shared/spec/vmm-notes.md, "What does not work here"): the test says
-//! so and returns.
+//! reaches userspace (docs/microvm.md, "Choosing the backend"): the test says so and
+//! returns.
 
 mod microvm_common;
 mod node_common;
@@ -40,7 +40,7 @@ fn guest_kernel() -> PathBuf {
 async fn a_linux_guest_boots_with_the_agent_as_init_and_runs_a_command() {
     if Path::new("/sys/module/kvm_pvm").exists() {
         println!(
-            "NOT RUN HERE: /dev/kvm is served by kvm_pvm: guest kernel code is emulated and guest system calls fail, so no Linux guest reaches userspace (shared/spec/vmm-notes.md, \"What does not work here\"); this test runs on hosts with hardware KVM"
+            "NOT RUN HERE: /dev/kvm is served by kvm_pvm: guest kernel code is emulated and guest system calls fail, so no Linux guest reaches userspace (docs/microvm.md); this test runs on hosts with hardware KVM"
         );
         return;
     }
