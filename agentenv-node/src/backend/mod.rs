@@ -19,6 +19,7 @@
 pub mod agent;
 pub mod jail;
 pub mod microvm;
+pub(crate) mod table;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};

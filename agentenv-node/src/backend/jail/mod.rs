@@ -27,7 +27,6 @@ pub mod seccomp;
 pub mod snapshot;
 pub mod spawn;
 
-use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -35,6 +34,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
+
+use super::table::{Entry, SandboxTable, TableSandbox};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
@@ -147,9 +148,14 @@ struct Sandbox {
     op: tokio::sync::Mutex<()>,
 }
 
-enum Entry {
-    Creating,
-    Ready(Arc<Sandbox>),
+impl TableSandbox for Sandbox {
+    fn info(&self) -> &Mutex<SandboxInfo> {
+        &self.info
+    }
+
+    fn cgroup(&self) -> &SandboxCgroup {
+        &self.cgroup
+    }
 }
 
 /// The jail backend.
@@ -168,7 +174,7 @@ pub struct JailBackend {
     kept_dir: PathBuf,
     host_cpus: u32,
     host_memory: u64,
-    sandboxes: Mutex<HashMap<String, Entry>>,
+    sandboxes: SandboxTable<Sandbox>,
 }
 
 fn setup(msg: impl std::fmt::Display) -> BackendError {
@@ -258,7 +264,7 @@ impl JailBackend {
             kept_dir,
             host_cpus,
             host_memory,
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes: SandboxTable::new(),
         })
     }
 
@@ -318,14 +324,14 @@ impl JailBackend {
 
     /// The host interface of a running sandbox.
     pub fn host_interface(&self, id: &str) -> Option<String> {
-        let sbx = self.ready(id).ok()?;
+        let sbx = self.sandboxes.ready(id).ok()?;
         let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
         net.as_ref().map(|n| n.host_if.clone())
     }
 
     /// PID 1 of a sandbox, as seen from the host.
     pub fn pid(&self, id: &str) -> Option<i32> {
-        self.ready(id).ok().map(|s| s.pid.as_raw())
+        self.sandboxes.ready(id).ok().map(|s| s.pid.as_raw())
     }
 
     /// Whether an address of the pool is reserved (by any node process on this host).
@@ -374,18 +380,6 @@ impl JailBackend {
     /// Creates after this make their namespaces themselves.
     pub async fn shutdown(&self) {
         self.netpool.shutdown().await;
-    }
-
-    fn ready(&self, id: &str) -> Result<Arc<Sandbox>, BackendError> {
-        match self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-        {
-            Some(Entry::Ready(s)) => Ok(s.clone()),
-            _ => Err(BackendError::NotFound(id.to_string())),
-        }
     }
 
     fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
@@ -438,7 +432,7 @@ impl JailBackend {
             self.check_kept(kept)?;
         }
         {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            let mut map = self.sandboxes.lock();
             if map.contains_key(&spec.id) || self.sandbox_dir(&spec.id).exists() {
                 return Err(BackendError::AlreadyExists(spec.id.clone()));
             }
@@ -458,7 +452,7 @@ impl JailBackend {
             self.start(&spec, limits, &template.rootfs).await
         }
         .await;
-        let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.sandboxes.lock();
         match result {
             Ok(sbx) => {
                 let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -1024,7 +1018,7 @@ impl SandboxBackend for JailBackend {
     }
 
     async fn pause(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
             return Ok(());
@@ -1038,7 +1032,7 @@ impl SandboxBackend for JailBackend {
     }
 
     async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
             sbx.cgroup.thaw(self.cfg.op_timeout).await.map_err(setup)?;
@@ -1049,39 +1043,13 @@ impl SandboxBackend for JailBackend {
     }
 
     async fn destroy(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-            match map.get(id) {
-                Some(Entry::Ready(_)) => match map.remove(id) {
-                    Some(Entry::Ready(s)) => s,
-                    _ => return Err(BackendError::NotFound(id.to_string())),
-                },
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            }
-        };
+        let sbx = self.sandboxes.remove_ready(id)?;
         let _op = sbx.op.lock().await;
         self.teardown(&sbx, None).await
     }
 
     async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
-        let sbx = {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-            let state = match map.get(id) {
-                Some(Entry::Ready(s)) => s.info.lock().unwrap_or_else(|e| e.into_inner()).state,
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            };
-            if state != SandboxState::Paused {
-                return Err(BackendError::InvalidState {
-                    id: id.to_string(),
-                    state,
-                    needed: SandboxState::Paused,
-                });
-            }
-            match map.remove(id) {
-                Some(Entry::Ready(s)) => s,
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            }
-        };
+        let sbx = self.sandboxes.remove_paused(id)?;
         let _op = sbx.op.lock().await;
         let nonce: u64 = rand::random();
         let path = self.kept_dir.join(format!("{id}.{nonce:016x}"));
@@ -1111,44 +1079,20 @@ impl SandboxBackend for JailBackend {
     }
 
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.ready(id)?;
-        let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok(info)
+        self.sandboxes.get(id)
     }
 
     async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
-        let sbx = self.ready(id)?;
-        let u = sbx.cgroup.usage().map_err(setup)?;
-        Ok(ResourceUsage {
-            cpu_time: Duration::from_nanos(u.cpu_ns),
-            memory_bytes: u.memory_bytes,
-            memory_limit_bytes: u.memory_limit_bytes,
-            processes: u.processes,
-        })
+        self.sandboxes.usage(id)
     }
 
     async fn list(&self) -> Vec<SandboxInfo> {
-        let map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<SandboxInfo> = map
-            .values()
-            .filter_map(|e| match e {
-                Entry::Ready(s) => Some(s.info.lock().unwrap_or_else(|e| e.into_inner()).clone()),
-                Entry::Creating => None,
-            })
-            .collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        self.sandboxes.list()
     }
 
     async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
         let mut report = ReconcileReport::default();
-        let live: Vec<String> = self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let live = self.sandboxes.ids();
         let entries = std::fs::read_dir(&self.sandboxes_dir).map_err(|e| {
             BackendError::io(format!("listing {}", self.sandboxes_dir.display()), e)
         })?;

@@ -207,7 +207,7 @@ impl JailBackend {
         id: &str,
         dir: &Path,
     ) -> Result<SnapshotCapture, BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         let state = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state;
         if state != SandboxState::Running {

@@ -33,7 +33,6 @@
 
 pub mod net;
 
-use std::collections::HashMap;
 use std::ffi::CString;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd};
@@ -44,6 +43,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use agentenv_vmm::control::{SnapshotKind, VmmClient};
 use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 use async_trait::async_trait;
+
+use super::table::{Entry, SandboxTable, TableSandbox};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
@@ -229,9 +230,14 @@ struct Sandbox {
     op: tokio::sync::Mutex<()>,
 }
 
-enum Entry {
-    Creating,
-    Ready(Arc<Sandbox>),
+impl TableSandbox for Sandbox {
+    fn info(&self) -> &Mutex<SandboxInfo> {
+        &self.info
+    }
+
+    fn cgroup(&self) -> &SandboxCgroup {
+        &self.cgroup
+    }
 }
 
 fn setup(msg: impl std::fmt::Display) -> BackendError {
@@ -249,7 +255,7 @@ pub struct MicrovmBackend {
     sandboxes_dir: PathBuf,
     kept_dir: PathBuf,
     host_cpus: u32,
-    sandboxes: Mutex<HashMap<String, Entry>>,
+    sandboxes: SandboxTable<Sandbox>,
 }
 
 impl MicrovmBackend {
@@ -332,7 +338,7 @@ impl MicrovmBackend {
             sandboxes_dir,
             kept_dir,
             host_cpus,
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes: SandboxTable::new(),
         })
     }
 
@@ -353,14 +359,14 @@ impl MicrovmBackend {
 
     /// The PID of a sandbox's VMM process, while one runs.
     pub fn vmm_pid(&self, id: &str) -> Option<i32> {
-        let sbx = self.ready(id).ok()?;
+        let sbx = self.sandboxes.ready(id).ok()?;
         let vmm = sbx.vmm.lock().unwrap_or_else(|e| e.into_inner());
         vmm.as_ref().map(|v| v.pid)
     }
 
     /// The control client of a sandbox's VMM.
     pub fn vmm_client(&self, id: &str) -> Option<VmmClient> {
-        self.ready(id).ok().map(|s| s.client.clone())
+        self.sandboxes.ready(id).ok().map(|s| s.client.clone())
     }
 
     /// The cgroup directories of a sandbox.
@@ -373,7 +379,7 @@ impl MicrovmBackend {
 
     /// The host interface of a sandbox.
     pub fn host_interface(&self, id: &str) -> Option<String> {
-        let sbx = self.ready(id).ok()?;
+        let sbx = self.sandboxes.ready(id).ok()?;
         let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
         net.as_ref().map(|n| n.host_if.clone())
     }
@@ -385,7 +391,7 @@ impl MicrovmBackend {
         program: &str,
         args: &[&str],
     ) -> Result<String, BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
         let n = net
             .as_ref()
@@ -405,18 +411,6 @@ impl MicrovmBackend {
         jnet::list_links(&self.netlink, &self.cfg.iface_prefix)
             .await
             .unwrap_or_default()
-    }
-
-    fn ready(&self, id: &str) -> Result<Arc<Sandbox>, BackendError> {
-        match self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-        {
-            Some(Entry::Ready(s)) => Ok(s.clone()),
-            _ => Err(BackendError::NotFound(id.to_string())),
-        }
     }
 
     fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
@@ -572,7 +566,7 @@ impl MicrovmBackend {
             )));
         }
         {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            let mut map = self.sandboxes.lock();
             if map.contains_key(&spec.id) || self.sandbox_dir(&spec.id).exists() {
                 return Err(BackendError::AlreadyExists(spec.id.clone()));
             }
@@ -606,7 +600,7 @@ impl MicrovmBackend {
             self.start(&spec, limits, disk.as_deref()).await
         }
         .await;
-        let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.sandboxes.lock();
         match result {
             Ok(sbx) => {
                 let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -1166,7 +1160,7 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn pause(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
             return Ok(());
@@ -1201,7 +1195,7 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
             let snap = sbx.dir.join("snapshot");
@@ -1232,39 +1226,13 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn destroy(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-            match map.get(id) {
-                Some(Entry::Ready(_)) => match map.remove(id) {
-                    Some(Entry::Ready(s)) => s,
-                    _ => return Err(BackendError::NotFound(id.to_string())),
-                },
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            }
-        };
+        let sbx = self.sandboxes.remove_ready(id)?;
         let _op = sbx.op.lock().await;
         self.teardown(&sbx, None).await
     }
 
     async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
-        let sbx = {
-            let mut map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-            let state = match map.get(id) {
-                Some(Entry::Ready(s)) => s.info.lock().unwrap_or_else(|e| e.into_inner()).state,
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            };
-            if state != SandboxState::Paused {
-                return Err(BackendError::InvalidState {
-                    id: id.to_string(),
-                    state,
-                    needed: SandboxState::Paused,
-                });
-            }
-            match map.remove(id) {
-                Some(Entry::Ready(s)) => s,
-                _ => return Err(BackendError::NotFound(id.to_string())),
-            }
-        };
+        let sbx = self.sandboxes.remove_paused(id)?;
         let _op = sbx.op.lock().await;
         let nonce: u64 = rand::random();
         let path = self.kept_dir.join(format!("{id}.{nonce:016x}"));
@@ -1273,7 +1241,7 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
-        let sbx = self.ready(id)?;
+        let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         let state = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state;
         if state != SandboxState::Running {
@@ -1359,44 +1327,20 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.ready(id)?;
-        let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok(info)
+        self.sandboxes.get(id)
     }
 
     async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
-        let sbx = self.ready(id)?;
-        let u = sbx.cgroup.usage().map_err(setup)?;
-        Ok(ResourceUsage {
-            cpu_time: Duration::from_nanos(u.cpu_ns),
-            memory_bytes: u.memory_bytes,
-            memory_limit_bytes: u.memory_limit_bytes,
-            processes: u.processes,
-        })
+        self.sandboxes.usage(id)
     }
 
     async fn list(&self) -> Vec<SandboxInfo> {
-        let map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<SandboxInfo> = map
-            .values()
-            .filter_map(|e| match e {
-                Entry::Ready(s) => Some(s.info.lock().unwrap_or_else(|e| e.into_inner()).clone()),
-                Entry::Creating => None,
-            })
-            .collect();
-        out.sort_by(|a, b| a.id.cmp(&b.id));
-        out
+        self.sandboxes.list()
     }
 
     async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
         let mut report = ReconcileReport::default();
-        let live: Vec<String> = self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let live = self.sandboxes.ids();
         let entries = std::fs::read_dir(&self.sandboxes_dir).map_err(|e| {
             BackendError::io(format!("listing {}", self.sandboxes_dir.display()), e)
         })?;
