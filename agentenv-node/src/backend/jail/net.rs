@@ -47,6 +47,14 @@ pub enum NetError {
     },
     #[error("{0}")]
     Firewall(String),
+    #[error(
+        "not removing the host firewall rules of interface prefix {prefix:?}: its interfaces {} still exist, and their sandboxes would reach the host and each other without them; destroy those sandboxes first",
+        interfaces.join(", ")
+    )]
+    RulesInUse {
+        prefix: String,
+        interfaces: Vec<String>,
+    },
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetError {
@@ -273,12 +281,115 @@ pub struct HostRules {
     pub dns: Vec<Ipv4Addr>,
 }
 
+/// The name of one of the host chains of an interface prefix (`IN`, `FWD` or `NAT`).
+pub fn host_chain(iface_prefix: &str, which: &str) -> String {
+    format!("AGENTENV-{}-{which}", iface_prefix.to_ascii_uppercase())
+}
+
+/// The chains of an interface prefix and the built-in chains that jump to them:
+/// `(table, built-in chain, our chain)`.
+fn host_jumps(iface_prefix: &str) -> [(&'static str, &'static str, String); 3] {
+    [
+        ("filter", "INPUT", host_chain(iface_prefix, "IN")),
+        ("filter", "FORWARD", host_chain(iface_prefix, "FWD")),
+        ("nat", "POSTROUTING", host_chain(iface_prefix, "NAT")),
+    ]
+}
+
+/// Opens and locks `<runtime_dir>/iptables.lock`, which serializes changes of the host
+/// rules across node processes.
+fn lock_rules(runtime_dir: &Path) -> Result<Flock<File>, NetError> {
+    let lock_path = runtime_dir.join("iptables.lock");
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io_err(format!("opening {}", lock_path.display())))?;
+    Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| NetError::Io {
+        context: format!("locking {}", lock_path.display()),
+        source: e.into(),
+    })
+}
+
+/// Host interfaces of sandboxes with this prefix (`<prefix><i|n><8 hex digits>`) in the
+/// calling thread's network namespace.
+pub fn prefix_interfaces(iface_prefix: &str) -> Result<Vec<String>, NetError> {
+    let path = "/proc/thread-self/net/dev";
+    let text = std::fs::read_to_string(path).map_err(io_err(format!("reading {path}")))?;
+    Ok(text
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name.trim()))
+        .filter(|name| is_prefix_interface(iface_prefix, name))
+        .map(str::to_string)
+        .collect())
+}
+
+fn is_prefix_interface(iface_prefix: &str, name: &str) -> bool {
+    name.strip_prefix(iface_prefix)
+        .and_then(|rest| rest.strip_prefix('i').or_else(|| rest.strip_prefix('n')))
+        .is_some_and(|hex| hex.len() == 8 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Removes what [`HostRules::install`] added for `iface_prefix`: every jump to its chains
+/// from INPUT, FORWARD and POSTROUTING, then the chains themselves. Chains and jumps that
+/// are absent are fine; chains of other prefixes are not touched. Refused with
+/// [`NetError::RulesInUse`] while a host interface of the prefix exists, since its
+/// sandbox would lose its isolation.
+///
+/// Waits up to `linger` for such interfaces to go first (the kernel removes a veth after
+/// its namespace closed, a moment after the sandbox is gone). Serialized with installs by
+/// the lock file in `runtime_dir`. The node never calls this itself: its sandboxes may
+/// outlive it; whoever ends them all (`agentenv up`, a test) does.
+pub async fn uninstall_host_rules(
+    iface_prefix: &str,
+    runtime_dir: &Path,
+    linger: std::time::Duration,
+) -> Result<(), NetError> {
+    let deadline = tokio::time::Instant::now() + linger;
+    let mut pause = std::time::Duration::from_millis(1);
+    while !prefix_interfaces(iface_prefix)?.is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_millis(50));
+    }
+    let prefix = iface_prefix.to_string();
+    let runtime_dir = runtime_dir.to_path_buf();
+    tokio::task::spawn_blocking(move || uninstall_locked(&prefix, &runtime_dir))
+        .await
+        .map_err(|e| NetError::Firewall(format!("removing host rules: {e}")))?
+}
+
+fn uninstall_locked(iface_prefix: &str, runtime_dir: &Path) -> Result<(), NetError> {
+    let _lock = lock_rules(runtime_dir)?;
+    // Checked under the lock, in this (blocking) thread's namespace: the node's.
+    let interfaces = prefix_interfaces(iface_prefix)?;
+    if !interfaces.is_empty() {
+        return Err(NetError::RulesInUse {
+            prefix: iface_prefix.to_string(),
+            interfaces,
+        });
+    }
+    for (table, builtin, chain) in host_jumps(iface_prefix) {
+        // `-D` removes one copy of a rule at a time.
+        while iptables_ok(&["-t", table, "-C", builtin, "-j", &chain]) {
+            run_with_stdin(
+                "iptables",
+                &["-w", "-t", table, "-D", builtin, "-j", &chain],
+                "",
+            )?;
+        }
+        if iptables_ok(&["-t", table, "-S", &chain]) {
+            run_with_stdin("iptables", &["-w", "-t", table, "-F", &chain], "")?;
+            run_with_stdin("iptables", &["-w", "-t", table, "-X", &chain], "")?;
+        }
+    }
+    Ok(())
+}
+
 impl HostRules {
     fn chain(&self, which: &str) -> String {
-        format!(
-            "AGENTENV-{}-{which}",
-            self.iface_prefix.to_ascii_uppercase()
-        )
+        host_chain(&self.iface_prefix, which)
     }
 
     /// The NAT rule for this pool (added once; rules of other pools stay).
@@ -334,29 +445,16 @@ impl HostRules {
     }
 
     /// Installs the chains and the jumps to them, and enables IPv4 forwarding. Idempotent;
-    /// serialized across processes by a lock file in `runtime_dir`.
+    /// serialized across processes by a lock file in `runtime_dir`. Nothing removes them
+    /// when the node stops (its sandboxes may outlive it): see [`uninstall_host_rules`].
     pub async fn install(&self, runtime_dir: &Path) -> Result<(), NetError> {
-        let lock_path = runtime_dir.join("iptables.lock");
+        let runtime_dir = runtime_dir.to_path_buf();
         let input = self.restore_input();
         let nat_chain = self.chain("NAT");
         let nat_rule = self.nat_rule();
-        let jumps = [
-            ("filter", "INPUT", self.chain("IN")),
-            ("filter", "FORWARD", self.chain("FWD")),
-            ("nat", "POSTROUTING", self.chain("NAT")),
-        ];
+        let jumps = host_jumps(&self.iface_prefix);
         tokio::task::spawn_blocking(move || -> Result<(), NetError> {
-            let file = File::options()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&lock_path)
-                .map_err(io_err(format!("opening {}", lock_path.display())))?;
-            let _lock =
-                Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| NetError::Io {
-                    context: format!("locking {}", lock_path.display()),
-                    source: e.into(),
-                })?;
+            let _lock = lock_rules(&runtime_dir)?;
             run_with_stdin("iptables-restore", &["-w", "--noflush"], &input)?;
             // The NAT chain keeps one rule per pool.
             if !iptables_ok(&["-t", "nat", "-S", &nat_chain]) {
@@ -845,6 +943,17 @@ mod tests {
             rules.nat_rule().join(" "),
             "-s 10.12.0.0/16 ! -o ae+ -j MASQUERADE"
         );
+    }
+
+    #[test]
+    fn only_sandbox_interfaces_of_the_prefix_count() {
+        assert!(is_prefix_interface("ta", "tai0a0c0004"));
+        assert!(is_prefix_interface("ta", "tan0a0c0004"));
+        assert!(!is_prefix_interface("ta", "tabi0a0c0004"), "prefix tab");
+        assert!(!is_prefix_interface("ta", "tai0a0c000"));
+        assert!(!is_prefix_interface("ta", "tax0a0c0004"));
+        assert!(!is_prefix_interface("ta", "eth0"));
+        assert_eq!(host_chain("upa", "FWD"), "AGENTENV-UPA-FWD");
     }
 
     #[test]
