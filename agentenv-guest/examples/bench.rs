@@ -136,6 +136,7 @@ async fn main() -> anyhow::Result<()> {
     let up_dst = dir.path().join("up.bin");
     let down_dst = dir.path().join("down.bin");
     let (mut cp, mut up, mut down) = (Duration::MAX, Duration::MAX, Duration::MAX);
+    let (mut up_s, mut down_s) = (Duration::MAX, Duration::MAX);
     for _ in 0..runs {
         let _ = std::fs::remove_file(&cp_dst);
         let t = Instant::now();
@@ -156,6 +157,24 @@ async fn main() -> anyhow::Result<()> {
         let t = Instant::now();
         let n = c.download_to_file(src.to_str().unwrap(), &down_dst).await?;
         down = down.min(t.elapsed());
+        assert_eq!(n as f64, bytes);
+
+        // The same through the streaming API (hyper both ways).
+        let _ = std::fs::remove_file(&up_dst);
+        let t = Instant::now();
+        c.upload(
+            up_dst.to_str().unwrap(),
+            agentenv_guest::fileio::read_stream(std::fs::File::open(&src)?),
+        )
+        .await?;
+        up_s = up_s.min(t.elapsed());
+        let _ = std::fs::remove_file(&down_dst);
+        let t = Instant::now();
+        let stream = c.download(src.to_str().unwrap()).await?;
+        let n = agentenv_guest::fileio::write_stream(std::fs::File::create(&down_dst)?, stream)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        down_s = down_s.min(t.elapsed());
         assert_eq!(n as f64, bytes);
     }
     println!(
@@ -182,6 +201,16 @@ async fn main() -> anyhow::Result<()> {
         } else {
             "NOT met"
         }
+    );
+    println!(
+        "  streamed upload   {:8.1} MiB/s   {:5.1}% of cp (client through hyper, for comparison)",
+        rate(up_s),
+        100.0 * cp.as_secs_f64() / up_s.as_secs_f64()
+    );
+    println!(
+        "  streamed download {:8.1} MiB/s   {:5.1}% of cp (client through hyper, for comparison)",
+        rate(down_s),
+        100.0 * cp.as_secs_f64() / down_s.as_secs_f64()
     );
     Ok(())
 }

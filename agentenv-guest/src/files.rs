@@ -237,7 +237,12 @@ fn set_metadata(path: &Path, meta: &[(String, String)]) {
 /// Writes a byte stream to `path` (parents created, owner set). The data
 /// goes to a temporary file beside it that replaces `path` only once the
 /// whole body arrived, so a cut-off upload never clobbers an existing file.
-async fn write_stream<S, E>(path: &Path, user: &User, body: S) -> Result<(), FilesError>
+async fn write_stream<S, E>(
+    path: &Path,
+    user: &User,
+    body: S,
+    size: Option<u64>,
+) -> Result<(), FilesError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
     E: std::fmt::Display + std::fmt::Debug,
@@ -257,7 +262,7 @@ where
         let suffix = crate::fileio::unique_u64();
         path.with_file_name(format!(".{name}.upload-{suffix:016x}"))
     };
-    let result = write_to(&tmp, body).await;
+    let result = write_to(&tmp, body, size).await;
     if let Err(e) = result {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
@@ -277,12 +282,29 @@ where
     Ok(())
 }
 
-async fn write_to<S, E>(path: &Path, body: S) -> Result<(), FilesError>
+/// Writes the body to a new file at `path`. A known `size` is reserved up
+/// front: the file system allocates it in one go instead of write by write,
+/// and a disk too small for it fails before any byte is sent.
+async fn write_to<S, E>(path: &Path, body: S, size: Option<u64>) -> Result<(), FilesError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
     E: std::fmt::Display + std::fmt::Debug,
 {
     let file = std::fs::File::create(path).map_err(io_err(path))?;
+    if let Some(len) = size.filter(|&n| n > 0)
+        && let Ok(len) = libc::off_t::try_from(len)
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `file` is open for writing for the duration of the call.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            // File systems without fallocate just grow as written.
+            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                return Err(io_err(path)(e));
+            }
+        }
+    }
     match crate::fileio::write_stream(file, body).await {
         Ok(_) => Ok(()),
         Err(crate::fileio::WriteError::Io(e)) => Err(io_err(path)(e)),
@@ -343,6 +365,11 @@ async fn upload_inner(
         .and_then(|v| v.to_str().ok())
         .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
         .unwrap_or(false);
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     let body = incoming_stream(req.into_body());
 
     if let Ok(boundary) = multer::parse_boundary(&ct) {
@@ -363,7 +390,7 @@ async fn upload_inner(
                 _ => return Err(FilesError::MissingPath),
             };
             let path = crate::paths::resolve(&raw, &user.home);
-            write_stream(&path, &user, field).await?;
+            write_stream(&path, &user, field, None).await?;
             set_metadata(&path, &meta);
             written.push(path);
         }
@@ -379,9 +406,9 @@ async fn upload_inner(
         let reader = StreamReader::new(body.map_err(io::Error::other));
         let dec = async_compression::tokio::bufread::GzipDecoder::new(reader);
         let stream = ReaderStream::with_capacity(dec, DOWNLOAD_CHUNK);
-        write_stream(&path, &user, stream).await?;
+        write_stream(&path, &user, stream, None).await?;
     } else {
-        write_stream(&path, &user, body).await?;
+        write_stream(&path, &user, body, declared).await?;
     }
     set_metadata(&path, &meta);
     Ok(vec![path])

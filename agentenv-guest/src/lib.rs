@@ -66,6 +66,7 @@ pub mod metrics;
 pub mod paths;
 pub mod pid1;
 pub mod process;
+mod rawfile;
 pub mod server;
 pub mod users;
 pub mod wkt;

@@ -784,3 +784,152 @@ async fn pseudo_files_with_size_zero_download_their_content() {
     assert!(String::from_utf8_lossy(&body).contains("Pid:"), "{body:?}");
     agent.stop().await;
 }
+
+#[tokio::test]
+async fn file_transfers_to_and_from_local_files_keep_every_byte() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.bin");
+    // Not a multiple of the transfer step, so the last piece is partial.
+    let mut data = vec![0u8; (3 << 20) + 12_345];
+    let mut seed = 0xDEAD_BEEF_1234_5678u64;
+    fill_pseudo_random(&mut data, &mut seed);
+    std::fs::write(&src, &data).unwrap();
+    let remote = dir.path().join("remote/sub/up.bin");
+    c.upload_file(&src, remote.to_str().unwrap()).await.unwrap();
+    assert!(
+        std::fs::read(&remote).unwrap() == data,
+        "uploaded bytes differ"
+    );
+    let back = dir.path().join("back.bin");
+    let n = c
+        .download_to_file(remote.to_str().unwrap(), &back)
+        .await
+        .unwrap();
+    assert_eq!(n, data.len() as u64);
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "downloaded bytes differ"
+    );
+    // An empty file both ways.
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let remote_empty = dir.path().join("remote/empty");
+    c.upload_file(&empty, remote_empty.to_str().unwrap())
+        .await
+        .unwrap();
+    let back_empty = dir.path().join("back-empty");
+    assert_eq!(
+        c.download_to_file(remote_empty.to_str().unwrap(), &back_empty)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(std::fs::metadata(&back_empty).unwrap().len(), 0);
+    // A pseudo file answers chunked: its content still arrives.
+    let status = dir.path().join("status");
+    let n = c
+        .download_to_file("/proc/self/status", &status)
+        .await
+        .unwrap();
+    let text = std::fs::read_to_string(&status).unwrap();
+    assert_eq!(n, text.len() as u64);
+    assert!(text.contains("Pid:"), "{text}");
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn file_transfer_errors_name_the_cause_and_leave_no_local_file() {
+    let agent = TestAgent::start(AgentOptions::default()).await;
+    let c = GuestClient::new(&agent.url()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("never.bin");
+    let err = c
+        .download_to_file(dir.path().join("missing").to_str().unwrap(), &local)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::NotFound), "{err}");
+    assert!(!local.exists(), "a failed download created {local:?}");
+    // Uploading onto a directory is refused by the agent, with its reason.
+    let src = dir.path().join("small");
+    std::fs::write(&src, b"hello").unwrap();
+    let err = c
+        .upload_file(&src, dir.path().to_str().unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Http { status, body, .. }
+            if *status == 400 && body.contains("is a directory")),
+        "{err}"
+    );
+    // A missing local file is the client's error, naming the file.
+    let err = c
+        .upload_file(&dir.path().join("absent"), "/tmp/x")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Io { path, .. } if path.ends_with("absent")),
+        "{err}"
+    );
+    // Once a token is set, transfers without it are refused as unauthenticated.
+    c.init(&serde_json::json!({"accessToken": "tok"}))
+        .await
+        .unwrap();
+    let err = c
+        .upload_file(&src, dir.path().join("up").to_str().unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+    let err = c
+        .download_to_file(src.to_str().unwrap(), &local)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unauthenticated), "{err}");
+    let authed = GuestClient::new(&agent.url())
+        .unwrap()
+        .with_access_token("tok");
+    authed
+        .upload_file(&src, dir.path().join("up").to_str().unwrap())
+        .await
+        .unwrap();
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn dropping_a_download_midway_aborts_the_transfer() {
+    // A server that sends a head promising 1 GiB, a little of it, then stalls.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; 4096];
+        let _ = s.read(&mut b).unwrap();
+        s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n")
+            .unwrap();
+        s.write_all(&[7u8; 4096]).unwrap();
+        // Blocks until the client goes away.
+        let eof = matches!(s.read(&mut b), Ok(0) | Err(_));
+        closed_tx.send(eof).unwrap();
+    });
+    let c = GuestClient::new(&format!("http://{addr}")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("partial");
+    let r = tokio::time::timeout(
+        Duration::from_millis(300),
+        c.download_to_file("/big", &local),
+    )
+    .await;
+    assert!(r.is_err(), "the stalled download cannot have finished");
+    let closed =
+        tokio::task::spawn_blocking(move || closed_rx.recv_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap();
+    assert_eq!(
+        closed,
+        Ok(true),
+        "the client did not close its connection when the download was dropped"
+    );
+}
