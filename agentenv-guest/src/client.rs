@@ -79,6 +79,13 @@ impl ClientError {
     }
 }
 
+/// Where a download goes.
+enum Dest {
+    /// Created once the agent answered with success.
+    Path(std::path::PathBuf),
+    File(std::fs::File),
+}
+
 /// A client for one agent.
 #[derive(Clone, Debug)]
 pub struct GuestClient {
@@ -374,6 +381,18 @@ impl GuestClient {
     /// socket with `sendfile(2)` on a connection of its own; anything else
     /// (a pipe, a device) is streamed.
     pub async fn upload_file(&self, local: &Path, remote_path: &str) -> Result<(), ClientError> {
+        self.upload_file_with_progress(local, remote_path, |_| {})
+            .await
+    }
+
+    /// [`GuestClient::upload_file`], telling `progress` of every piece sent
+    /// (in bytes).
+    pub async fn upload_file_with_progress(
+        &self,
+        local: &Path,
+        remote_path: &str,
+        mut progress: impl FnMut(u64) + Send + 'static,
+    ) -> Result<(), ClientError> {
         let local_err = |source| ClientError::Io {
             path: local.display().to_string(),
             source,
@@ -381,9 +400,12 @@ impl GuestClient {
         let file = std::fs::File::open(local).map_err(local_err)?;
         let md = file.metadata().map_err(local_err)?;
         if !md.is_file() {
-            return self
-                .upload(remote_path, crate::fileio::read_stream(file))
-                .await;
+            let stream = crate::fileio::read_stream(file).inspect(move |r| {
+                if let Ok(b) = r {
+                    progress(b.len() as u64);
+                }
+            });
+            return self.upload(remote_path, stream).await;
         }
         let pq = format!("/files?path={}", encode_query(remote_path));
         let mut headers = self.headers.clone();
@@ -402,7 +424,7 @@ impl GuestClient {
                 &headers,
                 Some(len),
             )?;
-            let sent = crate::rawfile::send_file(stream, &file, len);
+            let sent = crate::rawfile::send_file(stream, &file, len, &mut progress);
             if let Ok(n) = sent
                 && n < len
             {
@@ -463,10 +485,36 @@ impl GuestClient {
         remote_path: &str,
         local: &Path,
     ) -> Result<u64, ClientError> {
+        self.download_raw(remote_path, Dest::Path(local.to_path_buf()), |_| {})
+            .await
+    }
+
+    /// Downloads `remote_path` into `file` (written from its current
+    /// position), telling `progress` of every piece written; returns the
+    /// byte count.
+    pub async fn download_into(
+        &self,
+        remote_path: &str,
+        file: std::fs::File,
+        progress: impl FnMut(u64) + Send + 'static,
+    ) -> Result<u64, ClientError> {
+        self.download_raw(remote_path, Dest::File(file), progress)
+            .await
+    }
+
+    async fn download_raw(
+        &self,
+        remote_path: &str,
+        dest: Dest,
+        mut progress: impl FnMut(u64) + Send + 'static,
+    ) -> Result<u64, ClientError> {
         let pq = format!("/files?path={}", encode_query(remote_path));
         let headers = self.headers.clone();
         let authority = self.authority.clone();
-        let target = local.to_path_buf();
+        let local = match &dest {
+            Dest::Path(p) => p.display().to_string(),
+            Dest::File(_) => "the local file".to_string(),
+        };
         let answer = crate::rawfile::exchange(&self.authority, move |stream| {
             crate::rawfile::write_head(stream, &Method::GET, &pq, &authority, &headers, None)?;
             let (head, rest) = crate::rawfile::read_head(stream)?;
@@ -474,17 +522,24 @@ impl GuestClient {
                 let body = crate::rawfile::read_small_body(stream, &head, rest)?;
                 return Ok(Err((head.status, body)));
             }
-            let mut file = match std::fs::File::create(&target) {
-                Ok(f) => f,
-                Err(e) => return Ok(Ok(Err(e))),
+            let mut file = match dest {
+                Dest::File(f) => f,
+                Dest::Path(p) => match std::fs::File::create(&p) {
+                    Ok(f) => f,
+                    Err(e) => return Ok(Ok(Err(e))),
+                },
             };
-            crate::rawfile::receive_file(stream, &head, rest, &mut file).map(|n| Ok(Ok(n)))
+            match crate::rawfile::receive_file(stream, &head, rest, &mut file, &mut progress) {
+                Ok(n) => Ok(Ok(Ok(n))),
+                Err(crate::rawfile::ReceiveError::Local(e)) => Ok(Ok(Err(e))),
+                Err(crate::rawfile::ReceiveError::Agent(e)) => Err(e),
+            }
         })
         .await;
         match answer {
             Ok(Ok(Ok(n))) => Ok(n),
             Ok(Ok(Err(source))) => Err(ClientError::Io {
-                path: local.display().to_string(),
+                path: local,
                 source,
             }),
             Ok(Err((status, body))) => Err(Self::error_from_body("/files", status, &body)),

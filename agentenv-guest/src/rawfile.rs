@@ -270,7 +270,13 @@ pub fn read_small_body(stream: &mut TcpStream, head: &Head, rest: Vec<u8>) -> io
 
 /// Sends `len` bytes of `file` from its start with `sendfile(2)`; returns
 /// the bytes sent, fewer than `len` only when the file ended early.
-pub fn send_file(stream: &TcpStream, file: &std::fs::File, len: u64) -> io::Result<u64> {
+/// `progress` hears of every piece sent.
+pub fn send_file(
+    stream: &TcpStream,
+    file: &std::fs::File,
+    len: u64,
+    progress: &mut dyn FnMut(u64),
+) -> io::Result<u64> {
     let mut offset: libc::off_t = 0;
     let mut left = len;
     while left > 0 {
@@ -279,7 +285,10 @@ pub fn send_file(stream: &TcpStream, file: &std::fs::File, len: u64) -> io::Resu
         // `offset` is a valid, exclusively borrowed off_t.
         let n = unsafe { libc::sendfile(stream.as_raw_fd(), file.as_raw_fd(), &mut offset, step) };
         match n {
-            n if n > 0 => left -= n as u64,
+            n if n > 0 => {
+                left -= n as u64;
+                progress(n as u64);
+            }
             0 => return Ok(len - left),
             _ => {
                 let e = io::Error::last_os_error();
@@ -329,54 +338,105 @@ fn splice(from: i32, to: i32, len: usize) -> io::Result<usize> {
     }
 }
 
+/// Why a download into a file stopped.
+#[derive(Debug)]
+pub enum ReceiveError {
+    /// Reading from the agent failed, or its answer was malformed.
+    Agent(io::Error),
+    /// Writing the local file failed.
+    Local(io::Error),
+}
+
 /// Writes a response body into `file`: a `Content-Length` body is spliced
-/// from the socket; other framings are read and written. Returns the bytes
-/// written.
+/// from the socket through a pipe; other framings (and files that cannot
+/// be spliced into) are read and written. Returns the bytes written.
+/// `progress` hears of every piece written.
 pub fn receive_file(
     stream: &mut TcpStream,
     head: &Head,
     rest: Vec<u8>,
     file: &mut std::fs::File,
-) -> io::Result<u64> {
+    progress: &mut dyn FnMut(u64),
+) -> Result<u64, ReceiveError> {
+    // A failed write is remembered here, so it is told from a failed read.
+    let mut local: Option<io::Error> = None;
+    let mut copy = |stream: &mut TcpStream,
+                    head: &Head,
+                    rest: Vec<u8>,
+                    file: &mut std::fs::File,
+                    progress: &mut dyn FnMut(u64)|
+     -> Result<u64, ReceiveError> {
+        let r = read_body(stream, head, rest, &mut |b| {
+            file.write_all(b).inspect_err(|e| {
+                local = Some(io::Error::new(e.kind(), e.to_string()));
+            })?;
+            progress(b.len() as u64);
+            Ok(())
+        });
+        r.map_err(|e| match local.take() {
+            Some(l) => ReceiveError::Local(l),
+            None => ReceiveError::Agent(e),
+        })
+    };
     let Some(len) = head.content_length.filter(|_| !head.chunked) else {
-        return read_body(stream, head, rest, &mut |b| file.write_all(b));
+        return copy(stream, head, rest, file, progress);
     };
     let first = (rest.len() as u64).min(len) as usize;
-    file.write_all(&rest[..first])?;
+    file.write_all(&rest[..first])
+        .map_err(ReceiveError::Local)?;
+    progress(first as u64);
     let mut done = first as u64;
-    if done == len {
-        return Ok(done);
-    }
-    let (pr, pw) = pipe()?;
+    let rest_of = |done: u64| Head {
+        status: head.status,
+        content_length: Some(len - done),
+        chunked: false,
+    };
+    let (pr, pw) = match pipe() {
+        Ok(p) => p,
+        Err(_) => return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?),
+    };
     while done < len {
         let want = (len - done).min(STEP as u64) as usize;
         let n = match splice(stream.as_raw_fd(), pw.as_raw_fd(), want) {
             Ok(0) => {
-                return Err(io::Error::new(
+                return Err(ReceiveError::Agent(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     format!("the agent closed the connection after {done} of {len} bytes"),
-                ));
+                )));
             }
             Ok(n) => n,
-            // Not spliceable here (an unusual socket or file system): copy.
-            Err(e) if done == first as u64 && e.raw_os_error() == Some(libc::EINVAL) => {
-                let head = Head {
-                    status: head.status,
-                    content_length: Some(len - done),
-                    chunked: false,
-                };
-                return Ok(done + read_body(stream, &head, Vec::new(), &mut |b| file.write_all(b))?);
+            // A socket that cannot be spliced from: copy.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?);
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(ReceiveError::Agent(e)),
         };
         let mut left = n;
         while left > 0 {
-            match splice(pr.as_raw_fd(), file.as_raw_fd(), left)? {
-                0 => return Err(io::Error::new(io::ErrorKind::WriteZero, "writing the file")),
-                m => left -= m,
+            match splice(pr.as_raw_fd(), file.as_raw_fd(), left) {
+                Ok(0) => {
+                    return Err(ReceiveError::Local(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "the file took no more bytes",
+                    )));
+                }
+                Ok(m) => left -= m,
+                // A file that cannot be spliced into (O_APPEND, some file
+                // systems): move what the pipe holds by copy, then copy on.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    let mut buf = vec![0u8; left];
+                    let mut pipe_end = std::fs::File::from(pr);
+                    pipe_end.read_exact(&mut buf).map_err(ReceiveError::Local)?;
+                    file.write_all(&buf).map_err(ReceiveError::Local)?;
+                    done += n as u64;
+                    progress(n as u64);
+                    return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?);
+                }
+                Err(e) => return Err(ReceiveError::Local(e)),
             }
         }
         done += n as u64;
+        progress(n as u64);
     }
     Ok(done)
 }
@@ -445,9 +505,32 @@ mod tests {
         let (mut s, h, rest) = get(serve_once(resp));
         let dir = tempfile::tempdir().unwrap();
         let mut f = std::fs::File::create(dir.path().join("f")).unwrap();
-        let err = receive_file(&mut s, &h, rest, &mut f).unwrap_err();
+        let err = match receive_file(&mut s, &h, rest, &mut f, &mut |_| {}) {
+            Err(ReceiveError::Agent(e)) => e,
+            other => panic!("expected an agent error, got {other:?}"),
+        };
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
         assert!(err.to_string().contains("after 3 of 10 bytes"), "{err}");
+    }
+
+    #[test]
+    fn files_that_cannot_be_spliced_into_are_written_by_copy() {
+        let body = vec![b'q'; 3 << 20];
+        let mut resp =
+            format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
+        resp.extend_from_slice(&body);
+        let (mut s, h, rest) = get(serve_once(resp));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("appended");
+        std::fs::write(&path, b"head:").unwrap();
+        // splice(2) refuses files opened with O_APPEND.
+        let mut f = std::fs::File::options().append(true).open(&path).unwrap();
+        let mut seen = 0u64;
+        let n = receive_file(&mut s, &h, rest, &mut f, &mut |k| seen += k).unwrap();
+        assert_eq!((n, seen), (body.len() as u64, body.len() as u64));
+        let got = std::fs::read(&path).unwrap();
+        assert_eq!(&got[..5], b"head:");
+        assert!(got[5..] == body[..]);
     }
 
     #[test]

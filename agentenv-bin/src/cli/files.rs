@@ -6,8 +6,6 @@ use std::path::{Path, PathBuf};
 use agentenv_guest::client::{ClientError, GuestClient};
 use agentenv_guest::connect::Code;
 use agentenv_guest::proto::filesystem as fsp;
-use futures::{StreamExt, TryStreamExt};
-use tokio::io::AsyncWriteExt;
 
 use super::output::transfer_bar;
 
@@ -186,16 +184,10 @@ async fn upload_one(
     remote: &str,
     bar: &indicatif::ProgressBar,
 ) -> Result<(), ClientError> {
-    let file = tokio::fs::File::open(local_path)
-        .await
-        .map_err(|source| ClientError::Io {
-            path: local_path.display().to_string(),
-            source,
-        })?;
     let bar = bar.clone();
-    let stream = tokio_util::io::ReaderStream::with_capacity(file, 256 * 1024)
-        .inspect_ok(move |b| bar.inc(b.len() as u64));
-    agent.upload(remote, stream).await
+    agent
+        .upload_file_with_progress(local_path, remote, move |n| bar.inc(n))
+        .await
 }
 
 /// Downloads `remote` (file or directory); returns the summary line.
@@ -326,24 +318,29 @@ async fn download_one(
         .tempfile_in(&dir)
         .map_err(local(&dir))?;
     let res = async {
-        let mut stream = agent
-            .download(remote)
+        let f = tmp.reopen().map_err(local(tmp.path()))?;
+        let bar = bar.clone();
+        agent
+            .download_into(remote, f, move |n| bar.inc(n))
             .await
-            .map_err(|source| FilesError::Agent {
-                id: id.to_string(),
-                source,
+            .map_err(|source| match source {
+                ClientError::Io { source, .. } => FilesError::Local {
+                    path: dest.to_path_buf(),
+                    source,
+                },
+                source => FilesError::Agent {
+                    id: id.to_string(),
+                    source,
+                },
             })?;
-        let mut f = tokio::fs::File::from_std(tmp.reopen().map_err(local(tmp.path()))?);
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|source| FilesError::Agent {
-                id: id.to_string(),
-                source,
-            })?;
-            f.write_all(&chunk).await.map_err(local(dest))?;
-            bar.inc(chunk.len() as u64);
-        }
-        f.flush().await.map_err(local(dest))?;
-        f.sync_all().await.map_err(local(dest))?;
+        let f = tmp.reopen().map_err(local(tmp.path()))?;
+        tokio::task::spawn_blocking(move || f.sync_all())
+            .await
+            .map_err(|e| FilesError::Local {
+                path: dest.to_path_buf(),
+                source: std::io::Error::other(e),
+            })?
+            .map_err(local(dest))?;
         Ok::<_, FilesError>(())
     }
     .await;
