@@ -1,6 +1,7 @@
 //! `agentenv up`: the one-command local cluster, run as a user runs it — the real binary
 //! with real scheduler, gateway and node children — then the banner's own commands are
-//! run with bash and curl, and Ctrl-C must leave no sandbox, interface or process behind.
+//! run with bash and curl, and Ctrl-C must leave no sandbox, interface, firewall chain or
+//! process behind.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -44,6 +45,30 @@ fn interfaces_with_prefix(prefixes: &[&str]) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Lines of `iptables-save` (filter and nat) naming a host chain of one of `prefixes`:
+/// the chains, their rules and the jumps to them.
+fn chains_of(prefixes: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    for table in ["filter", "nat"] {
+        let o = Command::new("iptables-save")
+            .args(["-t", table])
+            .output()
+            .expect("iptables-save");
+        assert!(o.status.success(), "iptables-save -t {table}");
+        out.extend(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| {
+                    prefixes
+                        .iter()
+                        .any(|p| l.contains(&format!("AGENTENV-{}-", p.to_ascii_uppercase())))
+                })
+                .map(str::to_string),
+        );
+    }
+    out
 }
 
 #[test]
@@ -186,6 +211,14 @@ fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_be
         "a sandbox is running"
     );
     assert!(!processes_mentioning(&data_dir).is_empty());
+    for chain in ["AGENTENV-UPA-FWD", "AGENTENV-UPB-FWD", "AGENTENV-UPB-NAT"] {
+        assert!(
+            chains_of(&["upa", "upb"])
+                .iter()
+                .any(|l| l.starts_with(&format!(":{chain} "))),
+            "the nodes installed {chain}"
+        );
+    }
 
     // Ctrl-C.
     nix::sys::signal::kill(
@@ -212,10 +245,17 @@ fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_be
         assert!(rest.contains(&format!("  {n} stopped")), "{n}: {rest}");
     }
     assert!(!rest.contains("warning"), "{rest}");
+    for p in ["upa", "upb"] {
+        assert!(
+            rest.contains(&format!("host firewall rules of {p} removed")),
+            "{p}: {rest}"
+        );
+    }
     assert_eq!(
         interfaces_with_prefix(&["upa", "upb"]),
         Vec::<String>::new()
     );
+    assert_eq!(chains_of(&["upa", "upb"]), Vec::<String>::new());
     assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
     assert!(!Path::new(&data_dir).exists(), "temporary state removed");
 }
@@ -313,6 +353,7 @@ fn ctrl_c_during_start_up_removes_the_first_sandbox_and_every_process() {
         interfaces_with_prefix(&["uqa", "uqb"]),
         Vec::<String>::new()
     );
+    assert_eq!(chains_of(&["uqa", "uqb"]), Vec::<String>::new());
     assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
     assert!(!Path::new(&data_dir).exists(), "temporary state removed");
 }

@@ -1,7 +1,8 @@
 //! `agentenv up`: a whole cluster on this machine — one scheduler, one gateway and N
 //! runtime nodes, each a child process of the real binaries on loopback ports — with a
 //! first sandbox run through the gateway before the cluster is announced, and a clean
-//! stop (every sandbox deleted, every process stopped) on Ctrl-C.
+//! stop (every sandbox deleted, every process stopped, the nodes' host firewall chains
+//! removed) on Ctrl-C.
 
 pub mod http;
 
@@ -12,6 +13,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agentenv_node::backend::jail::net::uninstall_host_rules;
 use base64::Engine as _;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -758,7 +760,8 @@ impl Up {
     }
 
     /// Deletes every sandbox on every node, then stops the gateway, the nodes and the
-    /// scheduler (SIGTERM, SIGKILL after 30 s), and reports anything left behind.
+    /// scheduler (SIGTERM, SIGKILL after 30 s), removes the nodes' host firewall chains,
+    /// and reports anything left behind.
     pub async fn stop(&mut self) {
         let say = self.out.clone();
         // The gateway first: no new request reaches a node while its sandboxes are
@@ -801,6 +804,16 @@ impl Up {
         self.stop_children(|n| n != "gateway" && n != "scheduler")
             .await;
         self.stop_children(|n| n == "scheduler").await;
+        // The nodes leave their host firewall chains in place (their sandboxes may outlive
+        // them); with every node and sandbox gone they go too. A node that died or was
+        // killed may have left sandboxes: their chains stay, and the warning says why.
+        let run = self.info.data_dir.join("run");
+        for prefix in node_iface_prefixes(&self.opts.iface_prefix, self.opts.nodes) {
+            match uninstall_host_rules(&prefix, &run, LINK_LINGER).await {
+                Ok(()) => say(&format!("  host firewall rules of {prefix} removed")),
+                Err(e) => say(&format!("warning: {e}")),
+            }
+        }
         let left = leftover_interfaces(&self.opts.iface_prefix, self.opts.nodes);
         if !left.is_empty() {
             say(&format!(
@@ -872,11 +885,20 @@ async fn wait_any(children: &mut [ChildProc]) -> (String, String, PathBuf) {
     futures::future::select_all(v).await.0
 }
 
+/// How long the stop waits for the kernel to remove the veths of closed sandbox
+/// namespaces before it removes the host firewall rules.
+const LINK_LINGER: Duration = Duration::from_secs(10);
+
+/// The interface prefixes of the nodes: `<iface_prefix><a+i>`.
+pub fn node_iface_prefixes(iface_prefix: &str, nodes: u8) -> Vec<String> {
+    (0..nodes)
+        .map(|i| format!("{iface_prefix}{}", (b'a' + i) as char))
+        .collect()
+}
+
 /// The jail interfaces of `agentenv up` nodes still present on this host.
 pub fn leftover_interfaces(iface_prefix: &str, nodes: u8) -> Vec<String> {
-    let prefixes: Vec<String> = (0..nodes)
-        .map(|i| format!("{iface_prefix}{}", (b'a' + i) as char))
-        .collect();
+    let prefixes = node_iface_prefixes(iface_prefix, nodes);
     std::fs::read_dir("/sys/class/net")
         .map(|rd| {
             rd.filter_map(|e| e.ok())
