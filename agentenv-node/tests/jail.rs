@@ -733,8 +733,9 @@ impl PoolTraces {
         let addresses = names
             .iter()
             .map(|l| {
-                let slot = agentenv_node::backend::jail::net::slot_of_ifname("ae", l)
-                    .expect("a pooled interface name");
+                let slot =
+                    agentenv_node::backend::jail::net::slot_of_ifname(&common::iface_prefix(), l)
+                        .expect("a pooled interface name");
                 slot.sandbox_ip()
             })
             .collect();
@@ -901,8 +902,17 @@ async fn egress_policy_is_applied_to_pooled_namespaces() {
         "both took a pooled namespace: {st:?}"
     );
     // The host interface says the policy.
-    assert!(b.host_interface(&open.id).unwrap().starts_with("aei"));
-    assert!(b.host_interface(&closed.id).unwrap().starts_with("aen"));
+    let p = common::iface_prefix();
+    assert!(
+        b.host_interface(&open.id)
+            .unwrap()
+            .starts_with(&format!("{p}i"))
+    );
+    assert!(
+        b.host_interface(&closed.id)
+            .unwrap()
+            .starts_with(&format!("{p}n"))
+    );
     let r = common::try_connect(&open, INTERNET_IP, INTERNET_PORT).await;
     assert_eq!(
         r,

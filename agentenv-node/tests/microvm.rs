@@ -7,6 +7,7 @@
 #[path = "../../agentenv-vmm/tests/common/mod.rs"]
 mod guest;
 mod microvm_common;
+mod rules_common;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -81,7 +82,9 @@ async fn backend(data: &Path, net: u8) -> MicrovmBackend {
     cfg.templates.root = data.join("templates");
     tiny_template(&cfg.templates.root);
     cfg.cgroup_parent = "agentenv-test-vm".into();
-    cfg.iface_prefix = "tv".into();
+    // This test process's own prefix: its host chains go when the process exits.
+    cfg.iface_prefix = rules_common::process_prefix('v');
+    rules_common::remove_at_exit(&cfg.iface_prefix, &cfg.runtime_dir);
     cfg.address_pool = format!("10.15.{net}.0/24").parse().unwrap();
     // The guest program is a plain ELF, not a Linux kernel: KVM under kvm_pvm runs it.
     MicrovmBackend::new_unchecked(cfg).await.unwrap()

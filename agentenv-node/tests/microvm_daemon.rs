@@ -37,7 +37,7 @@ impl Captured {
 async fn auto_picks_the_jail_where_microvms_cannot_run_and_logs_why() {
     require_node!();
     let home = tempfile::tempdir().unwrap();
-    let mut cfg = node_common::config(home.path(), 50);
+    let mut cfg = node_common::config(home.path(), 53);
     cfg.backend = BackendKind::Auto;
     let Some(reason) = unavailable_reason(&cfg.guest_kernel, &cfg.vmm_binary) else {
         println!(
@@ -77,7 +77,7 @@ async fn auto_picks_the_jail_where_microvms_cannot_run_and_logs_why() {
 async fn microvm_on_a_host_without_it_fails_at_start_saying_what_is_missing() {
     require_node!();
     let home = tempfile::tempdir().unwrap();
-    let mut cfg = node_common::config(home.path(), 51);
+    let mut cfg = node_common::config(home.path(), 54);
     cfg.backend = BackendKind::Microvm;
     let Some(reason) = unavailable_reason(&cfg.guest_kernel, &cfg.vmm_binary) else {
         println!("NOT RUN HERE: microVMs can run on this host, so AENV_BACKEND=microvm starts");

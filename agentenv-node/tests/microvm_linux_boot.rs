@@ -60,7 +60,8 @@ async fn a_linux_guest_boots_with_the_agent_as_init_and_runs_a_command() {
     let mut cfg = MicrovmConfig::new(data.path(), &agent, &vmm, &kernel);
     cfg.templates.root = PathBuf::from(node_common::TEMPLATE_CACHE);
     cfg.cgroup_parent = "agentenv-test-vm".into();
-    cfg.iface_prefix = "tl".into();
+    cfg.iface_prefix = node_common::rules_common::process_prefix('l');
+    node_common::rules_common::remove_at_exit(&cfg.iface_prefix, &cfg.runtime_dir);
     let b = MicrovmBackend::new(cfg).await.unwrap();
     let mut spec = agentenv_node::backend::SandboxSpec::new(
         format!("linux-{:08x}", rand::random::<u32>()),

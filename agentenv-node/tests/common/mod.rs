@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[path = "../rules_common/mod.rs"]
+pub mod rules_common;
+
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -49,11 +52,21 @@ pub fn test_agent() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/test_agent.py")
 }
 
+/// The interface prefix of this test process's backends.
+pub fn iface_prefix() -> String {
+    rules_common::process_prefix('j')
+}
+
 /// A config on a fresh data directory with the shared template cache and the test agent.
+/// Its interface prefix is this test process's own (backends of one test share it, for
+/// a restarted backend finds its sandboxes by it); its host chains go when the process
+/// exits.
 pub fn config(data: &Path) -> JailConfig {
     let mut cfg = JailConfig::new(data, test_agent());
     cfg.templates.root = PathBuf::from(TEMPLATE_CACHE);
     cfg.cgroup_parent = TEST_CGROUP_PARENT.into();
+    cfg.iface_prefix = iface_prefix();
+    rules_common::remove_at_exit(&cfg.iface_prefix, &cfg.runtime_dir);
     cfg
 }
 

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[path = "../rules_common/mod.rs"]
+pub mod rules_common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -91,6 +94,9 @@ pub fn config(home: &Path, slot: u8) -> NodeConfig {
     );
     env.insert("AENV_AUTO_EVICT_INTERVAL_MS", "50".to_string());
     let mut c = NodeConfig::load(None, &|k| env.get(k).cloned()).expect("config");
+    // The slot's prefix is this test's: its host chains go when the process exits, if
+    // [`Node::stop`] has not removed them before.
+    rules_common::remove_at_exit(&c.jail_iface_prefix, &c.runtime_path);
     c.default_cpu_count = 1;
     c.default_memory_mb = 256;
     c.default_timeout = Duration::from_secs(300);
@@ -122,6 +128,8 @@ pub async fn ensure_base() {
 pub struct Node {
     pub addr: std::net::SocketAddr,
     pub orch: std::sync::Arc<agentenv_node::lifecycle::Orchestrator>,
+    iface_prefix: String,
+    runtime_dir: PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -130,6 +138,8 @@ impl Node {
     pub async fn start(cfg: NodeConfig) -> Node {
         init_tracing();
         ensure_base().await;
+        let (iface_prefix, runtime_dir) = (cfg.jail_iface_prefix.clone(), cfg.runtime_path.clone());
+        rules_common::remove_at_exit(&iface_prefix, &runtime_dir);
         let d = Daemon::start(cfg).await.expect("daemon start");
         let addr = d.local_addr();
         let orch = d.orchestrator();
@@ -140,6 +150,8 @@ impl Node {
         Node {
             addr,
             orch,
+            iface_prefix,
+            runtime_dir,
             stop: Some(tx),
             task: Some(task),
         }
@@ -149,7 +161,8 @@ impl Node {
         format!("http://{}", self.addr)
     }
 
-    /// Graceful shutdown; returns when the node has stopped.
+    /// Graceful shutdown; returns when the node has stopped and, unless sandboxes of its
+    /// outlive it, its host firewall chains are gone.
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -157,6 +170,7 @@ impl Node {
         if let Some(t) = self.task.take() {
             let _ = t.await;
         }
+        rules_common::remove(&self.iface_prefix, &self.runtime_dir).await;
     }
 }
 
