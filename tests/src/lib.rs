@@ -102,6 +102,8 @@ pub struct Proc {
     pub name: String,
     child: Option<Child>,
     pub lines: mpsc::Receiver<serde_json::Value>,
+    /// Host firewall chains (interface prefix, runtime directory) removed once it stopped.
+    host_rules: Option<(String, PathBuf)>,
 }
 
 impl Proc {
@@ -128,7 +130,15 @@ impl Proc {
             name: name.into(),
             child: Some(child),
             lines: rx,
+            host_rules: None,
         }
+    }
+
+    /// Once the process (a node on this host's network) has stopped, removes the host
+    /// firewall chains of its interface prefix, unless its sandboxes outlive it.
+    pub fn with_host_rules(mut self, iface_prefix: &str, runtime_dir: &Path) -> Proc {
+        self.host_rules = Some((iface_prefix.to_string(), runtime_dir.to_path_buf()));
+        self
     }
 
     /// Waits for a log line whose `message` is `msg`.
@@ -149,8 +159,19 @@ impl Proc {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
-    /// SIGTERM and wait; returns the exit status.
+    /// SIGTERM and wait; returns the exit status. Then the host firewall chains of
+    /// [`Proc::with_host_rules`] go.
     pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.stop_child();
+        if status.is_some()
+            && let Some((prefix, dir)) = &self.host_rules
+        {
+            remove_host_rules(prefix, dir);
+        }
+        status
+    }
+
+    fn stop_child(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
@@ -173,6 +194,42 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Where test nodes keep their runtime state (`AENV_RUNTIME_PATH`), the lock of the host
+/// firewall rules among it.
+pub const NODE_RUNTIME_DIR: &str = "/run/aenv";
+
+/// The host interface prefix of test node `idx`.
+pub fn node_iface_prefix(idx: u8) -> String {
+    format!("c{}", (b'a' + idx) as char)
+}
+
+/// Removes the host firewall chains of `iface_prefix` (see
+/// `agentenv_node::backend::jail::net::uninstall_host_rules`), waiting a few seconds for
+/// the veths of closed sandbox namespaces to go; a refusal (sandboxes still there) or a
+/// failure is reported on stderr, and the chains then stay.
+pub fn remove_host_rules(iface_prefix: &str, runtime_dir: &Path) {
+    let (prefix, dir) = (iface_prefix.to_string(), runtime_dir.to_path_buf());
+    // A thread of its own: the caller may be inside a runtime.
+    let r = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        rt.block_on(agentenv_node::backend::jail::net::uninstall_host_rules(
+            &prefix,
+            &dir,
+            Duration::from_secs(10),
+        ))
+        .map_err(|e| e.to_string())
+    })
+    .join();
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("host rules of {iface_prefix} stay: {e}"),
+        Err(_) => eprintln!("host rules of {iface_prefix} stay: removing them panicked"),
     }
 }
 
@@ -205,11 +262,9 @@ pub fn node_env(
             guest_binary().expect("guest binary").display().to_string(),
         ),
         ("AENV_TEMPLATE_PATH", TEMPLATE_CACHE.to_string()),
+        ("AENV_RUNTIME_PATH", NODE_RUNTIME_DIR.to_string()),
         ("AENV_JAIL_ADDRESS_POOL", format!("10.15.{}.0/24", idx)),
-        (
-            "AENV_JAIL_IFACE_PREFIX",
-            format!("c{}", (b'a' + idx) as char),
-        ),
+        ("AENV_JAIL_IFACE_PREFIX", node_iface_prefix(idx)),
         ("AENV_JAIL_CGROUP_PARENT", format!("agentenv-cluster-{idx}")),
         ("AENV_LOG_FORMAT", "json".to_string()),
         ("AENV_AUTO_EVICT_INTERVAL_MS", "100".to_string()),
@@ -254,7 +309,8 @@ pub fn start_node_with_env(
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    let proc = Proc::spawn(id, cmd);
+    let proc =
+        Proc::spawn(id, cmd).with_host_rules(&node_iface_prefix(idx), Path::new(NODE_RUNTIME_DIR));
     proc.wait_for("node listening", Duration::from_secs(900));
     NodeProc {
         id: id.into(),

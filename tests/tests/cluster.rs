@@ -212,7 +212,8 @@ fn node_binary_rejects_bad_config_with_one_line_and_stops_on_sigterm() {
     // A node without AENV_API_KEY generates one (0600), serves, and stops cleanly on
     // SIGTERM, pausing its running sandbox into a durable record.
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], agentenv_tests::free_port()));
-    let mut env = agentenv_tests::node_env(7, "node-solo", addr, home.path(), None);
+    // Index 11: no other test's node (cli_cluster's are 6 and 7).
+    let mut env = agentenv_tests::node_env(11, "node-solo", addr, home.path(), None);
     env.retain(|(k, _)| k != "AENV_API_KEY");
     let mut cmd = Command::new(&bin);
     cmd.env_clear()
@@ -220,7 +221,10 @@ fn node_binary_rejects_bad_config_with_one_line_and_stops_on_sigterm() {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut node = agentenv_tests::Proc::spawn("node-solo", cmd);
+    let mut node = agentenv_tests::Proc::spawn("node-solo", cmd).with_host_rules(
+        &agentenv_tests::node_iface_prefix(11),
+        std::path::Path::new(agentenv_tests::NODE_RUNTIME_DIR),
+    );
     node.wait_for("node listening", Duration::from_secs(120));
     let key_path = home.path().join("secrets/api-key");
     let key = std::fs::read_to_string(&key_path).unwrap();

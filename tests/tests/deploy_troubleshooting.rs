@@ -7,7 +7,10 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use agentenv_tests::{API_KEY, Proc, api, binary, free_port, http, node_env, skip_reason};
+use agentenv_tests::{
+    API_KEY, NODE_RUNTIME_DIR, Proc, api, binary, free_port, http, node_env, node_iface_prefix,
+    skip_reason,
+};
 
 /// Waits for a JSON log line whose `message` contains `needle`.
 fn wait_message(p: &Proc, needle: &str, limit: Duration) -> serde_json::Value {
@@ -91,7 +94,7 @@ fn spawn_node(
     for (k, v) in overrides {
         cmd.env(k, v);
     }
-    Proc::spawn(id, cmd)
+    Proc::spawn(id, cmd).with_host_rules(&node_iface_prefix(idx), Path::new(NODE_RUNTIME_DIR))
 }
 
 fn nodes_view(gw: SocketAddr) -> serde_json::Value {
