@@ -287,6 +287,8 @@ async fn main() -> anyhow::Result<()> {
     let mut cfg = JailConfig::new(data.path(), &agent);
     cfg.templates.root = args.templates.clone();
     cfg.cgroup_parent = "agentenv-bench".into();
+    // An interface prefix of its own, whose host chains it removes at the end.
+    cfg.iface_prefix = BENCH_PREFIX.into();
     if let Some(a) = &args.agent_args {
         cfg.agent_args = a.clone();
     }
@@ -387,6 +389,7 @@ async fn main() -> anyhow::Result<()> {
         let mut cfg0 = JailConfig::new(data0.path(), &agent);
         cfg0.templates.root = args.templates.clone();
         cfg0.cgroup_parent = "agentenv-bench".into();
+        cfg0.iface_prefix = BENCH_PREFIX.into();
         cfg0.agent_args = b_args.clone();
         cfg0.net_pool_size = 0;
         let b0 = Arc::new(JailBackend::new(cfg0).await?);
@@ -470,5 +473,18 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
     b.shutdown().await;
+    let runtime_dir = JailConfig::new(data.path(), &agent).runtime_dir;
+    if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
+        BENCH_PREFIX,
+        &runtime_dir,
+        Duration::from_secs(5),
+    )
+    .await
+    {
+        eprintln!("host firewall rules of {BENCH_PREFIX} stay: {e}");
+    }
     Ok(())
 }
+
+/// The bench's host interface prefix (not the node's default `ae`).
+const BENCH_PREFIX: &str = "jb";

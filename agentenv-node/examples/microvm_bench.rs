@@ -191,5 +191,19 @@ async fn main() -> anyhow::Result<()> {
     vm.destroy(&id).await?;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load after: {}", load.trim());
+    // Leave no host firewall chains of the two prefixes behind.
+    jail.shutdown().await;
+    let runtime_dir = PathBuf::from("/run/agentenv");
+    for prefix in ["bv", "bj"] {
+        if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
+            prefix,
+            &runtime_dir,
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        {
+            eprintln!("host firewall rules of {prefix} stay: {e}");
+        }
+    }
     Ok(())
 }
