@@ -71,6 +71,36 @@ fn chains_of(prefixes: &[&str]) -> Vec<String> {
     out
 }
 
+/// Stops `agentenv up` (Ctrl-C, then SIGKILL after a minute) when a test
+/// panics before it did, so a failed test leaves no cluster running.
+struct StopOnPanic(u32);
+
+impl Drop for StopOnPanic {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let pid = nix::unistd::Pid::from_raw(self.0 as i32);
+        let running = || {
+            std::fs::read_to_string(format!("/proc/{}/stat", self.0))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").map(|(_, r)| !r.starts_with('Z')))
+                .unwrap_or(false)
+        };
+        if !running() {
+            return;
+        }
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if running() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
 #[test]
 fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_behind() {
     if let Some(r) = skip_reason() {
@@ -95,6 +125,7 @@ fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_be
         .spawn()
         .expect("start agentenv up");
     let pid = child.id();
+    let _stop = StopOnPanic(pid);
     let (tx, rx) = mpsc::channel::<String>();
     let stdout = child.stdout.take().unwrap();
     std::thread::spawn(move || {
@@ -310,6 +341,7 @@ fn ctrl_c_during_start_up_removes_the_first_sandbox_and_every_process() {
         .spawn()
         .expect("start agentenv up");
     let pid = child.id();
+    let _stop = StopOnPanic(pid);
     let stdout = child.stdout.take().unwrap();
     let mut lines = Vec::new();
     let mut data_dir = String::new();
