@@ -65,7 +65,7 @@ fn tiny_template(root: &Path) {
     std::fs::write(t.join("template.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
 }
 
-/// A backend on `data` whose sandbox addresses come from `10.15.<net>.0/24`: each test has
+/// A backend on `data` whose sandbox addresses come from `10.17.<net>.0/24`: each test has
 /// its own network, so no other test reuses its addresses and link names meanwhile.
 async fn backend(data: &Path, net: u8) -> MicrovmBackend {
     let _ = tracing_subscriber::fmt()
@@ -85,7 +85,9 @@ async fn backend(data: &Path, net: u8) -> MicrovmBackend {
     // This test process's own prefix: its host chains go when the process exits.
     cfg.iface_prefix = rules_common::process_prefix('v');
     rules_common::remove_at_exit(&cfg.iface_prefix, &cfg.runtime_dir);
-    cfg.address_pool = format!("10.15.{net}.0/24").parse().unwrap();
+    // Apart from the cluster tests' node pools (10.15.<idx>.0/24), which reserve
+    // addresses in another runtime directory.
+    cfg.address_pool = format!("10.17.{net}.0/24").parse().unwrap();
     // The guest program is a plain ELF, not a Linux kernel: KVM under kvm_pvm runs it.
     MicrovmBackend::new_unchecked(cfg).await.unwrap()
 }
