@@ -6,7 +6,13 @@
 //! three with wrk (64 connections, then 1 connection for the added latency)
 //! and prints requests/s, p50/p99 and the ratios.
 //!
-//! The machine may be shared: the three targets are measured in turn,
+//! A fourth target is a reference: a bare hyper proxy (hyper's HTTP/1.1
+//! server and client, one pooled upstream connection per client
+//! connection, no routing, auth, header rewriting or metrics) on the same
+//! kind of threads. It shows how much of the gateway's cost is the HTTP
+//! engine and how much is the gateway's own work.
+//!
+//! The machine may be shared: the targets are measured in turn,
 //! `BENCH_ROUNDS` times (default 3), and the summary gives the median of
 //! each figure and the median of the per-round gateway/nginx ratios (each
 //! ratio compares runs made seconds apart). The load average is printed.
@@ -69,6 +75,7 @@ fn main() {
     let rt = runtime();
     let upstream = upstream_rt.block_on(start_upstream());
     let gateway = rt.block_on(start_gateway(upstream));
+    let bare = start_bare_proxy(upstream);
     let tmp = tempfile::tempdir().expect("temp dir");
     let (mut nginx, nginx_addr) = start_nginx(tmp.path(), upstream);
     rt.block_on(wait_listening(nginx_addr));
@@ -78,6 +85,7 @@ fn main() {
     if let Ok(which) = std::env::var("BENCH_PROFILE") {
         let (addr, pid) = match which.as_str() {
             "nginx" => (nginx_addr, nginx.id()),
+            "bare" => (bare, std::process::id()),
             "direct" => (upstream, std::process::id()),
             _ => (gateway, std::process::id()),
         };
@@ -98,6 +106,7 @@ fn main() {
         ("direct", upstream),
         ("nginx", nginx_addr),
         ("gateway", gateway),
+        ("bare", bare),
     ];
     println!(
         "upstream {upstream}, nginx {nginx_addr}, gateway {gateway}; {secs}s per run; load average {}\n",
@@ -120,7 +129,8 @@ fn main() {
                 let nginx_pid = nginx.id();
                 let cpu = move || match name {
                     "nginx" => nginx_cpu_seconds(nginx_pid),
-                    "gateway" => gateway_cpu_seconds(),
+                    "gateway" => threads_cpu_seconds("gateway-"),
+                    "bare" => threads_cpu_seconds("bare-"),
                     _ => f64::NAN,
                 };
                 let before = cpu();
@@ -148,9 +158,14 @@ fn main() {
     }
     println!("medians of {rounds} round(s):");
     for (conns, row, paired) in &results {
-        let (direct, nginx_r, gw) = (row[0], row[1], row[2]);
+        let (direct, nginx_r, gw, bare_r) = (row[0], row[1], row[2], row[3]);
         println!("{conns} connection(s):");
-        for (name, r) in [("direct", direct), ("nginx", nginx_r), ("gateway", gw)] {
+        for (name, r) in [
+            ("direct", direct),
+            ("nginx", nginx_r),
+            ("gateway", gw),
+            ("bare", bare_r),
+        ] {
             println!(
                 "  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs",
                 r.rps, r.p50_us, r.p99_us
@@ -175,6 +190,12 @@ fn main() {
             gw.cpu_us,
             nginx_r.cpu_us,
             gw.cpu_us / nginx_r.cpu_us
+        );
+        println!(
+            "  reference: bare hyper proxy {:.0} req/s (bare/nginx = {:.2}), {:.1} µs CPU per request",
+            bare_r.rps,
+            bare_r.rps / nginx_r.rps,
+            bare_r.cpu_us
         );
     }
     println!("load average at the end: {}", load_average());
@@ -230,8 +251,8 @@ fn stat_times(path: &Path) -> Option<(u32, u64)> {
     Some((ppid, ticks))
 }
 
-/// CPU seconds used so far by the gateway's serving threads.
-fn gateway_cpu_seconds() -> f64 {
+/// CPU seconds used so far by this process's threads named `prefix…`.
+fn threads_cpu_seconds(prefix: &str) -> f64 {
     let mut ticks = 0;
     for entry in std::fs::read_dir("/proc/self/task")
         .into_iter()
@@ -239,7 +260,7 @@ fn gateway_cpu_seconds() -> f64 {
         .flatten()
     {
         let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-        if comm.starts_with("gateway-")
+        if comm.starts_with(prefix)
             && let Some((_, t)) = stat_times(&entry.path().join("stat"))
         {
             ticks += t;
@@ -303,6 +324,83 @@ async fn start_upstream() -> SocketAddr {
             });
         }
     });
+    addr
+}
+
+/// The reference proxy: per thread, a single-threaded runtime with its own
+/// `SO_REUSEPORT` listener (as the gateway serves), hyper's HTTP/1.1 server,
+/// and a stack of idle hyper HTTP/1.1 client connections to `upstream`.
+fn start_bare_proxy(upstream: SocketAddr) -> SocketAddr {
+    use hyper::body::Incoming;
+    use hyper::client::conn::http1::SendRequest;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let first = std::net::TcpListener::bind("127.0.0.1:0").expect("bind bare proxy");
+    let addr = first.local_addr().unwrap();
+    for i in 0..threads {
+        let listener = first.try_clone().expect("listener");
+        std::thread::Builder::new()
+            .name(format!("bare-{i}"))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&rt, async move {
+                    listener.set_nonblocking(true).unwrap();
+                    let listener = TcpListener::from_std(listener).unwrap();
+                    let idle: Rc<RefCell<Vec<SendRequest<Incoming>>>> = Rc::default();
+                    loop {
+                        let Ok((stream, _)) = listener.accept().await else {
+                            continue;
+                        };
+                        let _ = stream.set_nodelay(true);
+                        let idle = idle.clone();
+                        tokio::task::spawn_local(async move {
+                            let svc = hyper::service::service_fn(move |req| {
+                                let idle = idle.clone();
+                                async move {
+                                    let pooled = idle.borrow_mut().pop();
+                                    // A pooled connection may still be sending
+                                    // its last response body: wait for it.
+                                    let ready = match pooled {
+                                        Some(mut s) => s.ready().await.is_ok().then_some(s),
+                                        None => None,
+                                    };
+                                    let mut sender = match ready {
+                                        Some(s) => s,
+                                        None => {
+                                            let s = tokio::net::TcpStream::connect(upstream)
+                                                .await
+                                                .expect("connect upstream");
+                                            let _ = s.set_nodelay(true);
+                                            let (sender, conn) =
+                                                hyper::client::conn::http1::handshake(
+                                                    TokioIo::new(s),
+                                                )
+                                                .await
+                                                .expect("handshake");
+                                            tokio::task::spawn_local(conn);
+                                            sender
+                                        }
+                                    };
+                                    let resp = sender.send_request(req).await;
+                                    idle.borrow_mut().push(sender);
+                                    resp
+                                }
+                            });
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(TokioIo::new(stream), svc)
+                                .await;
+                        });
+                    }
+                });
+            })
+            .expect("bare proxy thread");
+    }
     addr
 }
 
