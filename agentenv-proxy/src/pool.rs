@@ -147,7 +147,9 @@ struct Key {
 
 #[derive(Default)]
 struct Shard {
-    idle: HashMap<Key, Vec<IdleConn>>,
+    /// Keyed by node authorities from the scheduler's configuration, not by
+    /// client input: a fast hash is enough.
+    idle: HashMap<Key, Vec<IdleConn>, rustc_hash::FxBuildHasher>,
 }
 
 struct IdleConn {

@@ -527,7 +527,7 @@ impl Gateway {
             Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
         };
         let opts = &self.inner.opts;
-        let deadline = Instant::now() + opts.request_timeout;
+        let deadline = rec.start + opts.request_timeout;
         let long_lived = is_long_lived(req.headers());
 
         if host_route.is_none()
@@ -651,7 +651,9 @@ impl Gateway {
             record,
             host_route,
         };
-        self.proxy(req, remote, plan, &mut rec.body_complete).await
+        // Boxed: the exchange's state then lives in one place instead of
+        // being moved through every caller's future on the way in.
+        Box::pin(self.proxy(req, remote, plan, &mut rec.body_complete)).await
     }
 
     async fn rpc<T>(
