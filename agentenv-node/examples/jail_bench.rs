@@ -298,6 +298,7 @@ async fn main() -> anyhow::Result<()> {
     let pool_size = cfg.net_pool_size;
     let load_before = load_average();
     let b_args = cfg.agent_args.clone();
+    let runtime_dir = cfg.runtime_dir.clone();
     let b = Arc::new(JailBackend::new(cfg).await?);
     b.reconcile(&[]).await?;
     let progress: Progress = Arc::new(|l| eprintln!("[template base] {l}"));
@@ -473,7 +474,6 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
     b.shutdown().await;
-    let runtime_dir = JailConfig::new(data.path(), &agent).runtime_dir;
     if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
         BENCH_PREFIX,
         &runtime_dir,

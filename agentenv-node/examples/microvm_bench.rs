@@ -131,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
     m.cgroup_parent = "agentenv-bench".into();
     m.iface_prefix = "bv".into();
     m.address_pool = "10.15.200.0/24".parse()?;
+    let vm_rules = (m.iface_prefix.clone(), m.runtime_dir.clone());
     let vm = MicrovmBackend::new_unchecked(m).await?;
 
     // jail: the base template of the tests and their agent.
@@ -142,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
     j.cgroup_parent = "agentenv-bench".into();
     j.iface_prefix = "bj".into();
     j.address_pool = "10.15.201.0/24".parse()?;
+    let jail_rules = (j.iface_prefix.clone(), j.runtime_dir.clone());
     let jail = JailBackend::new(j).await?;
 
     // Warm-up: the template image is built once, the base template checked once.
@@ -193,10 +195,9 @@ async fn main() -> anyhow::Result<()> {
     println!("load after: {}", load.trim());
     // Leave no host firewall chains of the two prefixes behind.
     jail.shutdown().await;
-    let runtime_dir = PathBuf::from("/run/agentenv");
-    for prefix in ["bv", "bj"] {
+    for (prefix, runtime_dir) in [vm_rules, jail_rules] {
         if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
-            prefix,
+            &prefix,
             &runtime_dir,
             std::time::Duration::from_secs(5),
         )

@@ -19,6 +19,7 @@
 pub mod agent;
 pub mod jail;
 pub mod microvm;
+mod orphans;
 pub(crate) mod table;
 
 use std::collections::BTreeMap;

@@ -1138,55 +1138,16 @@ impl SandboxBackend for JailBackend {
             )
             .await,
         );
-        // Reservations whose owner directory is gone belong to nobody.
-        for (slot, owner) in self.pool.reservations() {
-            if !owner.as_os_str().is_empty() && !owner.exists() {
-                for internet in [true, false] {
-                    let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
-                    if let Ok(true) = net::delete_link(&self.netlink, &name).await {
-                        report.removed_other.push(format!("link {name}"));
-                    }
-                }
-                self.pool.release(slot);
-                report
-                    .removed_other
-                    .push(format!("address {}", slot.sandbox_ip()));
-            }
+        super::orphans::HostResources {
+            pool: &self.pool,
+            netlink: &self.netlink,
+            hierarchy: &self.hierarchy,
+            cgroup_parent: &self.cfg.cgroup_parent,
+            iface_prefix: &self.cfg.iface_prefix,
+            op_timeout: self.cfg.op_timeout,
         }
-        // Sandbox cgroups without an address reservation belong to nobody: a sandbox
-        // reserves its address before it creates its cgroup and releases it after.
-        // List the cgroups before the reservations: a cgroup in the list had its address
-        // reserved before it was created, so a create in flight is never mistaken for one.
-        let cgroups = self.hierarchy.list(&self.cfg.cgroup_parent);
-        let owners: Vec<String> = self
-            .pool
-            .reservations()
-            .into_iter()
-            .filter_map(|(_, o)| o.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .collect();
-        for name in cgroups {
-            if live.contains(&name) || owners.contains(&name) {
-                continue;
-            }
-            let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &name);
-            if let Err(e) = cg.kill_all(self.cfg.op_timeout).await {
-                tracing::warn!(cgroup = %name, error = %e, "killing a leftover cgroup");
-            }
-            match cg.remove(self.cfg.op_timeout).await {
-                Ok(()) => report.removed_other.push(format!("cgroup {name}")),
-                Err(e) => tracing::warn!(cgroup = %name, error = %e, "removing a leftover cgroup"),
-            }
-        }
-        // Host interfaces whose address is not reserved belong to nobody.
-        for name in self.host_interfaces().await {
-            if let Some(slot) = net::slot_of_ifname(&self.cfg.iface_prefix, &name) {
-                if !self.pool.is_reserved(slot) {
-                    if let Ok(true) = net::delete_link(&self.netlink, &name).await {
-                        report.removed_other.push(format!("link {name}"));
-                    }
-                }
-            }
-        }
+        .remove_orphans(&live, &mut report)
+        .await;
         if !report.removed_sandboxes.is_empty() || !report.removed_other.is_empty() {
             tracing::info!(?report, "cleaned leftovers of an earlier node process");
         }
