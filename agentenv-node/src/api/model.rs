@@ -120,18 +120,7 @@ impl SnapshotQuery {
             limit: 100,
             after: None,
         };
-        if let Some(l) = pairs.get("limit") {
-            let n: usize = l
-                .parse()
-                .map_err(|_| format!("invalid limit {l:?}: use 0..100"))?;
-            if n > 100 {
-                return Err(format!("invalid limit {n}: use 0..100"));
-            }
-            out.limit = n;
-        }
-        if let Some(t) = pairs.get("nextToken").filter(|t| !t.is_empty()) {
-            out.after = Some(decode_token(t).ok_or_else(|| format!("invalid nextToken {t:?}"))?);
-        }
+        (out.limit, out.after) = page(&pairs, out.limit)?;
         Ok(out)
     }
 
@@ -263,6 +252,30 @@ pub fn encode_token(created_ms: u64, id: &str) -> String {
     base64::engine::general_purpose::URL_SAFE.encode(s)
 }
 
+/// The `limit` (0..100, else `default`) and `nextToken` of a list query.
+fn page(
+    pairs: &std::collections::BTreeMap<String, String>,
+    default: usize,
+) -> Result<(usize, Option<(u64, String)>), String> {
+    let limit = match pairs.get("limit") {
+        Some(l) => {
+            let n: usize = l
+                .parse()
+                .map_err(|_| format!("invalid limit {l:?}: use 0..100"))?;
+            if n > 100 {
+                return Err(format!("invalid limit {n}: use 0..100"));
+            }
+            n
+        }
+        None => default,
+    };
+    let after = match pairs.get("nextToken").filter(|t| !t.is_empty()) {
+        Some(t) => Some(decode_token(t).ok_or_else(|| format!("invalid nextToken {t:?}"))?),
+        None => None,
+    };
+    Ok((limit, after))
+}
+
 fn decode_token(t: &str) -> Option<(u64, String)> {
     let raw = base64::engine::general_purpose::URL_SAFE.decode(t).ok()?;
     let s = String::from_utf8(raw).ok()?;
@@ -303,18 +316,7 @@ impl ListQuery {
                 }
             }
         }
-        if let Some(l) = pairs.get("limit") {
-            let n: usize = l
-                .parse()
-                .map_err(|_| format!("invalid limit {l:?}: use 0..100"))?;
-            if n > 100 {
-                return Err(format!("invalid limit {n}: use 0..100"));
-            }
-            out.limit = n;
-        }
-        if let Some(t) = pairs.get("nextToken").filter(|t| !t.is_empty()) {
-            out.after = Some(decode_token(t).ok_or_else(|| format!("invalid nextToken {t:?}"))?);
-        }
+        (out.limit, out.after) = page(&pairs, out.limit)?;
         Ok(out)
     }
 
