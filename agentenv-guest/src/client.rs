@@ -531,8 +531,8 @@ impl GuestClient {
             };
             match crate::rawfile::receive_file(stream, &head, rest, &mut file, &mut progress) {
                 Ok(n) => Ok(Ok(Ok(n))),
-                Err(crate::rawfile::ReceiveError::Local(e)) => Ok(Ok(Err(e))),
-                Err(crate::rawfile::ReceiveError::Agent(e)) => Err(e),
+                Err(crate::splice::ReceiveError::Local(e)) => Ok(Ok(Err(e))),
+                Err(crate::splice::ReceiveError::Peer(e)) => Err(e),
             }
         })
         .await;

@@ -68,6 +68,7 @@ pub mod pid1;
 pub mod process;
 mod rawfile;
 pub mod server;
+mod splice;
 pub mod users;
 pub mod wkt;
 

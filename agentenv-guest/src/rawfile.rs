@@ -1,9 +1,9 @@
 //! File transfers that keep the client's copies out of user space: an upload
 //! goes from the local page cache to the socket with `sendfile(2)`, a
 //! download from the socket through a pipe into the local file with
-//! `splice(2)`. Each transfer is one HTTP/1.1 exchange on a connection of
-//! its own (`Connection: close`), run on a blocking thread; heads are
-//! parsed with `httparse`. Everything that is not a plain
+//! `splice(2)` ([`crate::splice`]). Each transfer is one HTTP/1.1 exchange
+//! on a connection of its own (`Connection: close`), run on a blocking
+//! thread; heads are parsed with `httparse`. Everything that is not a plain
 //! `Content-Length` body (chunked answers, error bodies) is read normally.
 //!
 //! `sendfile` cannot ask for `MSG_NOSIGNAL`: like every Rust program by
@@ -12,16 +12,16 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 
 use http::{HeaderMap, Method, StatusCode};
+
+use crate::splice::{ReceiveError, STEP, receive_exact};
 
 /// Largest response head accepted.
 const MAX_HEAD: usize = 64 * 1024;
 /// Largest non-file body (an error message, the upload's JSON answer) kept.
 const MAX_SMALL_BODY: usize = 1024 * 1024;
-/// Bytes moved per `splice`/`sendfile` call.
-const STEP: usize = 1024 * 1024;
 
 /// The head of the agent's answer.
 #[derive(Debug)]
@@ -301,56 +301,10 @@ pub fn send_file(
     Ok(len)
 }
 
-fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0i32; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: pipe2 succeeded, so both descriptors are open and ours.
-    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // A larger pipe moves more per call; the default size works too.
-    // SAFETY: F_SETPIPE_SZ takes an int argument; `w` is an open pipe.
-    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, STEP as libc::c_int) };
-    Ok((r, w))
-}
-
-fn splice(from: i32, to: i32, len: usize) -> io::Result<usize> {
-    loop {
-        // SAFETY: plain descriptors, no offsets (both ends use their own position).
-        let n = unsafe {
-            libc::splice(
-                from,
-                std::ptr::null_mut(),
-                to,
-                std::ptr::null_mut(),
-                len,
-                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// Why a download into a file stopped.
-#[derive(Debug)]
-pub enum ReceiveError {
-    /// Reading from the agent failed, or its answer was malformed.
-    Agent(io::Error),
-    /// Writing the local file failed.
-    Local(io::Error),
-}
-
 /// Writes a response body into `file`: a `Content-Length` body is spliced
-/// from the socket through a pipe; other framings (and files that cannot
-/// be spliced into) are read and written. Returns the bytes written.
-/// `progress` hears of every piece written.
+/// from the socket through a pipe ([`crate::splice::receive_exact`]); other
+/// framings are read and written. Returns the bytes written. `progress`
+/// hears of every piece written.
 pub fn receive_file(
     stream: &mut TcpStream,
     head: &Head,
@@ -358,87 +312,22 @@ pub fn receive_file(
     file: &mut std::fs::File,
     progress: &mut dyn FnMut(u64),
 ) -> Result<u64, ReceiveError> {
+    if let Some(len) = head.content_length.filter(|_| !head.chunked) {
+        return receive_exact(stream, len, &rest, file, progress).map(|()| len);
+    }
     // A failed write is remembered here, so it is told from a failed read.
     let mut local: Option<io::Error> = None;
-    let mut copy = |stream: &mut TcpStream,
-                    head: &Head,
-                    rest: Vec<u8>,
-                    file: &mut std::fs::File,
-                    progress: &mut dyn FnMut(u64)|
-     -> Result<u64, ReceiveError> {
-        let r = read_body(stream, head, rest, &mut |b| {
-            file.write_all(b).inspect_err(|e| {
-                local = Some(io::Error::new(e.kind(), e.to_string()));
-            })?;
-            progress(b.len() as u64);
-            Ok(())
-        });
-        r.map_err(|e| match local.take() {
-            Some(l) => ReceiveError::Local(l),
-            None => ReceiveError::Agent(e),
-        })
-    };
-    let Some(len) = head.content_length.filter(|_| !head.chunked) else {
-        return copy(stream, head, rest, file, progress);
-    };
-    let first = (rest.len() as u64).min(len) as usize;
-    file.write_all(&rest[..first])
-        .map_err(ReceiveError::Local)?;
-    progress(first as u64);
-    let mut done = first as u64;
-    let rest_of = |done: u64| Head {
-        status: head.status,
-        content_length: Some(len - done),
-        chunked: false,
-    };
-    let (pr, pw) = match pipe() {
-        Ok(p) => p,
-        Err(_) => return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?),
-    };
-    while done < len {
-        let want = (len - done).min(STEP as u64) as usize;
-        let n = match splice(stream.as_raw_fd(), pw.as_raw_fd(), want) {
-            Ok(0) => {
-                return Err(ReceiveError::Agent(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("the agent closed the connection after {done} of {len} bytes"),
-                )));
-            }
-            Ok(n) => n,
-            // A socket that cannot be spliced from: copy.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?);
-            }
-            Err(e) => return Err(ReceiveError::Agent(e)),
-        };
-        let mut left = n;
-        while left > 0 {
-            match splice(pr.as_raw_fd(), file.as_raw_fd(), left) {
-                Ok(0) => {
-                    return Err(ReceiveError::Local(io::Error::new(
-                        io::ErrorKind::WriteZero,
-                        "the file took no more bytes",
-                    )));
-                }
-                Ok(m) => left -= m,
-                // A file that cannot be spliced into (O_APPEND, some file
-                // systems): move what the pipe holds by copy, then copy on.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    let mut buf = vec![0u8; left];
-                    let mut pipe_end = std::fs::File::from(pr);
-                    pipe_end.read_exact(&mut buf).map_err(ReceiveError::Local)?;
-                    file.write_all(&buf).map_err(ReceiveError::Local)?;
-                    done += n as u64;
-                    progress(n as u64);
-                    return Ok(done + copy(stream, &rest_of(done), Vec::new(), file, progress)?);
-                }
-                Err(e) => return Err(ReceiveError::Local(e)),
-            }
-        }
-        done += n as u64;
-        progress(n as u64);
-    }
-    Ok(done)
+    let r = read_body(stream, head, rest, &mut |b| {
+        file.write_all(b).inspect_err(|e| {
+            local = Some(io::Error::new(e.kind(), e.to_string()));
+        })?;
+        progress(b.len() as u64);
+        Ok(())
+    });
+    r.map_err(|e| match local.take() {
+        Some(l) => ReceiveError::Local(l),
+        None => ReceiveError::Peer(e),
+    })
 }
 
 #[cfg(test)]
@@ -506,7 +395,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut f = std::fs::File::create(dir.path().join("f")).unwrap();
         let err = match receive_file(&mut s, &h, rest, &mut f, &mut |_| {}) {
-            Err(ReceiveError::Agent(e)) => e,
+            Err(ReceiveError::Peer(e)) => e,
             other => panic!("expected an agent error, got {other:?}"),
         };
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
