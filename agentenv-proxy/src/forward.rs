@@ -63,10 +63,29 @@ impl Endpoint {
     /// `/` at every seam, escapes kept byte for byte), then `query`.
     pub fn uri(&self, parts: &[&str], query: Option<&str>) -> Result<Uri, InvalidEndpoint> {
         let e = &*self.0;
-        let len = e.base_path.len()
-            + parts.iter().map(|p| p.len() + 1).sum::<usize>()
-            + query.map_or(0, |q| q.len() + 1);
-        let mut s = String::with_capacity(len);
+        let mut s = String::new();
+        self.target_into(&mut s, parts, query);
+        let invalid = || InvalidEndpoint(e.raw.clone());
+        let path_and_query =
+            PathAndQuery::from_maybe_shared(bytes::Bytes::from(s)).map_err(|_| invalid())?;
+        Uri::builder()
+            .scheme(e.scheme.clone())
+            .authority(e.authority.clone())
+            .path_and_query(path_and_query)
+            .build()
+            .map_err(|_| invalid())
+    }
+
+    /// Sets `s` to the request target [`Endpoint::uri`] would have: the
+    /// base path joined with each of `parts`, then `query`.
+    pub fn target_into(&self, s: &mut String, parts: &[&str], query: Option<&str>) {
+        let e = &*self.0;
+        s.clear();
+        s.reserve(
+            e.base_path.len()
+                + parts.iter().map(|p| p.len() + 1).sum::<usize>()
+                + query.map_or(0, |q| q.len() + 1),
+        );
         s.push_str(&e.base_path);
         for part in parts {
             match (s.ends_with('/'), part.starts_with('/')) {
@@ -82,15 +101,16 @@ impl Endpoint {
             s.push('?');
             s.push_str(q);
         }
-        let invalid = || InvalidEndpoint(e.raw.clone());
-        let path_and_query =
-            PathAndQuery::from_maybe_shared(bytes::Bytes::from(s)).map_err(|_| invalid())?;
-        Uri::builder()
-            .scheme(e.scheme.clone())
-            .authority(e.authority.clone())
-            .path_and_query(path_and_query)
-            .build()
-            .map_err(|_| invalid())
+    }
+
+    /// A plain `http://` endpoint (no TLS).
+    pub fn is_plain_http(&self) -> bool {
+        self.0.scheme == Scheme::HTTP
+    }
+
+    /// The endpoint's `host[:port]`.
+    pub fn authority(&self) -> &Authority {
+        &self.0.authority
     }
 
     /// `endpoint`, parsed once per thread and then reused.
@@ -255,7 +275,7 @@ fn ip_header_value(ip: IpAddr) -> HeaderValue {
     })
 }
 
-fn format_ip(ip: IpAddr) -> HeaderValue {
+pub(crate) fn format_ip(ip: IpAddr) -> HeaderValue {
     use std::io::Write;
     let mut buf = [0u8; 48];
     let mut cursor = std::io::Cursor::new(&mut buf[..]);

@@ -41,6 +41,8 @@ use crate::nodes::NodeView;
 use crate::pool::{PoolConfig, UpstreamPool};
 use crate::routing::*;
 
+mod fast;
+
 /// How long shutdown waits for in-flight requests.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// RecordAssignment never waits longer than this.
@@ -94,6 +96,8 @@ impl GatewayOptions {
 pub struct Gateway {
     inner: Arc<Inner>,
     pool: UpstreamPool,
+    /// Connections of the fast lane ([`Gateway::serve`]).
+    raw: Arc<fast::RawPool>,
 }
 
 struct Inner {
@@ -197,6 +201,36 @@ impl Drop for TimedBody {
     }
 }
 
+/// What routing looks at, however the request was read.
+struct RoutingFacts<'a> {
+    method: &'a Method,
+    decoded: &'a str,
+    host_route: &'a Result<Option<HostRoute>, HostRouteError>,
+    /// The first non-blank sandbox id header.
+    sandbox_id: Option<&'a str>,
+    /// A target port header is present and non-blank.
+    has_port: bool,
+}
+
+/// The outcome of [`Gateway::decide`].
+enum Decision<'a> {
+    Reject(StatusCode, &'static str),
+    /// `/health` or `/metrics` answered by the gateway itself.
+    Local,
+    /// The `Host` names a proxy domain but is not a valid sandbox host.
+    BadHost,
+    ClusterList {
+        v2: bool,
+    },
+    NodeList,
+    NodeDetail(&'a str),
+    /// Proxied to the sandbox's node (`id`) or a scheduled one (`None`).
+    Route {
+        id: Option<&'a str>,
+        source: RouteSource,
+    },
+}
+
 /// Where a proxied request goes and how.
 struct ProxyPlan {
     node: pb::Node,
@@ -235,6 +269,7 @@ impl Gateway {
                 hosts,
                 metrics,
             }),
+            raw: Arc::new(fast::RawPool::new(pool.config().clone())),
             pool,
         })
     }
@@ -246,6 +281,7 @@ impl Gateway {
         Self {
             inner: self.inner.clone(),
             pool: UpstreamPool::new(self.pool.config().clone()),
+            raw: Arc::new(fast::RawPool::new(self.pool.config().clone())),
         }
     }
 
@@ -258,6 +294,7 @@ impl Gateway {
                 tls: Some(tls),
                 ..self.pool.config().clone()
             }),
+            raw: self.raw.clone(),
         }
     }
 
@@ -278,8 +315,8 @@ impl Gateway {
     /// `shutdown` resolves, then waits up to [`SHUTDOWN_GRACE`] for
     /// in-flight requests. Relayed WebSockets are not waited for.
     pub async fn serve(&self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
-        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        // Every connection holds a receiver: the sender sees them all gone.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut shutdown = pin!(shutdown);
         loop {
             let (stream, remote) = tokio::select! {
@@ -297,20 +334,18 @@ impl Gateway {
                 tracing::debug!(error = %e, "setting TCP_NODELAY failed");
             }
             let guard = self.inner.metrics.connection_guard();
-            let conn = builder
-                .serve_connection_with_upgrades(TokioIo::new(stream), self.service(remote))
-                .into_owned();
-            let conn = graceful.watch(conn);
+            let gateway = self.clone();
+            let stop = stop_rx.clone();
             tokio::spawn(async move {
                 let _guard = guard;
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, %remote, "client connection ended with an error");
-                }
+                gateway.serve_connection(stream, remote, stop).await;
             });
         }
         drop(listener);
+        drop(stop_rx);
+        let _ = stop_tx.send(true);
         tokio::select! {
-            _ = graceful.shutdown() => {}
+            _ = stop_tx.closed() => {}
             _ = tokio::time::sleep(SHUTDOWN_GRACE) => {
                 tracing::warn!("shutdown grace period over; closing remaining connections");
             }
@@ -450,6 +485,73 @@ impl Gateway {
         v.as_bytes().len() == key.len() && bool::from(v.as_bytes().ct_eq(key))
     }
 
+    /// How a request is routed; the rules of §4.2, shared by the hyper path
+    /// and the fast lane. `authorized` is asked only when the route needs it.
+    fn decide<'a>(&self, f: &RoutingFacts<'a>, authorized: impl FnOnce() -> bool) -> Decision<'a> {
+        let d = f.decoded;
+        let local_path = d == "/health" || d == "/metrics";
+        let proxy_path = is_proxy_path(d);
+        let control_plane = is_control_plane(f.method, d);
+        let id_header = f.sandbox_id.is_some();
+        let exempt = local_path
+            || proxy_path
+            || matches!(f.host_route, Ok(Some(_)))
+            || (!control_plane && id_header && f.has_port);
+        if !exempt && !authorized() {
+            return Decision::Reject(StatusCode::UNAUTHORIZED, "");
+        }
+        if proxy_path {
+            if !id_header {
+                return Decision::Reject(StatusCode::BAD_REQUEST, "sandbox id header required");
+            }
+            if !f.has_port {
+                return Decision::Reject(StatusCode::BAD_REQUEST, "target port header required");
+            }
+        }
+        let routing_headers = id_header || f.has_port;
+        if local_path && matches!(f.host_route, Ok(None)) {
+            if !routing_headers {
+                return Decision::Local;
+            }
+            if !id_header {
+                return Decision::Reject(StatusCode::BAD_REQUEST, "sandbox id header required");
+            }
+        }
+        let host_route = match f.host_route {
+            Ok(r) => r.as_ref(),
+            Err(_) => return Decision::BadHost,
+        };
+        if host_route.is_none() && !routing_headers && *f.method == Method::GET {
+            let trimmed = trim_trailing_slashes(d);
+            if trimmed == "/sandboxes" || trimmed == "/v2/sandboxes" {
+                return Decision::ClusterList {
+                    v2: trimmed == "/v2/sandboxes",
+                };
+            }
+            if trimmed == "/nodes" {
+                return Decision::NodeList;
+            }
+            if let Some(node_id) = node_id_from_path(d) {
+                return Decision::NodeDetail(node_id);
+            }
+        }
+        let (id, source) = if let Some(r) = host_route {
+            if routing_headers {
+                tracing::debug!(sandbox_id = %r.sandbox_id, "host route overrides routing headers");
+            }
+            (Some(r.sandbox_id.as_str()), RouteSource::Host)
+        } else if control_plane {
+            (path_sandbox_id(d), RouteSource::Path)
+        } else if let Some(id) = f.sandbox_id {
+            (Some(id), RouteSource::Header)
+        } else if let Some(id) = path_sandbox_id(d) {
+            (Some(id), RouteSource::Path)
+        } else {
+            (None, RouteSource::Schedule)
+        };
+        Decision::Route { id, source }
+    }
+
     async fn dispatch(
         &self,
         req: Request<GatewayBody>,
@@ -463,41 +565,24 @@ impl Gateway {
             );
         };
         rec.route = route_label(&decoded);
-        let headers = req.headers();
         let host = request_host(&req);
         let host_route = self
             .inner
             .hosts
             .route(host.as_ref().and_then(|h| h.to_str().ok()).unwrap_or(""));
-        let local_path = decoded == "/health" || decoded == "/metrics";
-        let proxy_path = is_proxy_path(&decoded);
-        let control_plane = is_control_plane(req.method(), &decoded);
-        let id_header = sandbox_id_from_headers(headers).is_some();
-        let port_header = target_port_from_headers(headers).is_some();
-
-        let exempt = local_path
-            || proxy_path
-            || matches!(host_route, Ok(Some(_)))
-            || (!control_plane && id_header && port_header);
-        if !exempt && !self.authorized(headers) {
-            return error_response(StatusCode::UNAUTHORIZED, "");
-        }
-
-        if proxy_path {
-            if !id_header {
-                return error_response(StatusCode::BAD_REQUEST, "sandbox id header required");
-            }
-            if !port_header {
-                return error_response(StatusCode::BAD_REQUEST, "target port header required");
-            }
-        }
-
-        if local_path && matches!(host_route, Ok(None)) {
-            if has_routing_headers(headers) {
-                if !id_header {
-                    return error_response(StatusCode::BAD_REQUEST, "sandbox id header required");
-                }
-            } else {
+        let headers = req.headers();
+        let facts = RoutingFacts {
+            method: req.method(),
+            decoded: &decoded,
+            host_route: &host_route,
+            sandbox_id: sandbox_id_from_headers(headers),
+            has_port: target_port_from_headers(headers).is_some(),
+        };
+        let deadline = rec.start + self.inner.opts.request_timeout;
+        // Owned from here on: the request moves into the handler.
+        let (sandbox_id, source) = match self.decide(&facts, || self.authorized(headers)) {
+            Decision::Reject(status, message) => return error_response(status, message),
+            Decision::Local => {
                 rec.instrument = false;
                 return if decoded == "/health" {
                     let mut resp = Response::new(empty());
@@ -507,76 +592,49 @@ impl Gateway {
                     error_response(StatusCode::NOT_FOUND, "404 page not found")
                 };
             }
-        }
-
-        self.handle_proxy(req, remote, decoded, host_route, control_plane, rec)
+            Decision::BadHost => {
+                let message = host_route.err().map(|e| e.to_string()).unwrap_or_default();
+                return error_response(StatusCode::BAD_REQUEST, &message);
+            }
+            Decision::ClusterList { v2 } => {
+                rec.source = RouteSource::Gateway;
+                // Rare paths are boxed so their state does not grow
+                // (and get copied with) every proxied request's future.
+                return Box::pin(self.cluster_list(req, remote, v2, deadline)).await;
+            }
+            Decision::NodeList => {
+                rec.source = RouteSource::Gateway;
+                let query = req.uri().query().map(str::to_string);
+                return Box::pin(self.node_list(query.as_deref(), deadline)).await;
+            }
+            Decision::NodeDetail(node_id) => {
+                rec.source = RouteSource::Gateway;
+                let node_id = node_id.to_string();
+                let long_lived = is_long_lived(req.headers());
+                return Box::pin(self.node_detail(req, remote, &node_id, deadline, long_lived))
+                    .await;
+            }
+            Decision::Route { id, source } => (id.map(str::to_string), source),
+        };
+        let host_route = host_route.ok().flatten();
+        self.handle_proxy(req, remote, decoded, sandbox_id, source, host_route, rec)
             .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn handle_proxy(
         &self,
         mut req: Request<GatewayBody>,
         remote: SocketAddr,
         decoded: String,
-        host_route: Result<Option<HostRoute>, HostRouteError>,
-        control_plane: bool,
+        sandbox_id: Option<String>,
+        source: RouteSource,
+        host_route: Option<HostRoute>,
         rec: &mut Recorder<'_>,
     ) -> Response<GatewayBody> {
-        let host_route = match host_route {
-            Ok(r) => r,
-            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
         let opts = &self.inner.opts;
         let deadline = rec.start + opts.request_timeout;
         let long_lived = is_long_lived(req.headers());
-
-        if host_route.is_none()
-            && !has_routing_headers(req.headers())
-            && req.method() == Method::GET
-        {
-            let trimmed = trim_trailing_slashes(&decoded);
-            if trimmed == "/sandboxes" || trimmed == "/v2/sandboxes" {
-                rec.source = RouteSource::Gateway;
-                // Rare paths are boxed so their state does not grow
-                // (and get copied with) every proxied request's future.
-                return Box::pin(self.cluster_list(
-                    req,
-                    remote,
-                    trimmed == "/v2/sandboxes",
-                    deadline,
-                ))
-                .await;
-            }
-            if trimmed == "/nodes" {
-                rec.source = RouteSource::Gateway;
-                let query = req.uri().query().map(str::to_string);
-                return Box::pin(self.node_list(query.as_deref(), deadline)).await;
-            }
-            if let Some(node_id) = node_id_from_path(&decoded) {
-                rec.source = RouteSource::Gateway;
-                let node_id = node_id.to_string();
-                return Box::pin(self.node_detail(req, remote, &node_id, deadline, long_lived))
-                    .await;
-            }
-        }
-
-        let (sandbox_id, source) = if let Some(r) = &host_route {
-            if has_routing_headers(req.headers()) {
-                tracing::debug!(sandbox_id = %r.sandbox_id, "host route overrides routing headers");
-            }
-            (Some(r.sandbox_id.clone()), RouteSource::Host)
-        } else if control_plane {
-            (
-                path_sandbox_id(&decoded).map(str::to_string),
-                RouteSource::Path,
-            )
-        } else if let Some(id) = sandbox_id_from_headers(req.headers()) {
-            (Some(id.to_string()), RouteSource::Header)
-        } else if let Some(id) = path_sandbox_id(&decoded) {
-            (Some(id.to_string()), RouteSource::Path)
-        } else {
-            (None, RouteSource::Schedule)
-        };
         rec.source = source;
 
         // Call the trait object itself, not the blanket impl for `Arc<T>`
