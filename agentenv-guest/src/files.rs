@@ -1,5 +1,8 @@
 //! `GET /files` (download) and `POST /files` (upload: multipart field
 //! `file`, or the raw body; optionally gzip-encoded), streamed both ways.
+//! A raw upload that is the first request of its connection is served by
+//! the agent's zero-copy path (`fastpath.rs`) with the same pieces
+//! (`UploadHead`, `RawUpload`, `upload_response`).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -234,81 +237,104 @@ fn set_metadata(path: &Path, meta: &[(String, String)]) {
     }
 }
 
-/// Writes a byte stream to `path` (parents created, owner set). The data
-/// goes to a temporary file beside it that replaces `path` only once the
-/// whole body arrived, so a cut-off upload never clobbers an existing file.
-async fn write_stream<S, E>(
-    path: &Path,
-    user: &User,
-    body: S,
-    size: Option<u64>,
-) -> Result<(), FilesError>
-where
-    S: Stream<Item = Result<Bytes, E>> + Unpin,
-    E: std::fmt::Display + std::fmt::Debug,
-{
-    if let Some(parent) = path.parent() {
-        make_dirs(parent, user).map_err(io_err(parent))?;
-    }
-    let existing = std::fs::metadata(path).ok();
-    if existing.as_ref().is_some_and(|m| m.is_dir()) {
-        return Err(FilesError::IsDirectory(path.display().to_string()));
-    }
-    let tmp = {
+/// A file being uploaded. The data goes to a temporary file beside `path`
+/// that replaces `path` only on [`TempUpload::commit`], so a cut-off upload
+/// never clobbers an existing file; dropped uncommitted, the temporary file
+/// is removed.
+struct TempUpload {
+    path: PathBuf,
+    tmp: PathBuf,
+    existing: Option<std::fs::Metadata>,
+    committed: bool,
+}
+
+impl TempUpload {
+    /// Creates the parents of `path` (owned by `user`) and the temporary
+    /// file. A known `size` is reserved up front: the file system allocates
+    /// it in one go instead of write by write, and a disk too small for it
+    /// fails before any byte is sent.
+    fn create(
+        path: &Path,
+        user: &User,
+        size: Option<u64>,
+    ) -> Result<(TempUpload, std::fs::File), FilesError> {
+        if let Some(parent) = path.parent() {
+            make_dirs(parent, user).map_err(io_err(parent))?;
+        }
+        let existing = std::fs::metadata(path).ok();
+        if existing.as_ref().is_some_and(|m| m.is_dir()) {
+            return Err(FilesError::IsDirectory(path.display().to_string()));
+        }
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let suffix = crate::fileio::unique_u64();
-        path.with_file_name(format!(".{name}.upload-{suffix:016x}"))
-    };
-    let result = write_to(&tmp, body, size).await;
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    if let Some(md) = existing {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(
-            &tmp,
-            std::fs::Permissions::from_mode(md.permissions().mode()),
-        );
-    }
-    if let Err(e) = std::fs::rename(&tmp, path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(path)(e));
-    }
-    chown_to(path, user);
-    Ok(())
-}
-
-/// Writes the body to a new file at `path`. A known `size` is reserved up
-/// front: the file system allocates it in one go instead of write by write,
-/// and a disk too small for it fails before any byte is sent.
-async fn write_to<S, E>(path: &Path, body: S, size: Option<u64>) -> Result<(), FilesError>
-where
-    S: Stream<Item = Result<Bytes, E>> + Unpin,
-    E: std::fmt::Display + std::fmt::Debug,
-{
-    let file = std::fs::File::create(path).map_err(io_err(path))?;
-    if let Some(len) = size.filter(|&n| n > 0)
-        && let Ok(len) = libc::off_t::try_from(len)
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: `file` is open for writing for the duration of the call.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
-        if rc != 0 {
-            let e = io::Error::last_os_error();
-            // File systems without fallocate just grow as written.
-            if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                return Err(io_err(path)(e));
+        let tmp = path.with_file_name(format!(".{name}.upload-{suffix:016x}"));
+        let file = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+        let upload = TempUpload {
+            path: path.to_path_buf(),
+            tmp,
+            existing,
+            committed: false,
+        };
+        if let Some(len) = size.filter(|&n| n > 0)
+            && let Ok(len) = libc::off_t::try_from(len)
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: `file` is open for writing for the duration of the call.
+            let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+            if rc != 0 {
+                let e = io::Error::last_os_error();
+                // File systems without fallocate just grow as written.
+                if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                    return Err(upload.write_error(e));
+                }
             }
         }
+        Ok((upload, file))
     }
-    match crate::fileio::write_stream(file, body).await {
-        Ok(_) => Ok(()),
-        Err(crate::fileio::WriteError::Io(e)) => Err(io_err(path)(e)),
-        Err(crate::fileio::WriteError::Source(e)) => Err(FilesError::Body(e.to_string())),
+
+    /// The error for a failed write of the temporary file.
+    fn write_error(&self, e: io::Error) -> FilesError {
+        io_err(&self.tmp)(e)
+    }
+
+    /// Writes `body` into `file` (the temporary file) on a blocking thread.
+    async fn write<S, E>(&self, file: std::fs::File, body: S) -> Result<(), FilesError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Unpin,
+        E: std::fmt::Display + std::fmt::Debug,
+    {
+        match crate::fileio::write_stream(file, body).await {
+            Ok(_) => Ok(()),
+            Err(crate::fileio::WriteError::Io(e)) => Err(self.write_error(e)),
+            Err(crate::fileio::WriteError::Source(e)) => Err(FilesError::Body(e.to_string())),
+        }
+    }
+
+    /// Puts the complete file in place, with an existing file's permissions,
+    /// owned by `user`.
+    fn commit(mut self, user: &User) -> Result<(), FilesError> {
+        if let Some(md) = &self.existing {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(
+                &self.tmp,
+                std::fs::Permissions::from_mode(md.permissions().mode()),
+            );
+        }
+        std::fs::rename(&self.tmp, &self.path).map_err(io_err(&self.path))?;
+        self.committed = true;
+        chown_to(&self.path, user);
+        Ok(())
+    }
+}
+
+impl Drop for TempUpload {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -318,9 +344,85 @@ fn incoming_stream(body: Incoming) -> impl Stream<Item = Result<Bytes, hyper::Er
         .boxed()
 }
 
-/// `POST /files?path=&username=`.
-pub async fn upload(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
-    match upload_inner(state, req).await {
+/// The multipart boundary of an upload, if it is multipart.
+pub(crate) fn multipart_boundary(headers: &HeaderMap) -> Option<String> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    multer::parse_boundary(ct).ok()
+}
+
+/// Whether an upload's body is gzip-encoded.
+pub(crate) fn is_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
+        .unwrap_or(false)
+}
+
+/// What an upload takes from its request head, before any body byte.
+pub(crate) struct UploadHead {
+    user: User,
+    target: Option<String>,
+    meta: Vec<(String, String)>,
+}
+
+impl UploadHead {
+    /// The user (`username` query parameter or Basic auth), the `path`
+    /// parameter and the `X-Metadata-*` headers.
+    pub(crate) fn parse(
+        state: &AgentState,
+        query: Option<&str>,
+        headers: &HeaderMap,
+    ) -> Result<UploadHead, FilesError> {
+        Ok(UploadHead {
+            user: user_for(state, query, headers)?,
+            target: query_param(query, "path").filter(|p| !p.is_empty()),
+            meta: upload_metadata(headers),
+        })
+    }
+}
+
+/// An upload of a raw (not multipart) body under way: the body goes into
+/// the file [`RawUpload::begin`] returns, then [`RawUpload::finish`] puts
+/// it in place. Dropped before that, it leaves nothing behind.
+pub(crate) struct RawUpload {
+    head: UploadHead,
+    temp: TempUpload,
+}
+
+impl RawUpload {
+    /// Resolves the target path and creates its temporary file, `size`
+    /// bytes reserved when known.
+    pub(crate) fn begin(
+        head: UploadHead,
+        size: Option<u64>,
+    ) -> Result<(RawUpload, std::fs::File), FilesError> {
+        let raw = head.target.as_deref().ok_or(FilesError::MissingPath)?;
+        let path = crate::paths::resolve(raw, &head.user.home);
+        let (temp, file) = TempUpload::create(&path, &head.user, size)?;
+        Ok((RawUpload { head, temp }, file))
+    }
+
+    /// The error for a failed write of the file.
+    pub(crate) fn write_error(&self, e: io::Error) -> FilesError {
+        self.temp.write_error(e)
+    }
+
+    /// Puts the complete file in place, owner and metadata set.
+    pub(crate) fn finish(self) -> Result<Vec<PathBuf>, FilesError> {
+        let path = self.temp.path.clone();
+        self.temp.commit(&self.head.user)?;
+        set_metadata(&path, &self.head.meta);
+        Ok(vec![path])
+    }
+}
+
+/// The answer to an upload: a JSON list of the files written, or the error.
+pub(crate) fn upload_response(result: Result<Vec<PathBuf>, FilesError>) -> Response<RespBody> {
+    match result {
         Ok(written) => {
             let list: Vec<_> = written
                 .iter()
@@ -345,34 +447,20 @@ pub async fn upload(state: &AgentState, req: Request<Incoming>) -> Response<Resp
     }
 }
 
+/// `POST /files?path=&username=`.
+pub async fn upload(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
+    upload_response(upload_inner(state, req).await)
+}
+
 async fn upload_inner(
     state: &AgentState,
     req: Request<Incoming>,
 ) -> Result<Vec<PathBuf>, FilesError> {
-    let query = req.uri().query().map(str::to_string);
-    let user = user_for(state, query.as_deref(), req.headers())?;
-    let target = query_param(query.as_deref(), "path").filter(|p| !p.is_empty());
-    let meta = upload_metadata(req.headers());
-    let ct = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let gzip = req
-        .headers()
-        .get(header::CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim().eq_ignore_ascii_case("gzip"))
-        .unwrap_or(false);
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let body = incoming_stream(req.into_body());
+    let (parts, body) = req.into_parts();
+    let head = UploadHead::parse(state, parts.uri.query(), &parts.headers)?;
+    let body = incoming_stream(body);
 
-    if let Ok(boundary) = multer::parse_boundary(&ct) {
+    if let Some(boundary) = multipart_boundary(&parts.headers) {
         let mut mp = multer::Multipart::new(body, boundary);
         let mut written = Vec::new();
         loop {
@@ -384,14 +472,16 @@ async fn upload_inner(
             if field.name() != Some("file") {
                 continue;
             }
-            let raw = match (&target, field.file_name()) {
+            let raw = match (&head.target, field.file_name()) {
                 (Some(t), _) => t.clone(),
                 (None, Some(f)) if !f.is_empty() => f.to_string(),
                 _ => return Err(FilesError::MissingPath),
             };
-            let path = crate::paths::resolve(&raw, &user.home);
-            write_stream(&path, &user, field, None).await?;
-            set_metadata(&path, &meta);
+            let path = crate::paths::resolve(&raw, &head.user.home);
+            let (temp, file) = TempUpload::create(&path, &head.user, None)?;
+            temp.write(file, field).await?;
+            temp.commit(&head.user)?;
+            set_metadata(&path, &head.meta);
             written.push(path);
         }
         if written.is_empty() {
@@ -400,18 +490,23 @@ async fn upload_inner(
         return Ok(written);
     }
 
-    let raw = target.ok_or(FilesError::MissingPath)?;
-    let path = crate::paths::resolve(&raw, &user.home);
-    if gzip {
+    if is_gzip(&parts.headers) {
+        let (upload, file) = RawUpload::begin(head, None)?;
         let reader = StreamReader::new(body.map_err(io::Error::other));
         let dec = async_compression::tokio::bufread::GzipDecoder::new(reader);
         let stream = ReaderStream::with_capacity(dec, DOWNLOAD_CHUNK);
-        write_stream(&path, &user, stream, None).await?;
+        upload.temp.write(file, stream).await?;
+        upload.finish()
     } else {
-        write_stream(&path, &user, body, declared).await?;
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let (upload, file) = RawUpload::begin(head, declared)?;
+        upload.temp.write(file, body).await?;
+        upload.finish()
     }
-    set_metadata(&path, &meta);
-    Ok(vec![path])
 }
 
 #[derive(Debug, serde::Deserialize)]

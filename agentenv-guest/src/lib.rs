@@ -59,6 +59,7 @@
 
 pub mod client;
 pub mod connect;
+mod fastpath;
 pub mod fileio;
 pub mod files;
 pub mod filesystem;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use base64::Engine as _;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::RwLock;
@@ -66,6 +66,7 @@ pub struct AgentState {
     /// Polling watchers (CreateWatcher).
     pub watchers: filesystem::Watchers,
     metrics: crate::metrics::MetricsSampler,
+    fast_uploads: std::sync::atomic::AtomicU64,
 }
 
 impl AgentState {
@@ -82,6 +83,7 @@ impl AgentState {
             processes: process::ProcessTable::default(),
             watchers: filesystem::Watchers::default(),
             metrics: Default::default(),
+            fast_uploads: Default::default(),
         })
     }
 
@@ -176,17 +178,16 @@ impl AgentState {
     /// Checks a signed `/files` URL: `signature=v1_<b64(sha256(
     /// "<path>:<read|write>:<username>:<token>[:<expiration>]"))>` and an
     /// optional `signature_expiration` (Unix seconds) not in the past.
-    fn signed_url_ok(&self, req: &Request<Incoming>) -> bool {
+    fn signed_url_ok(&self, method: &Method, query: Option<&str>) -> bool {
         use sha2::Digest;
         let Some(token) = self.init.read().access_token.clone() else {
             return true;
         };
-        let q = req.uri().query();
-        let param = |k: &str| crate::files::query_param(q, k);
+        let param = |k: &str| crate::files::query_param(query, k);
         let Some(sig) = param("signature") else {
             return false;
         };
-        let op = if req.method() == Method::GET {
+        let op = if method == Method::GET {
             "read"
         } else {
             "write"
@@ -213,6 +214,42 @@ impl AgentState {
             base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
         );
         bool::from(sig.as_bytes().ct_eq(want.as_bytes()))
+    }
+}
+
+impl AgentState {
+    /// The answer to a request without valid credentials (`X-Access-Token`,
+    /// or a signed URL for `/files`), or `None` when it may pass.
+    pub(crate) fn denied(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+    ) -> Option<Response<RespBody>> {
+        let path = uri.path();
+        let signed_files_url = path == "/files" && self.signed_url_ok(method, uri.query());
+        if signed_files_url || self.authorized(headers) {
+            return None;
+        }
+        let msg = "missing or wrong X-Access-Token: send the sandbox's envd access token";
+        Some(
+            if path.starts_with("/process.") || path.starts_with("/filesystem.") {
+                ConnectError::new(Code::Unauthenticated, msg).into_unary_response()
+            } else {
+                json_error(StatusCode::UNAUTHORIZED, msg)
+            },
+        )
+    }
+
+    /// Uploads taken by the zero-copy path so far (a raw `POST /files` as
+    /// a connection's first request, its body spliced into the file).
+    pub fn fast_path_uploads(&self) -> u64 {
+        self.fast_uploads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_fast_upload(&self) {
+        self.fast_uploads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -399,14 +436,8 @@ pub async fn handle(state: Arc<AgentState>, req: Request<Incoming>) -> Response<
             _ => status_only(StatusCode::METHOD_NOT_ALLOWED),
         };
     }
-    let signed_files_url = path == "/files" && state.signed_url_ok(&req);
-    if !signed_files_url && !state.authorized(req.headers()) {
-        let msg = "missing or wrong X-Access-Token: send the sandbox's envd access token";
-        return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
-            ConnectError::new(Code::Unauthenticated, msg).into_unary_response()
-        } else {
-            json_error(StatusCode::UNAUTHORIZED, msg)
-        };
+    if let Some(denied) = state.denied(req.method(), req.uri(), req.headers()) {
+        return denied;
     }
     match (req.method().clone(), path.as_str()) {
         (Method::POST, "/init") => handle_init(&state, req).await,
@@ -437,7 +468,10 @@ pub async fn handle(state: Arc<AgentState>, req: Request<Incoming>) -> Response<
 }
 
 /// Serves connections from `listener` until `shutdown` completes. Each
-/// connection speaks HTTP/1.1 or HTTP/2 (prior knowledge, h2c).
+/// connection speaks HTTP/1.1 or HTTP/2 (prior knowledge, h2c). A raw
+/// upload (`POST /files` with a `Content-Length` body, not multipart, not
+/// gzip) as a connection's first request has its body spliced from the
+/// socket into the file, without hyper.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AgentState>,
@@ -462,6 +496,10 @@ pub async fn serve(
         }
         let state = state.clone();
         tokio::spawn(async move {
+            // A raw upload first on the connection is served without hyper.
+            let Some(io) = crate::fastpath::intercept(stream, &state).await else {
+                return;
+            };
             let svc = hyper::service::service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
@@ -472,9 +510,9 @@ pub async fn serve(
                 .http1()
                 .max_buf_size(1024 * 1024)
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(30));
+                .header_read_timeout(crate::fastpath::HEADER_TIMEOUT);
             builder.http2().max_header_list_size(256 * 1024);
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+            if let Err(e) = builder.serve_connection(TokioIo::new(io), svc).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
