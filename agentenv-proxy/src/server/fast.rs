@@ -80,10 +80,9 @@ impl RawPool {
     }
 
     /// The most recently used idle connection that has not timed out.
-    fn checkout(&self, authority: &str) -> Option<Upstream> {
+    fn checkout(&self, authority: &str, now: Instant) -> Option<Upstream> {
         let mut idle = self.idle.lock();
         let stack = idle.get_mut(authority)?;
-        let now = Instant::now();
         while let Some((up, since)) = stack.pop() {
             if now.saturating_duration_since(since) < self.cfg.idle_timeout {
                 return Some(up);
@@ -92,15 +91,15 @@ impl RawPool {
         None
     }
 
-    fn release(&self, authority: &str, up: Upstream) {
+    fn release(&self, authority: &str, up: Upstream, now: Instant) {
         let mut idle = self.idle.lock();
         if let Some(stack) = idle.get_mut(authority) {
             if stack.len() >= self.cfg.max_idle_per_authority {
                 stack.remove(0);
             }
-            stack.push((up, Instant::now()));
+            stack.push((up, now));
         } else {
-            idle.insert(authority.to_string(), vec![(up, Instant::now())]);
+            idle.insert(authority.to_string(), vec![(up, now)]);
         }
     }
 
@@ -136,6 +135,8 @@ struct Plan {
     query: Option<Range<usize>>,
     id: IdSpan,
     source: RouteSource,
+    /// Data-plane routes go under `/proxy` (kept once if already there).
+    under_proxy: bool,
     content_length: u64,
     /// The client sent `Connection: close`.
     close: bool,
@@ -499,6 +500,7 @@ impl Gateway {
             query: query.and_then(|q| span_in(buf, q)),
             id,
             source,
+            under_proxy: source.is_data_plane() && !is_proxy_path(&decoded),
             content_length: f.content_length.unwrap_or(0),
             close: f.close,
         })
@@ -535,8 +537,7 @@ impl Gateway {
             .query
             .as_ref()
             .map(|q| std::str::from_utf8(&c.buf[q.clone()]).unwrap_or(""));
-        let under_proxy = plan.source.is_data_plane() && !is_proxy_path(path);
-        if under_proxy {
+        if plan.under_proxy {
             endpoint.target_into(&mut c.target, &["/proxy", path], query);
         } else {
             endpoint.target_into(&mut c.target, &[path], query);
@@ -561,7 +562,7 @@ impl Gateway {
         let sent = Instant::now();
         let exchanged = tokio::time::timeout_at(
             deadline,
-            self.exchange(c, authority, body_left, &plan, debug_node),
+            self.exchange(c, authority, body_left, &plan, debug_node, sent),
         )
         .await;
         let upstream_metric = |status: &'static str| {
@@ -612,6 +613,7 @@ impl Gateway {
 
         let close = plan.close || head.framing == Framing::Close;
         let relayed = tokio::time::timeout_at(deadline, relay_body(c, &mut up, head.framing)).await;
+        let end = Instant::now();
         self.inner.metrics.observe_request(
             RequestLabels {
                 method: method_label(&plan.method),
@@ -619,12 +621,12 @@ impl Gateway {
                 route_source: plan.source.label(),
                 status: status_label(head.status),
             },
-            start.elapsed().as_secs_f64(),
+            end.saturating_duration_since(start).as_secs_f64(),
         );
         match relayed {
             Ok(Ok(())) => {
                 if !head.upstream_close && head.framing != Framing::Close && up.buf.is_empty() {
-                    self.raw.release(authority.as_str(), up);
+                    self.raw.release(authority.as_str(), up, end);
                 }
                 if close {
                     let _ = c.stream.shutdown().await;
@@ -649,6 +651,7 @@ impl Gateway {
         body_left: u64,
         plan: &Plan,
         debug_node: Option<&str>,
+        now: Instant,
     ) -> Result<(Upstream, RespHead), ExchangeError> {
         let expect = Expect {
             head_request: plan.method == Method::HEAD,
@@ -657,7 +660,7 @@ impl Gateway {
         };
         let mut retried = false;
         loop {
-            let (mut up, pooled) = match self.raw.checkout(authority.as_str()) {
+            let (mut up, pooled) = match self.raw.checkout(authority.as_str(), now) {
                 Some(up) if !retried => (up, true),
                 _ => (
                     self.raw
@@ -932,7 +935,12 @@ fn parse_response_head(
     };
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.to_string().as_bytes());
+    // httparse checked: three digits.
+    out.extend_from_slice(&[
+        b'0' + (status / 100 % 10) as u8,
+        b'0' + (status / 10 % 10) as u8,
+        b'0' + (status % 10) as u8,
+    ]);
     out.push(b' ');
     out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
