@@ -3,7 +3,8 @@
 //! proxy with WebSocket upgrades, and the cluster-wide sandbox list.
 //!
 //! A [`Gateway`] is built from a [`SchedulerClient`] and [`GatewayOptions`];
-//! run it with [`Gateway::serve`], or mount [`Gateway::service`] in another
+//! run it with [`Gateway::serve`] (which adds an HTTP/1.1 fast lane for
+//! ordinary proxied requests), or mount [`Gateway::service`] in another
 //! hyper server next to other routes.
 
 pub mod body;

@@ -314,6 +314,13 @@ impl Gateway {
     /// Serves HTTP/1.1 and HTTP/2 (cleartext) on `listener` until
     /// `shutdown` resolves, then waits up to [`SHUTDOWN_GRACE`] for
     /// in-flight requests. Relayed WebSockets are not waited for.
+    ///
+    /// Ordinary HTTP/1.1 requests routed by sandbox id go through a fast
+    /// lane that relays heads and bodies without building hyper messages;
+    /// a connection's first request that does not qualify (HTTP/2,
+    /// upgrades, streams, creates, lists, errors…) hands the connection to
+    /// the same hyper service [`Gateway::service`] provides. Both answer
+    /// alike; the fast lane only costs less CPU per request.
     pub async fn serve(&self, listener: TcpListener, shutdown: impl Future<Output = ()>) {
         // Every connection holds a receiver: the sender sees them all gone.
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -498,3 +498,39 @@ async fn a_node_that_dies_mid_body_ends_the_client_connection() {
     let open = || metric_value(&c.metrics_text(), "agentenv_gateway_open_connections");
     eventually("the client connection to be closed", || open() == Some(0.0)).await;
 }
+
+#[tokio::test]
+async fn clients_that_vanish_mid_request_leave_no_connection_behind() {
+    let node = FakeNode::start(|_req| async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        Response::new(agentenv_proxy::body::full("late"))
+    })
+    .await;
+    let c = cluster_with(&node.endpoint).await;
+    let mut conns = Vec::new();
+    for i in 0..40 {
+        let mut conn = Conn::open(&c).await;
+        // Half vanish after the head, half in the middle of a body.
+        if i % 2 == 0 {
+            conn.send(&get("/slow", "")).await;
+        } else {
+            conn.send(
+                format!("POST /slow HTTP/1.1\r\n{ROUTED}content-length: 1000\r\n\r\npartial")
+                    .as_bytes(),
+            )
+            .await;
+        }
+        conns.push(conn);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(conns);
+    let open = || metric_value(&c.metrics_text(), "agentenv_gateway_open_connections");
+    eventually("every client connection to be closed", || {
+        open() == Some(0.0)
+    })
+    .await;
+    // The gateway still serves.
+    let mut conn = Conn::open(&c).await;
+    conn.send(&get("/slow", "")).await;
+    assert_eq!(conn.read(false).await.body, b"late");
+}
