@@ -565,7 +565,7 @@ impl Gateway {
         remote: SocketAddr,
         rec: &mut Recorder<'_>,
     ) -> Response<GatewayBody> {
-        let Some(decoded) = decode_path(req.uri().path()) else {
+        let Some(decoded) = decode_path(req.uri().path()).map(std::borrow::Cow::into_owned) else {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "invalid request path: bad percent-encoding",
@@ -1225,7 +1225,7 @@ fn request_host<B>(req: &Request<B>) -> Option<HeaderValue> {
 /// The decoded path (bytes that are not UTF-8 become U+FFFD; the raw path
 /// is what gets forwarded), or `None` when a `%` is not followed by two hex
 /// digits.
-fn decode_path(raw: &str) -> Option<String> {
+fn decode_path(raw: &str) -> Option<std::borrow::Cow<'_, str>> {
     let b = raw.as_bytes();
     let mut i = 0;
     while i < b.len() {
@@ -1241,11 +1241,7 @@ fn decode_path(raw: &str) -> Option<String> {
             i += 1;
         }
     }
-    Some(
-        percent_encoding::percent_decode_str(raw)
-            .decode_utf8_lossy()
-            .into_owned(),
-    )
+    Some(percent_encoding::percent_decode_str(raw).decode_utf8_lossy())
 }
 
 fn query_value(query: Option<&str>, key: &str) -> Option<String> {

@@ -190,47 +190,118 @@ fn plain_target(t: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/%?".contains(&b))
 }
 
-/// Request headers that never go upstream as the client sent them.
-fn dropped_upstream(name: &str, host_routed: bool) -> bool {
-    const NAMES: [&str; 16] = [
-        "connection",
-        "proxy-connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "forwarded",
-        "x-forwarded-host",
-        "x-forwarded-proto",
-        "x-forwarded-for",
-        "x-forwarded-method",
-        "x-forwarded-uri",
-        "host",
-    ];
-    NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
-        || (host_routed
-            && (name.eq_ignore_ascii_case(SANDBOX_ID_HEADER)
-                || name.eq_ignore_ascii_case(TARGET_PORT_HEADER)))
+/// The header names the fast lane looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hdr {
+    Other,
+    Host,
+    ContentLength,
+    TransferEncoding,
+    Upgrade,
+    Expect,
+    Te,
+    Trailer,
+    Connection,
+    KeepAlive,
+    ProxyConnection,
+    ProxyAuthenticate,
+    ProxyAuthorization,
+    ContentType,
+    ConnectProtocolVersion,
+    Accept,
+    ApiKey,
+    SandboxId,
+    E2bSandboxId,
+    TargetPort,
+    E2bSandboxPort,
+    Forwarded,
+    XForwardedHost,
+    XForwardedProto,
+    XForwardedFor,
+    XForwardedMethod,
+    XForwardedUri,
+    Date,
+    NodeId,
 }
 
-/// Response headers that never go to the client as the node sent them
-/// (`Trailer` stays, as in the hyper path).
-fn dropped_downstream(name: &str, debug: bool) -> bool {
-    const NAMES: [&str; 8] = [
-        "connection",
-        "proxy-connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "transfer-encoding",
-        "upgrade",
-    ];
-    NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
-        || (debug && name.eq_ignore_ascii_case(NODE_ID_HEADER))
+/// A header name, compared once (by length first) against the names above.
+fn classify(name: &str) -> Hdr {
+    use Hdr::*;
+    let candidates: &[(&str, Hdr)] = match name.len() {
+        2 => &[("te", Te)],
+        4 => &[("host", Host), ("date", Date)],
+        6 => &[("expect", Expect), ("accept", Accept)],
+        7 => &[("upgrade", Upgrade), ("trailer", Trailer)],
+        9 => &[(API_KEY_HEADER, ApiKey), ("forwarded", Forwarded)],
+        10 => &[("connection", Connection), ("keep-alive", KeepAlive)],
+        12 => &[("content-type", ContentType)],
+        14 => &[
+            ("content-length", ContentLength),
+            (E2B_SANDBOX_ID_HEADER, E2bSandboxId),
+        ],
+        15 => &[
+            ("x-forwarded-for", XForwardedFor),
+            ("x-forwarded-uri", XForwardedUri),
+        ],
+        16 => &[
+            (E2B_SANDBOX_PORT_HEADER, E2bSandboxPort),
+            ("proxy-connection", ProxyConnection),
+            ("x-forwarded-host", XForwardedHost),
+        ],
+        17 => &[
+            ("transfer-encoding", TransferEncoding),
+            ("x-forwarded-proto", XForwardedProto),
+        ],
+        18 => &[
+            ("proxy-authenticate", ProxyAuthenticate),
+            ("x-forwarded-method", XForwardedMethod),
+            (NODE_ID_HEADER, NodeId),
+        ],
+        19 => &[("proxy-authorization", ProxyAuthorization)],
+        21 => &[(SANDBOX_ID_HEADER, SandboxId)],
+        22 => &[(TARGET_PORT_HEADER, TargetPort)],
+        24 => &[("connect-protocol-version", ConnectProtocolVersion)],
+        _ => return Other,
+    };
+    candidates
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map_or(Other, |&(_, h)| h)
+}
+
+/// Hop-by-hop headers: never relayed in either direction (`Trailer` is
+/// kept on responses, as in the hyper path).
+fn hop_by_hop(h: Hdr) -> bool {
+    use Hdr::*;
+    matches!(
+        h,
+        Connection
+            | KeepAlive
+            | ProxyConnection
+            | ProxyAuthenticate
+            | ProxyAuthorization
+            | Te
+            | TransferEncoding
+            | Upgrade
+    )
+}
+
+/// Request headers that never go upstream as the client sent them.
+fn dropped_upstream(h: Hdr, host_routed: bool) -> bool {
+    use Hdr::*;
+    hop_by_hop(h)
+        || matches!(
+            h,
+            Trailer
+                | Forwarded
+                | XForwardedHost
+                | XForwardedProto
+                | XForwardedFor
+                | XForwardedMethod
+                | XForwardedUri
+                | Host
+        )
+        || (host_routed && matches!(h, SandboxId | TargetPort))
 }
 
 fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
@@ -362,9 +433,10 @@ impl Gateway {
     /// Parses the head at the start of `buf` and decides whether the fast
     /// lane takes it; if so, writes its upstream header block into `out`.
     fn analyze(&self, buf: &[u8], out: &mut Vec<u8>, xff: &HeaderValue) -> Analysis {
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut req = httparse::Request::new(&mut headers);
-        let head_len = match req.parse(buf) {
+        // Left uninitialized: httparse writes what it parses.
+        let mut headers = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut []);
+        let head_len = match req.parse_with_uninit_headers(buf, &mut headers) {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) => return Analysis::Partial,
             Err(_) => return Analysis::Handover,
@@ -382,57 +454,68 @@ impl Gateway {
             return Analysis::Handover;
         }
         let mut f = Facts::default();
-        for h in req.headers.iter() {
-            let (name, value) = (h.name, h.value);
-            let is = |n: &str| name.eq_ignore_ascii_case(n);
-            if is("host") {
-                f.host.get_or_insert(value);
-            } else if is("content-length") {
-                let n = text(value).and_then(|v| v.trim().parse::<u64>().ok());
-                match (n, f.content_length) {
-                    (Some(n), None) => f.content_length = Some(n),
-                    _ => return Analysis::Handover,
+        let mut kinds = [Hdr::Other; MAX_HEADERS];
+        for (h, kind) in req.headers.iter().zip(kinds.iter_mut()) {
+            let value = h.value;
+            *kind = classify(h.name);
+            match *kind {
+                Hdr::Host => {
+                    f.host.get_or_insert(value);
                 }
-            } else if is("transfer-encoding") || is("upgrade") || is("expect") || is("te") {
-                return Analysis::Handover;
-            } else if is("connection") {
-                let Some(v) = text(value) else {
-                    return Analysis::Handover;
-                };
-                for token in v.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-                    if token.eq_ignore_ascii_case("close") {
-                        f.close = true;
-                    } else if token.eq_ignore_ascii_case("upgrade") || f.n_dropped == 8 {
-                        return Analysis::Handover;
-                    } else if !token.eq_ignore_ascii_case("keep-alive") {
-                        f.dropped[f.n_dropped] = token;
-                        f.n_dropped += 1;
+                Hdr::ContentLength => {
+                    let n = text(value).and_then(|v| v.trim().parse::<u64>().ok());
+                    match (n, f.content_length) {
+                        (Some(n), None) => f.content_length = Some(n),
+                        _ => return Analysis::Handover,
                     }
                 }
-            } else if is("content-type") {
-                let ct = value.trim_ascii();
-                let starts =
-                    |p: &[u8]| ct.get(..p.len()).is_some_and(|x| x.eq_ignore_ascii_case(p));
-                if starts(b"application/grpc") || starts(b"application/connect+") {
+                Hdr::TransferEncoding | Hdr::Upgrade | Hdr::Expect | Hdr::Te => {
                     return Analysis::Handover;
                 }
-            } else if is("connect-protocol-version") {
-                if text(value).is_some_and(|t| !t.trim().is_empty()) {
+                Hdr::Connection => {
+                    let Some(v) = text(value) else {
+                        return Analysis::Handover;
+                    };
+                    for token in v.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+                        if token.eq_ignore_ascii_case("close") {
+                            f.close = true;
+                        } else if token.eq_ignore_ascii_case("upgrade") || f.n_dropped == 8 {
+                            return Analysis::Handover;
+                        } else if !token.eq_ignore_ascii_case("keep-alive") {
+                            f.dropped[f.n_dropped] = token;
+                            f.n_dropped += 1;
+                        }
+                    }
+                }
+                Hdr::ContentType => {
+                    let ct = value.trim_ascii();
+                    let starts =
+                        |p: &[u8]| ct.get(..p.len()).is_some_and(|x| x.eq_ignore_ascii_case(p));
+                    if starts(b"application/grpc") || starts(b"application/connect+") {
+                        return Analysis::Handover;
+                    }
+                }
+                Hdr::ConnectProtocolVersion
+                    if text(value).is_some_and(|t| !t.trim().is_empty()) =>
+                {
                     return Analysis::Handover;
                 }
-            } else if is("accept") {
-                if text(value).is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream")) {
+                Hdr::Accept
+                    if text(value)
+                        .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream")) =>
+                {
                     return Analysis::Handover;
                 }
-            } else if is(API_KEY_HEADER) {
-                f.api_keys += 1;
-                f.api_key = value;
-            } else if is(SANDBOX_ID_HEADER) {
-                first_nonblank(&mut f.sandbox_id, value);
-            } else if is(E2B_SANDBOX_ID_HEADER) {
-                first_nonblank(&mut f.e2b_sandbox_id, value);
-            } else if is(TARGET_PORT_HEADER) || is(E2B_SANDBOX_PORT_HEADER) {
-                f.has_port |= text(value).is_some_and(|t| !t.trim().is_empty());
+                Hdr::ApiKey => {
+                    f.api_keys += 1;
+                    f.api_key = value;
+                }
+                Hdr::SandboxId => first_nonblank(&mut f.sandbox_id, value),
+                Hdr::E2bSandboxId => first_nonblank(&mut f.e2b_sandbox_id, value),
+                Hdr::TargetPort | Hdr::E2bSandboxPort => {
+                    f.has_port |= text(value).is_some_and(|t| !t.trim().is_empty());
+                }
+                _ => {}
             }
         }
         let (path, query) = match target.split_once('?') {
@@ -466,11 +549,12 @@ impl Gateway {
         };
         let host_routed = source == RouteSource::Host;
         out.clear();
-        for h in req.headers.iter() {
-            if dropped_upstream(h.name, host_routed)
-                || f.dropped[..f.n_dropped]
-                    .iter()
-                    .any(|d| d.eq_ignore_ascii_case(h.name))
+        for (h, &kind) in req.headers.iter().zip(kinds.iter()) {
+            if dropped_upstream(kind, host_routed)
+                || f.n_dropped > 0
+                    && f.dropped[..f.n_dropped]
+                        .iter()
+                        .any(|d| d.eq_ignore_ascii_case(h.name))
             {
                 continue;
             }
@@ -874,9 +958,13 @@ fn parse_response_head(
     expect: &Expect<'_>,
 ) -> io::Result<Option<(usize, Option<RespHead>)>> {
     let debug_node = expect.debug_node;
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut headers);
-    let len = match resp.parse(buf) {
+    let mut headers = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut headers,
+    ) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(e) => return Err(io::Error::other(format!("bad response head: {e}"))),
@@ -894,32 +982,37 @@ fn parse_response_head(
     let mut has_date = false;
     let mut dropped: [&str; 8] = [""; 8];
     let mut n_dropped = 0;
-    for h in resp.headers.iter() {
-        let is = |n: &str| h.name.eq_ignore_ascii_case(n);
-        if is("content-length") {
-            let n = text(h.value).and_then(|v| v.trim().parse::<u64>().ok());
-            match (n, length) {
-                (Some(n), None) => length = Some(n),
-                (Some(n), Some(m)) if n == m => {}
-                _ => return Err(io::Error::other("bad Content-Length")),
-            }
-        } else if is("transfer-encoding") {
-            let last = text(h.value)
-                .and_then(|v| v.rsplit(',').next())
-                .map(str::trim)
-                .unwrap_or("");
-            chunked = Some(last.eq_ignore_ascii_case("chunked"));
-        } else if is("connection") {
-            for token in text(h.value).unwrap_or("").split(',').map(str::trim) {
-                if token.eq_ignore_ascii_case("close") {
-                    upstream_close = true;
-                } else if !token.is_empty() && n_dropped < dropped.len() {
-                    dropped[n_dropped] = token;
-                    n_dropped += 1;
+    let mut kinds = [Hdr::Other; MAX_HEADERS];
+    for (h, kind) in resp.headers.iter().zip(kinds.iter_mut()) {
+        *kind = classify(h.name);
+        match *kind {
+            Hdr::ContentLength => {
+                let n = text(h.value).and_then(|v| v.trim().parse::<u64>().ok());
+                match (n, length) {
+                    (Some(n), None) => length = Some(n),
+                    (Some(n), Some(m)) if n == m => {}
+                    _ => return Err(io::Error::other("bad Content-Length")),
                 }
             }
-        } else if is("date") {
-            has_date = true;
+            Hdr::TransferEncoding => {
+                let last = text(h.value)
+                    .and_then(|v| v.rsplit(',').next())
+                    .map(str::trim)
+                    .unwrap_or("");
+                chunked = Some(last.eq_ignore_ascii_case("chunked"));
+            }
+            Hdr::Connection => {
+                for token in text(h.value).unwrap_or("").split(',').map(str::trim) {
+                    if token.eq_ignore_ascii_case("close") {
+                        upstream_close = true;
+                    } else if !token.is_empty() && n_dropped < dropped.len() {
+                        dropped[n_dropped] = token;
+                        n_dropped += 1;
+                    }
+                }
+            }
+            Hdr::Date => has_date = true,
+            _ => {}
         }
     }
     let framing = if expect.head_request || status == 204 || status == 304 {
@@ -944,12 +1037,14 @@ fn parse_response_head(
     out.push(b' ');
     out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    for h in resp.headers.iter() {
-        if dropped_downstream(h.name, debug_node.is_some())
-            || dropped[..n_dropped]
-                .iter()
-                .any(|d| d.eq_ignore_ascii_case(h.name))
-            || (framing == Framing::Chunked && h.name.eq_ignore_ascii_case("content-length"))
+    for (h, &kind) in resp.headers.iter().zip(kinds.iter()) {
+        if hop_by_hop(kind)
+            || (kind == Hdr::NodeId && debug_node.is_some())
+            || (kind == Hdr::ContentLength && framing == Framing::Chunked)
+            || (n_dropped > 0
+                && dropped[..n_dropped]
+                    .iter()
+                    .any(|d| d.eq_ignore_ascii_case(h.name)))
         {
             continue;
         }
@@ -1325,6 +1420,26 @@ mod tests {
         assert!(!plain_target("/a#frag"));
         assert!(!plain_target("/a b"));
         assert!(!plain_target("/a\"quoted\""));
+    }
+
+    #[test]
+    fn header_names_are_classified_whatever_their_case() {
+        assert_eq!(classify("Host"), Hdr::Host);
+        assert_eq!(classify("CONTENT-LENGTH"), Hdr::ContentLength);
+        assert_eq!(classify(SANDBOX_ID_HEADER), Hdr::SandboxId);
+        assert_eq!(classify(E2B_SANDBOX_ID_HEADER), Hdr::E2bSandboxId);
+        assert_eq!(classify(TARGET_PORT_HEADER), Hdr::TargetPort);
+        assert_eq!(classify(E2B_SANDBOX_PORT_HEADER), Hdr::E2bSandboxPort);
+        assert_eq!(classify(API_KEY_HEADER), Hdr::ApiKey);
+        assert_eq!(classify(NODE_ID_HEADER), Hdr::NodeId);
+        assert_eq!(classify("X-Forwarded-Uri"), Hdr::XForwardedUri);
+        assert_eq!(classify("x-forwarded-hosts"), Hdr::Other);
+        assert_eq!(classify("content-lengtx"), Hdr::Other);
+        assert!(hop_by_hop(classify("Keep-Alive")));
+        assert!(!hop_by_hop(classify("trailer")));
+        assert!(dropped_upstream(classify("trailer"), false));
+        assert!(!dropped_upstream(classify(SANDBOX_ID_HEADER), false));
+        assert!(dropped_upstream(classify(SANDBOX_ID_HEADER), true));
     }
 
     #[test]
