@@ -67,8 +67,15 @@ struct Upstream {
 
 /// Idle connections to nodes, per authority (`host:port`).
 pub(crate) struct RawPool {
-    idle: parking_lot::Mutex<FxHashMap<String, Vec<(Upstream, Instant)>>>,
+    idle: parking_lot::Mutex<Idle>,
     cfg: PoolConfig,
+}
+
+#[derive(Default)]
+struct Idle {
+    by_authority: FxHashMap<String, Vec<(Upstream, Instant)>>,
+    /// When connections past `idle_timeout` were last closed.
+    swept: Option<Instant>,
 }
 
 impl RawPool {
@@ -79,10 +86,16 @@ impl RawPool {
         }
     }
 
+    /// Idle connections kept, over all authorities.
+    #[cfg(test)]
+    fn idle_count(&self) -> usize {
+        self.idle.lock().by_authority.values().map(Vec::len).sum()
+    }
+
     /// The most recently used idle connection that has not timed out.
     fn checkout(&self, authority: &str, now: Instant) -> Option<Upstream> {
         let mut idle = self.idle.lock();
-        let stack = idle.get_mut(authority)?;
+        let stack = idle.by_authority.get_mut(authority)?;
         while let Some((up, since)) = stack.pop() {
             if now.saturating_duration_since(since) < self.cfg.idle_timeout {
                 return Some(up);
@@ -93,13 +106,27 @@ impl RawPool {
 
     fn release(&self, authority: &str, up: Upstream, now: Instant) {
         let mut idle = self.idle.lock();
-        if let Some(stack) = idle.get_mut(authority) {
+        // Now and then, close what timed out everywhere (nodes that are
+        // gone are never checked out again).
+        let timeout = self.cfg.idle_timeout;
+        if idle
+            .swept
+            .is_none_or(|t| now.saturating_duration_since(t) >= timeout / 2)
+        {
+            idle.swept = Some(now);
+            idle.by_authority.retain(|_, stack| {
+                stack.retain(|(_, since)| now.saturating_duration_since(*since) < timeout);
+                !stack.is_empty()
+            });
+        }
+        if let Some(stack) = idle.by_authority.get_mut(authority) {
             if stack.len() >= self.cfg.max_idle_per_authority {
                 stack.remove(0);
             }
             stack.push((up, now));
         } else {
-            idle.insert(authority.to_string(), vec![(up, now)]);
+            idle.by_authority
+                .insert(authority.to_string(), vec![(up, now)]);
         }
     }
 
@@ -1440,6 +1467,39 @@ mod tests {
         assert!(dropped_upstream(classify("trailer"), false));
         assert!(!dropped_upstream(classify(SANDBOX_ID_HEADER), false));
         assert!(dropped_upstream(classify(SANDBOX_ID_HEADER), true));
+    }
+
+    #[tokio::test]
+    async fn idle_node_connections_past_the_timeout_are_closed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move {
+            let mut held = Vec::new();
+            for _ in 0..2 {
+                held.push(listener.accept().await.unwrap());
+            }
+            held
+        });
+        let pool = RawPool::new(PoolConfig {
+            idle_timeout: Duration::from_millis(100),
+            ..PoolConfig::default()
+        });
+        let conn = || async {
+            Upstream {
+                stream: TcpStream::connect(addr).await.unwrap(),
+                buf: BytesMut::new(),
+            }
+        };
+        let t0 = Instant::now();
+        pool.release("gone:80", conn().await, t0);
+        assert_eq!(pool.idle_count(), 1);
+        // Past the timeout, a release for another node closes it.
+        let later = t0 + Duration::from_millis(150);
+        pool.release("live:80", conn().await, later);
+        assert_eq!(pool.idle_count(), 1);
+        assert!(pool.checkout("gone:80", later).is_none());
+        assert!(pool.checkout("live:80", later).is_some());
+        drop(accept.await.unwrap());
     }
 
     #[test]
