@@ -280,7 +280,7 @@ async fn write_response(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    let date = http_date(std::time::SystemTime::now());
+    let date = httpdate::fmt_http_date(std::time::SystemTime::now());
     out.extend_from_slice(format!("content-length: {}\r\ndate: {date}\r\n", body.len()).as_bytes());
     if !keep_alive {
         out.extend_from_slice(b"connection: close\r\n");
@@ -288,36 +288,6 @@ async fn write_response(
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(&body);
     stream.write_all(&out).await
-}
-
-/// `t` as an HTTP date (`Sun, 06 Nov 1994 08:49:37 GMT`).
-fn http_date(t: std::time::SystemTime) -> String {
-    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let (days, s) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let (era, doe) = (z / 146_097, z % 146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!(
-        "{}, {day:02} {} {year} {:02}:{:02}:{:02} GMT",
-        DAYS[(days % 7) as usize],
-        MONTHS[(month - 1) as usize],
-        s / 3600,
-        s / 60 % 60,
-        s % 60
-    )
 }
 
 /// A connection some of whose bytes were read already: reads return those
@@ -387,15 +357,6 @@ impl AsyncWrite for Rewind {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn http_dates_are_imf_fixdates() {
-        let t = |s| std::time::UNIX_EPOCH + Duration::from_secs(s);
-        assert_eq!(http_date(t(0)), "Thu, 01 Jan 1970 00:00:00 GMT");
-        assert_eq!(http_date(t(784_111_777)), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(http_date(t(951_782_400)), "Tue, 29 Feb 2000 00:00:00 GMT");
-        assert_eq!(http_date(t(1_767_225_599)), "Wed, 31 Dec 2025 23:59:59 GMT");
-    }
 
     #[test]
     fn only_post_files_request_lines_may_be_uploads() {

@@ -157,7 +157,8 @@ pub fn target_path(raw_path: &str, data_plane: bool, already_proxy: bool) -> Str
     }
 }
 
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Hop-by-hop headers besides `Upgrade` (the fast lane keeps the same set).
+pub(crate) const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),

@@ -688,15 +688,7 @@ impl Gateway {
         let (mut up, head) = match exchanged {
             Ok(Ok(x)) => x,
             Ok(Err(ExchangeError::ClientGone)) => {
-                self.inner.metrics.observe_request(
-                    RequestLabels {
-                        method: method_label(&plan.method),
-                        route: plan.route,
-                        route_source: plan.source.label(),
-                        status: "client_closed",
-                    },
-                    start.elapsed().as_secs_f64(),
-                );
+                self.observe_request(&plan, "client_closed", start, Instant::now());
                 return Some(Lane::Closed);
             }
             Ok(Err(ExchangeError::ClientBody)) => {
@@ -725,15 +717,7 @@ impl Gateway {
         let close = plan.close || head.framing == Framing::Close;
         let relayed = tokio::time::timeout_at(deadline, relay_body(c, &mut up, head.framing)).await;
         let end = Instant::now();
-        self.inner.metrics.observe_request(
-            RequestLabels {
-                method: method_label(&plan.method),
-                route: plan.route,
-                route_source: plan.source.label(),
-                status: status_label(head.status),
-            },
-            end.saturating_duration_since(start).as_secs_f64(),
-        );
+        self.observe_request(&plan, status_label(head.status), start, end);
         match relayed {
             Ok(Ok(())) => {
                 if !head.upstream_close && head.framing != Framing::Close && up.buf.is_empty() {
@@ -815,6 +799,19 @@ impl Gateway {
         }
     }
 
+    /// The request histogram sample of a fast-lane request.
+    fn observe_request(&self, plan: &Plan, status: &'static str, start: Instant, end: Instant) {
+        self.inner.metrics.observe_request(
+            RequestLabels {
+                method: method_label(&plan.method),
+                route: plan.route,
+                route_source: plan.source.label(),
+                status,
+            },
+            end.saturating_duration_since(start).as_secs_f64(),
+        );
+    }
+
     /// Answers a request with a response of the gateway's own (an error),
     /// then keeps the connection if the request body was all read
     /// (`unread_body`: `None` = only the head was consumed so far).
@@ -868,15 +865,7 @@ impl Gateway {
         c.out.extend_from_slice(b"\r\n");
         c.out.extend_from_slice(&body);
         let written = c.stream.write_all(&c.out).await;
-        self.inner.metrics.observe_request(
-            RequestLabels {
-                method: method_label(&plan.method),
-                route: plan.route,
-                route_source: plan.source.label(),
-                status: status_label(status),
-            },
-            start.elapsed().as_secs_f64(),
-        );
+        self.observe_request(plan, status_label(status), start, Instant::now());
         if written.is_err() || close {
             let _ = c.stream.shutdown().await;
             return Some(Lane::Closed);
@@ -1500,6 +1489,22 @@ mod tests {
         assert!(pool.checkout("gone:80", later).is_none());
         assert!(pool.checkout("live:80", later).is_some());
         drop(accept.await.unwrap());
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_the_hyper_paths() {
+        for name in crate::forward::HOP_BY_HOP
+            .iter()
+            .chain([&http::header::UPGRADE])
+        {
+            let h = classify(name.as_str());
+            if *name == http::header::TRAILER {
+                // Kept on responses (for HTTP/1.1 trailers), dropped upstream.
+                assert!(!hop_by_hop(h) && dropped_upstream(h, false));
+            } else {
+                assert!(hop_by_hop(h), "{name} is hop-by-hop in the hyper path");
+            }
+        }
     }
 
     #[test]
