@@ -282,6 +282,69 @@ pub struct VmConfig {
     /// Keep the dirty-page log (needed for diff snapshots).
     #[serde(default)]
     pub track_dirty_pages: bool,
+    /// The vCPU watchdog's timings (see [`crate::watchdog`]).
+    #[serde(default)]
+    pub watchdog: WatchdogConfig,
+}
+
+/// The shortest watchdog period and timeout.
+pub const MIN_WATCHDOG_MS: u64 = 10;
+/// The longest watchdog period.
+pub const MAX_WATCHDOG_PERIOD_MS: u64 = 60_000;
+/// The longest watchdog timeout.
+pub const MAX_WATCHDOG_TIMEOUT_MS: u64 = 600_000;
+
+/// The vCPU watchdog's timings (see [`crate::watchdog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WatchdogConfig {
+    /// A vCPU that has been inside one `KVM_RUN` for this long is kicked (and looked at)
+    /// once; a busy guest is kicked about once per period.
+    pub period_ms: u64,
+    /// How long a kicked vCPU may take to come back from `KVM_RUN`, and how long a vCPU
+    /// may stay on a hypercall instruction without progress, before the VM is stopped.
+    pub timeout_ms: u64,
+}
+
+impl Default for WatchdogConfig {
+    fn default() -> Self {
+        Self {
+            period_ms: 1000,
+            timeout_ms: 2000,
+        }
+    }
+}
+
+impl WatchdogConfig {
+    /// The period as a duration.
+    pub fn period(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.period_ms)
+    }
+
+    /// The timeout as a duration.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.timeout_ms)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(MIN_WATCHDOG_MS..=MAX_WATCHDOG_PERIOD_MS).contains(&self.period_ms) {
+            return Err(invalid(
+                "watchdog.period_ms",
+                format!(
+                    "must be between {MIN_WATCHDOG_MS} and {MAX_WATCHDOG_PERIOD_MS} (default 1000)"
+                ),
+            ));
+        }
+        if !(MIN_WATCHDOG_MS..=MAX_WATCHDOG_TIMEOUT_MS).contains(&self.timeout_ms) {
+            return Err(invalid(
+                "watchdog.timeout_ms",
+                format!(
+                    "must be between {MIN_WATCHDOG_MS} and {MAX_WATCHDOG_TIMEOUT_MS} (default 2000)"
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A configuration field that cannot be used, and why.
@@ -402,6 +465,7 @@ impl VmConfig {
             serial_output: None,
             cpu_template: None,
             track_dirty_pages: false,
+            watchdog: WatchdogConfig::default(),
         }
     }
 
@@ -623,6 +687,7 @@ impl VmConfig {
             t.msr_masks()?;
             t.required_kvm_capabilities()?;
         }
+        self.watchdog.validate()?;
         if self.virtio_device_count() > MAX_VIRTIO_DEVICES {
             return Err(invalid(
                 "drives",
@@ -802,6 +867,37 @@ mod tests {
         assert_eq!(c.validate().unwrap_err().field(), "kernel");
         c.memory_mib = 1;
         assert_eq!(c.validate_for_restore(8).unwrap_err().field(), "memory_mib");
+    }
+
+    #[test]
+    fn watchdog_timings_default_and_are_bounded() {
+        let (_d, mut c) = base();
+        assert_eq!(c.watchdog.period_ms, 1000);
+        assert_eq!(c.watchdog.timeout_ms, 2000);
+        // A configuration without the key gets the defaults; a partial one keeps the rest.
+        let mut j = serde_json::to_value(&c).unwrap();
+        j.as_object_mut().unwrap().remove("watchdog");
+        let back: VmConfig = serde_json::from_value(j.clone()).unwrap();
+        assert_eq!(back.watchdog, WatchdogConfig::default());
+        j["watchdog"] = serde_json::json!({"timeout_ms": 500});
+        let back: VmConfig = serde_json::from_value(j.clone()).unwrap();
+        assert_eq!(back.watchdog.period_ms, 1000);
+        assert_eq!(back.watchdog.timeout_ms, 500);
+        c.watchdog.period_ms = 0;
+        assert_eq!(field_of(&c), "watchdog.period_ms");
+        c.watchdog.period_ms = 60_001;
+        assert_eq!(field_of(&c), "watchdog.period_ms");
+        c.watchdog.period_ms = 10;
+        c.watchdog.timeout_ms = 9;
+        assert_eq!(field_of(&c), "watchdog.timeout_ms");
+        c.watchdog.timeout_ms = 600_000;
+        c.validate().unwrap();
+        // Restoring checks it too.
+        c.watchdog.timeout_ms = 600_001;
+        assert_eq!(
+            c.validate_for_restore(8).unwrap_err().field(),
+            "watchdog.timeout_ms"
+        );
     }
 
     #[test]

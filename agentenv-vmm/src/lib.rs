@@ -18,6 +18,8 @@
 //!   and the node's client of it.
 //! * [`seccomp`]: the VMM process's system call filter.
 //! * [`vm`]: the VM lifecycle (start, pause, resume, snapshot, stop).
+//! * [`watchdog`]: the vCPU watchdog, which stops a VM whose vCPU the host's hypervisor
+//!   does not give back (kicked and not back from `KVM_RUN`, or stuck on a hypercall).
 //! * [`snapshot`]: the snapshot format.
 
 pub mod arch;
@@ -30,6 +32,7 @@ pub mod memory;
 pub mod seccomp;
 pub mod snapshot;
 pub mod vm;
+pub mod watchdog;
 
 pub use config::VmConfig;
 pub use vm::{ExitReason, SnapshotInfo, SnapshotKind, Vm, VmError, VmMetrics};

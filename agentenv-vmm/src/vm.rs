@@ -13,6 +13,22 @@
 //! The exit loop allocates nothing per exit: port I/O and MMIO go through two buses
 //! (sorted ranges, binary search), counters are atomics.
 //!
+//! ## The watchdog
+//! A thread per VM ([`crate::watchdog`]) watches the vCPU threads: each publishes a run
+//! sequence number around `KVM_RUN`. A vCPU inside one `KVM_RUN` for a whole period
+//! ([`crate::config::WatchdogConfig`], 1 s by default) is kicked once and looks at its
+//! registers when back; that is all a healthy VM pays (busy guests do stay inside
+//! `KVM_RUN` for long, and are not stopped for it). The VM is stopped with
+//! [`ExitReason::Error`] when a kicked vCPU does not come back from `KVM_RUN` within the
+//! timeout (2 s by default; the kicks of `pause` and `stop` count too), or when a vCPU
+//! sits on a `VMMCALL`/`VMCALL` with unchanged registers for the timeout (kvm_pvm never
+//! completes a hypercall at CPL0: `KVM_RUN` spins in the host, although kicks still end
+//! it). `wait`, `pause` and `stop` then return with that error instead of hanging; a
+//! thread stuck in the host is abandoned by `stop` (it holds its own references to the
+//! VM's memory and file descriptors, so nothing it may touch is freed under it). Parked
+//! vCPUs are outside `KVM_RUN` and are never kicked, so pause, resume and snapshots are
+//! unaffected.
+//!
 //! ## Devices
 //! Port I/O: the 8250 UART at 0x3f8 (IRQ 4 through an irqfd), the i8042 at 0x60/0x64
 //! (`out 0x64, 0xfe` ends the VM with [`ExitReason::Reset`]) and the debug-exit port 0x501
@@ -50,11 +66,12 @@ use crate::devices::{Bus, BusError, InterruptLine, SharedDevice};
 use crate::hypervisor::kvm::KvmHypervisor;
 use crate::hypervisor::{
     Hypervisor, HypervisorError, HypervisorVcpu, HypervisorVm, IoEventAddr, IoEventMatch,
-    MemorySlot, VcpuExit,
+    MemorySlot, Regs, VcpuExit,
 };
 use crate::loader;
 use crate::memory::{self, Backing, GuestMemoryMmap, MemoryError};
 use crate::snapshot::{self, SnapshotError};
+use crate::watchdog::{self, Progress, Watchdog};
 
 /// The signal that kicks a vCPU thread out of the guest (`SIGRTMIN + 1`).
 pub fn vcpu_kick_signal() -> libc::c_int {
@@ -233,6 +250,9 @@ pub enum VmError {
     State(&'static str),
     #[error("vCPUs did not park within {0:?}; the VM keeps running")]
     PauseTimeout(Duration),
+    /// The watchdog found a vCPU stuck in the hypervisor and stopped the VM.
+    #[error("{0}")]
+    VcpuStuck(String),
     #[error("snapshot: {0}")]
     Snapshot(#[from] SnapshotError),
     #[error("{0}")]
@@ -250,6 +270,8 @@ struct Ctl {
     want: Want,
     parked: usize,
     alive: usize,
+    /// Per vCPU: its thread was started and has not ended.
+    running: Vec<bool>,
 }
 
 /// Threads that may be kicked; `joined` is set before any is joined, so a kick never
@@ -280,6 +302,7 @@ pub(crate) struct Shared {
     kicker: Mutex<Kicker>,
     pub(crate) vcpus: Vec<Arc<Mutex<Box<dyn HypervisorVcpu>>>>,
     counters: Counters,
+    watchdog: Watchdog,
 }
 
 impl Shared {
@@ -289,6 +312,9 @@ impl Shared {
 
     /// Kicks every vCPU thread out of the guest.
     fn kick_all(&self) {
+        // Recorded first: a vCPU still in the same `KVM_RUN` after the watchdog's timeout
+        // did not come back from this kick.
+        self.watchdog.note_kicks();
         let k = self.kicker.lock().unwrap_or_else(|p| p.into_inner());
         if k.joined {
             return;
@@ -297,6 +323,55 @@ impl Shared {
             // A thread that already ended is a zombie until joined; the kill is harmless.
             let _ = t.kill(vcpu_kick_signal());
         }
+    }
+
+    /// Kicks vCPU `idx`'s thread (for the watchdog).
+    fn kick_one(&self, idx: usize) {
+        let k = self.kicker.lock().unwrap_or_else(|p| p.into_inner());
+        if k.joined {
+            return;
+        }
+        if let Some(t) = k.threads.get(idx) {
+            let _ = t.kill(vcpu_kick_signal());
+        }
+    }
+
+    /// The watchdog found vCPU `idx` still inside `KVM_RUN` a timeout after a kick: the VM
+    /// ends with an error and the other vCPUs are stopped.
+    fn vcpu_stuck(&self, idx: usize) {
+        let msg = self.stuck_message(idx);
+        tracing::error!(vcpu = idx, "{msg}");
+        self.stop_with(ExitReason::Error(msg));
+    }
+
+    fn stuck_message(&self, idx: usize) -> String {
+        format!(
+            "vCPU {idx} did not return from KVM_RUN within {:?} of a kick (the host's KVM is stuck in the guest, e.g. a VMMCALL under kvm_pvm); the VM was stopped",
+            self.watchdog.timeout()
+        )
+    }
+
+    /// Ends the VM with `reason` (unless it has one) and tells every vCPU to stop. The
+    /// stop is asked first, so whoever sees the reason also finds the VM stopping (and
+    /// `pause` refuses it).
+    fn stop_with(&self, reason: ExitReason) {
+        {
+            let mut ctl = self.ctl();
+            ctl.want = Want::Stop;
+            self.ctl_cv.notify_all();
+        }
+        self.exit.set(reason);
+        self.kick_all();
+    }
+
+    /// The VM's error when the watchdog gave up a vCPU thread.
+    fn stuck_error(&self) -> Option<VmError> {
+        let idx = (0..self.vcpus.len()).find(|&i| self.watchdog.is_stuck(i))?;
+        Some(VmError::VcpuStuck(match self.exit.get() {
+            Some(ExitReason::Error(msg)) => msg,
+            // The watchdog is about to record it.
+            _ => self.stuck_message(idx),
+        }))
     }
 }
 
@@ -317,6 +392,8 @@ pub struct Vm {
     last_snapshot_memory: Mutex<Option<PathBuf>>,
     /// Guest memory is private anonymous memory (not a file).
     anonymous_memory: bool,
+    /// The watchdog thread, once the vCPUs run.
+    watchdog_thread: Mutex<Option<JoinHandle<()>>>,
     stopped: bool,
 }
 
@@ -647,6 +724,7 @@ impl Vm {
                 want: if restored { Want::Pause } else { Want::Run },
                 parked: 0,
                 alive: 0,
+                running: vec![false; n],
             }),
             ctl_cv: Condvar::new(),
             kicker: Mutex::new(Kicker {
@@ -655,6 +733,7 @@ impl Vm {
             }),
             vcpus: vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect(),
             counters: Counters::default(),
+            watchdog: Watchdog::new(n, config.watchdog.period(), config.watchdog.timeout()),
         });
         tracing::info!(
             vcpus = config.vcpus,
@@ -675,6 +754,7 @@ impl Vm {
             msrs: Mutex::new(None),
             last_snapshot_memory: Mutex::new(None),
             anonymous_memory,
+            watchdog_thread: Mutex::new(None),
             stopped: false,
         })
     }
@@ -715,14 +795,22 @@ impl Vm {
         let mut kicker = self.shared.kicker.lock().unwrap_or_else(|p| p.into_inner());
         for idx in 0..self.shared.vcpus.len() {
             let shared = self.shared.clone();
-            shared.ctl().alive += 1;
+            {
+                let mut ctl = shared.ctl();
+                ctl.alive += 1;
+                ctl.running[idx] = true;
+            }
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{idx}"))
                 .spawn(move || vcpu_thread(shared, idx));
             match handle {
                 Ok(h) => kicker.threads.push(h),
                 Err(e) => {
-                    self.shared.ctl().alive -= 1;
+                    {
+                        let mut ctl = self.shared.ctl();
+                        ctl.alive -= 1;
+                        ctl.running[idx] = false;
+                    }
                     drop(kicker);
                     self.shared.exit.set(ExitReason::Error(format!(
                         "starting vCPU thread {idx} failed: {e}"
@@ -732,8 +820,32 @@ impl Vm {
                 }
             }
         }
+        drop(kicker);
         *started = true;
-        Ok(())
+        let shared = self.shared.clone();
+        let handle = std::thread::Builder::new()
+            .name("vcpu-watchdog".into())
+            .spawn(move || {
+                shared
+                    .watchdog
+                    .run(|idx| shared.kick_one(idx), |idx| shared.vcpu_stuck(idx))
+            });
+        match handle {
+            Ok(h) => {
+                *self
+                    .watchdog_thread
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(h);
+                Ok(())
+            }
+            Err(e) => {
+                self.shared.exit.set(ExitReason::Error(format!(
+                    "starting the vCPU watchdog thread failed: {e}"
+                )));
+                self.request(Want::Stop);
+                Err(VmError::Thread(e))
+            }
+        }
     }
 
     fn request(&self, want: Want) {
@@ -765,6 +877,9 @@ impl Vm {
         let deadline = Instant::now() + PAUSE_TIMEOUT;
         let mut ctl = self.shared.ctl();
         while ctl.parked < ctl.alive {
+            if let Some(e) = self.shared.stuck_error() {
+                return Err(e);
+            }
             let now = Instant::now();
             if now >= deadline {
                 drop(ctl);
@@ -995,24 +1110,28 @@ impl Vm {
         Ok(self.balloon()?.stats())
     }
 
-    /// Ends the vCPU threads, joins them and returns why the VM ended.
+    /// Ends the vCPU threads, joins them and returns why the VM ended. A vCPU thread the
+    /// watchdog found stuck in the hypervisor is not waited for: it is left to end on its
+    /// own (it holds its own references to what it uses).
     pub fn stop(&mut self) -> Result<ExitReason, VmError> {
-        self.shared.exit.set(ExitReason::Stopped);
-        {
-            let mut ctl = self.shared.ctl();
-            ctl.want = Want::Stop;
-            self.shared.ctl_cv.notify_all();
-        }
-        self.shared.kick_all();
-        // Wait until every thread left its loop (so none is in KVM_RUN), then join.
-        let deadline = Instant::now() + PAUSE_TIMEOUT;
+        self.shared.stop_with(ExitReason::Stopped);
+        // Wait until every thread left its loop (so none is in KVM_RUN) or was given up by
+        // the watchdog (which does so a timeout after the kick above), then join.
+        let limit = PAUSE_TIMEOUT + self.shared.watchdog.timeout();
+        let deadline = Instant::now() + limit;
+        let waiting = |ctl: &Ctl| {
+            ctl.running
+                .iter()
+                .enumerate()
+                .any(|(i, &r)| r && !self.shared.watchdog.is_stuck(i))
+        };
         loop {
             let ctl = self.shared.ctl();
-            if ctl.alive == 0 {
+            if !waiting(&ctl) {
                 break;
             }
             if Instant::now() >= deadline {
-                return Err(VmError::PauseTimeout(PAUSE_TIMEOUT));
+                return Err(VmError::PauseTimeout(limit));
             }
             let _ = self
                 .shared
@@ -1020,12 +1139,28 @@ impl Vm {
                 .wait_timeout(ctl, Duration::from_millis(10));
             self.shared.kick_all();
         }
+        self.shared.watchdog.shutdown();
+        if let Some(t) = self
+            .watchdog_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
         let threads = {
             let mut k = self.shared.kicker.lock().unwrap_or_else(|p| p.into_inner());
             k.joined = true;
             std::mem::take(&mut k.threads)
         };
-        for t in threads {
+        for (idx, t) in threads.into_iter().enumerate() {
+            if self.shared.watchdog.is_stuck(idx) && !t.is_finished() {
+                tracing::warn!(
+                    vcpu = idx,
+                    "vCPU thread left behind inside KVM_RUN; it ends when the hypervisor lets it go"
+                );
+                continue;
+            }
             let _ = t.join();
         }
         for slot in &self.virtio {
@@ -1229,6 +1364,7 @@ impl Drop for VcpuThreadGuard<'_> {
                 ctl.want = Want::Stop;
             }
             ctl.alive -= 1;
+            ctl.running[self.idx] = false;
             self.shared.ctl_cv.notify_all();
         }
         if panicking {
@@ -1252,6 +1388,7 @@ fn vcpu_loop(shared: &Shared, idx: usize) {
         let flag = v.immediate_exit_flag();
         IMMEDIATE_EXIT.with(|c| c.set(flag));
     }
+    let mut progress = Progress::default();
     loop {
         {
             let mut ctl = shared.ctl();
@@ -1259,6 +1396,8 @@ fn vcpu_loop(shared: &Shared, idx: usize) {
                 match ctl.want {
                     Want::Run => break,
                     Want::Pause => {
+                        // Time spent parked is no stall.
+                        progress.reset();
                         ctl.parked += 1;
                         shared.ctl_cv.notify_all();
                         while ctl.want == Want::Pause {
@@ -1272,7 +1411,7 @@ fn vcpu_loop(shared: &Shared, idx: usize) {
         }
         let burst = {
             let mut v = vcpu_lock.lock().unwrap_or_else(|p| p.into_inner());
-            run_burst(v.as_mut(), shared)
+            run_burst(v.as_mut(), shared, idx, &mut progress)
         };
         if let Burst::Exit = burst {
             // The guest ended: every vCPU stops; `stop`/`wait` collect the reason.
@@ -1286,13 +1425,25 @@ fn vcpu_loop(shared: &Shared, idx: usize) {
     }
 }
 
-fn run_burst(vcpu: &mut dyn HypervisorVcpu, shared: &Shared) -> Burst {
+fn run_burst(
+    vcpu: &mut dyn HypervisorVcpu,
+    shared: &Shared,
+    idx: usize,
+    progress: &mut Progress,
+) -> Burst {
     let c = &shared.counters;
+    let wd = &shared.watchdog;
     loop {
         if shared.exit.is_set() {
             return Burst::Exit;
         }
-        match vcpu.run() {
+        wd.entering(idx);
+        let exit = vcpu.run();
+        wd.returned(idx);
+        if !matches!(exit, Ok(VcpuExit::Intr)) {
+            progress.reset();
+        }
+        match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
                 c.io_out.fetch_add(1, Ordering::Relaxed);
                 if !shared.pio.write(u64::from(port), data) {
@@ -1322,6 +1473,14 @@ fn run_burst(vcpu: &mut dyn HypervisorVcpu, shared: &Shared) -> Burst {
             Ok(VcpuExit::Intr) => {
                 c.intr.fetch_add(1, Ordering::Relaxed);
                 vcpu.set_immediate_exit(false);
+                if !wd.take_probe(idx) {
+                    // Kicked to park or stop: time spent parked is no stall.
+                    progress.reset();
+                } else if let Some(msg) = stalled(vcpu, shared, idx, progress) {
+                    tracing::error!(vcpu = idx, "{msg}");
+                    shared.stop_with(ExitReason::Error(msg));
+                    return Burst::Exit;
+                }
                 return Burst::Kicked;
             }
             Ok(VcpuExit::Hlt) => shared.exit.set(ExitReason::Halted),
@@ -1353,10 +1512,54 @@ fn run_burst(vcpu: &mut dyn HypervisorVcpu, shared: &Shared) -> Burst {
     }
 }
 
+/// Rule 2 of the watchdog, at its kick: the vCPU's registers are sampled; `Some` (the
+/// VM's error) once they stayed on a hypercall without progress for the timeout.
+fn stalled(
+    vcpu: &dyn HypervisorVcpu,
+    shared: &Shared,
+    idx: usize,
+    progress: &mut Progress,
+) -> Option<String> {
+    let Ok(regs) = vcpu.get_regs() else {
+        progress.reset();
+        return None;
+    };
+    let timeout = shared.watchdog.timeout();
+    let stall = progress.sample(&regs, Instant::now(), timeout, |r| {
+        hypercall_at(vcpu, &shared.mem, r)
+    })?;
+    Some(format!(
+        "vCPU {idx} is stuck on a hypercall instruction ({}) at rip {:#x}: no progress for {timeout:?} (the host's KVM does not complete hypercalls from guest kernel mode, e.g. a VMMCALL under kvm_pvm); the VM was stopped",
+        stall.instruction, stall.rip
+    ))
+}
+
+/// The hypercall instruction (`VMMCALL`, `VMCALL`) at the vCPU's `rip`, if that is one.
+fn hypercall_at(
+    vcpu: &dyn HypervisorVcpu,
+    mem: &GuestMemoryMmap,
+    regs: &Regs,
+) -> Option<&'static str> {
+    use vm_memory::{Bytes, GuestAddress};
+    let sregs = vcpu.get_sregs().ok()?;
+    let long_mode = sregs.efer & arch::regs::EFER_LMA != 0 && sregs.cs.l != 0;
+    let linear = if long_mode {
+        regs.rip
+    } else {
+        sregs.cs.base.wrapping_add(regs.rip) & 0xffff_ffff
+    };
+    let mut code = [0u8; 3];
+    for (i, b) in code.iter_mut().enumerate() {
+        let gpa = vcpu.translate(linear.wrapping_add(i as u64)).ok()??;
+        *b = mem.read_obj(GuestAddress(gpa)).ok()?;
+    }
+    watchdog::hypercall_name(code)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hypervisor::fake::{FakeExit, FakeHypervisor};
+    use crate::hypervisor::fake::{FakeExit, FakeHypervisor, StuckGate};
 
     /// A minimal 64-bit ELF with one loadable segment at 1 MiB.
     fn tiny_elf(dir: &Path) -> PathBuf {
@@ -1427,6 +1630,144 @@ mod tests {
         );
         assert!(matches!(vm.stop().unwrap(), ExitReason::Error(_)));
         assert!(matches!(vm.pause(), Err(VmError::State(_))));
+    }
+
+    fn watched(dir: &Path, period_ms: u64, timeout_ms: u64) -> VmConfig {
+        let mut config = VmConfig::new(tiny_elf(dir));
+        config.memory_mib = 16;
+        config.watchdog = crate::config::WatchdogConfig {
+            period_ms,
+            timeout_ms,
+        };
+        config
+    }
+
+    const HANG: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn a_vcpu_that_does_not_come_back_from_a_kick_ends_the_vm_and_stop_leaves_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = Arc::new(StuckGate::default());
+        let fake = Arc::new(FakeHypervisor::new(vec![FakeExit::Stuck(gate.clone())]));
+        let mut vm = Vm::build(
+            fake,
+            watched(dir.path(), 10, 50),
+            Boot::Kernel,
+            &default_devices,
+            None,
+        )
+        .unwrap();
+        vm.start().unwrap();
+        let reason = vm
+            .wait_timeout(HANG)
+            .expect("the watchdog did not stop the VM");
+        let expected = ExitReason::Error(
+            "vCPU 0 did not return from KVM_RUN within 50ms of a kick (the host's KVM is stuck in the guest, e.g. a VMMCALL under kvm_pvm); the VM was stopped".into(),
+        );
+        assert_eq!(reason, expected);
+        assert!(matches!(vm.pause(), Err(VmError::State("stopped"))));
+        // `stop` returns although the thread is still inside `run`.
+        assert_eq!(vm.stop().unwrap(), expected);
+        assert!(!gate.release.load(Ordering::Acquire));
+        assert_eq!(vm.metrics().exit_reason, Some(expected));
+        drop(vm);
+        // Let the abandoned thread go; it ends by itself.
+        gate.release.store(true, Ordering::Release);
+    }
+
+    #[test]
+    fn pause_returns_the_watchdog_error_when_a_vcpu_does_not_come_back_from_its_kick() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = Arc::new(StuckGate::default());
+        let fake = Arc::new(FakeHypervisor::new(vec![FakeExit::Stuck(gate.clone())]));
+        // The watchdog's own period is long: only the kick of `pause` counts.
+        let mut vm = Vm::build(
+            fake,
+            watched(dir.path(), 60_000, 50),
+            Boot::Kernel,
+            &default_devices,
+            None,
+        )
+        .unwrap();
+        vm.start().unwrap();
+        let deadline = Instant::now() + HANG;
+        while !gate.entered.load(Ordering::Acquire) {
+            assert!(Instant::now() < deadline);
+            std::thread::yield_now();
+        }
+        match vm.pause() {
+            Err(VmError::VcpuStuck(msg)) => {
+                assert!(
+                    msg.starts_with("vCPU 0 did not return from KVM_RUN within 50ms"),
+                    "{msg}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(vm.stop().unwrap(), ExitReason::Error(_)));
+        gate.release.store(true, Ordering::Release);
+    }
+
+    #[test]
+    fn a_vcpu_stuck_on_a_vmmcall_ends_the_vm_and_its_thread_is_joined() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeHypervisor::new(vec![FakeExit::Spin]));
+        let mut vm = Vm::build(
+            fake,
+            watched(dir.path(), 10, 300),
+            Boot::Kernel,
+            &default_devices,
+            None,
+        )
+        .unwrap();
+        // The fake vCPU sits at rip 0, unpaged: put a VMMCALL there.
+        use vm_memory::{Bytes, GuestAddress};
+        vm.guest_memory()
+            .write_slice(&[0x0f, 0x01, 0xd9], GuestAddress(0))
+            .unwrap();
+        vm.start().unwrap();
+        let reason = vm
+            .wait_timeout(HANG)
+            .expect("the watchdog did not stop the VM");
+        assert_eq!(
+            reason,
+            ExitReason::Error("vCPU 0 is stuck on a hypercall instruction (VMMCALL) at rip 0x0: no progress for 300ms (the host's KVM does not complete hypercalls from guest kernel mode, e.g. a VMMCALL under kvm_pvm); the VM was stopped".into())
+        );
+        assert!(vm.metrics().exits_interrupted >= u64::from(watchdog::MIN_STALL_SAMPLES));
+        assert_eq!(vm.stop().unwrap(), reason);
+        // The vCPU thread itself was never stuck: it was joined.
+        assert!(!vm.shared.watchdog.any_stuck());
+        assert!(vm.shared.ctl().running.iter().all(|r| !r));
+    }
+
+    #[test]
+    fn a_vcpu_spinning_elsewhere_is_kicked_each_period_and_keeps_running() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeHypervisor::new(vec![FakeExit::Spin]));
+        let mut vm = Vm::build(
+            fake,
+            watched(dir.path(), 10, 5000),
+            Boot::Kernel,
+            &default_devices,
+            None,
+        )
+        .unwrap();
+        // `jmp $` at rip 0: unchanged registers, but no hypercall.
+        use vm_memory::{Bytes, GuestAddress};
+        vm.guest_memory()
+            .write_slice(&[0xeb, 0xfe, 0x90], GuestAddress(0))
+            .unwrap();
+        vm.start().unwrap();
+        let deadline = Instant::now() + HANG;
+        while vm.metrics().exits_interrupted < 10 {
+            assert!(Instant::now() < deadline, "the watchdog does not kick");
+            assert_eq!(vm.wait_timeout(Duration::from_millis(5)), None);
+        }
+        assert_eq!(vm.wait_timeout(Duration::ZERO), None);
+        // Pause and resume still work with the watchdog kicking.
+        vm.pause().unwrap();
+        vm.resume().unwrap();
+        assert_eq!(vm.stop().unwrap(), ExitReason::Stopped);
     }
 
     #[test]

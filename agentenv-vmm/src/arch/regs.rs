@@ -35,7 +35,7 @@ const X86_CR0_ET: u64 = 0x10;
 const X86_CR0_PG: u64 = 0x8000_0000;
 const X86_CR4_PAE: u64 = 0x20;
 const EFER_LME: u64 = 0x100;
-const EFER_LMA: u64 = 0x400;
+pub(crate) const EFER_LMA: u64 = 0x400;
 
 /// A GDT entry from flags, base and limit.
 pub const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {

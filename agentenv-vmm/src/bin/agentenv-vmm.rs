@@ -8,7 +8,10 @@
 //! The VM is built (or restored) from the configuration first; only then is the API socket
 //! bound and the seccomp filter installed, so a bad configuration ends the process with one
 //! line naming the field, before anything listens. The process exits when the VM is
-//! stopped over the socket or the guest ends (reset, debug-exit port, error).
+//! stopped over the socket or the guest ends (reset, debug-exit port, error). A guest that
+//! failed (the vCPU watchdog's verdict included: a vCPU stuck in the hypervisor) is
+//! logged at error level, shown by `status` as `exit_reason` until the process is gone,
+//! and ends the process with status 2 and one line on stderr.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -180,7 +183,10 @@ impl Handler for Vmm {
             return true;
         }
         if let Some(reason) = self.vm.wait_timeout(Duration::ZERO) {
-            tracing::info!(?reason, "the guest ended");
+            match &reason {
+                ExitReason::Error(error) => tracing::error!(%error, "the guest failed"),
+                _ => tracing::info!(?reason, "the guest ended"),
+            }
             self.state = State::Exited(reason);
             return true;
         }
@@ -211,7 +217,11 @@ fn init_logging(log_file: Option<&Path>) -> anyhow::Result<()> {
                 .with_writer(std::sync::Mutex::new(f))
                 .init();
         }
-        None => builder.with_writer(std::io::stderr).init(),
+        // Colours only on a terminal: a node passes a log file as standard error.
+        None => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .init(),
     }
     Ok(())
 }

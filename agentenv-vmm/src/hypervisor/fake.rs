@@ -2,7 +2,9 @@
 //! list of exits to the vCPU loop.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use vmm_sys_util::eventfd::EventFd;
 
@@ -17,6 +19,21 @@ pub enum FakeExit {
     MmioWrite(u64, Vec<u8>),
     /// The "hypervisor" panics (stands in for a bug on the vCPU thread).
     Panic,
+    /// The guest runs without exits until kicked (`immediate_exit`), and stays on this
+    /// entry: every later `run` spins again (a guest stuck on one instruction).
+    Spin,
+    /// `run` does not return, kicked or not, until the gate is released (a hypervisor
+    /// stuck in the guest); then it returns as interrupted.
+    Stuck(Arc<StuckGate>),
+}
+
+/// Holds a [`FakeExit::Stuck`] vCPU inside `run`.
+#[derive(Debug, Default)]
+pub struct StuckGate {
+    /// Set when the vCPU is inside `run`.
+    pub entered: AtomicBool,
+    /// Set by the test to let it go.
+    pub release: AtomicBool,
 }
 
 #[derive(Default)]
@@ -188,6 +205,29 @@ impl HypervisorVcpu for FakeVcpu {
         if *self.immediate_exit != 0 {
             return Ok(VcpuExit::Intr);
         }
+        let head = self.exits.lock().unwrap().front().cloned();
+        match head {
+            Some(FakeExit::Spin) => {
+                let flag = &*self.immediate_exit as *const u8;
+                loop {
+                    // SAFETY: the byte is owned by this vCPU and lives as long as it; the
+                    // kick handler on this thread writes it, so it is read volatile.
+                    if unsafe { std::ptr::read_volatile(flag) } != 0 {
+                        return Ok(VcpuExit::Intr);
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            Some(FakeExit::Stuck(gate)) => {
+                gate.entered.store(true, Ordering::Release);
+                while !gate.release.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                self.exits.lock().unwrap().pop_front();
+                return Ok(VcpuExit::Intr);
+            }
+            _ => {}
+        }
         let Some(exit) = self.exits.lock().unwrap().pop_front() else {
             return Ok(VcpuExit::Shutdown);
         };
@@ -204,6 +244,7 @@ impl HypervisorVcpu for FakeVcpu {
                 VcpuExit::MmioWrite(addr, &self.buf[..data.len()])
             }
             FakeExit::Panic => panic!("scripted panic"),
+            FakeExit::Spin | FakeExit::Stuck(_) => unreachable!("handled above"),
         })
     }
     fn immediate_exit_flag(&mut self) -> *mut u8 {
@@ -214,6 +255,10 @@ impl HypervisorVcpu for FakeVcpu {
     }
     fn get_regs(&self) -> Result<Regs> {
         Ok(Regs::default())
+    }
+    fn translate(&self, gva: u64) -> Result<Option<u64>> {
+        // Identity: the fake guest does not page.
+        Ok(Some(gva))
     }
     fn set_regs(&self, regs: &Regs) -> Result<()> {
         self.log

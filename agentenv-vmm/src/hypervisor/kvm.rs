@@ -295,6 +295,14 @@ impl HypervisorVcpu for KvmVcpu {
             .map_err(|e| HypervisorError::ioctl("KVM_SET_REGS", e))
     }
 
+    fn translate(&self, gva: u64) -> Result<Option<u64>> {
+        let t = self
+            .vcpu
+            .translate_gva(gva)
+            .map_err(|e| HypervisorError::ioctl("KVM_TRANSLATE", e))?;
+        Ok((t.valid != 0).then_some(t.physical_address))
+    }
+
     fn get_sregs(&self) -> Result<SpecialRegs> {
         self.vcpu
             .get_sregs()

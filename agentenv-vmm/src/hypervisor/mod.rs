@@ -214,6 +214,9 @@ pub trait HypervisorVcpu: Send {
 
     fn get_regs(&self) -> Result<Regs>;
     fn set_regs(&self, regs: &Regs) -> Result<()>;
+    /// The guest-physical address of the guest linear address `gva` under the vCPU's
+    /// current paging; `None` when it is not mapped.
+    fn translate(&self, gva: u64) -> Result<Option<u64>>;
     fn get_sregs(&self) -> Result<SpecialRegs>;
     fn set_sregs(&self, sregs: &SpecialRegs) -> Result<()>;
     fn get_fpu(&self) -> Result<FpuState>;
