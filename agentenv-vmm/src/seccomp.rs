@@ -1,13 +1,19 @@
 //! The seccomp filter of the VMM process, installed once the VM is built: an allow-list of
 //! what the API, vCPU and device threads need; any other system call kills the process.
 //!
+//! The shared foreign-ABI prefilter of [`agentenv_seccomp`] goes first, as in every sandbox
+//! process: an i386 (`int 0x80`) call kills the process, an x32 number (bit `0x40000000`) is
+//! refused. Here the allow-list then kills on the x32 number too (it lists native numbers
+//! only), so for the VMM both end the process.
+//!
 //! Allowed: KVM and tap/socket ioctls (by ioctl type: KVM `0xAE`, tun/terminal `'T'`,
 //! socket `0x89`), eventfd, epoll, poll, timers, file I/O on descriptors and opening files
 //! (snapshots are written into a directory the node chose), memory mapping, futexes and
-//! thread creation (`clone` only with `CLONE_THREAD`; `clone3` fails with `ENOSYS` so libc
-//! falls back to `clone`), unix socket operations for the API and vsock sockets, signals
-//! to itself, and exit. Never allowed: `execve`, new processes, namespaces, mounts,
-//! ptrace, module loading, BPF and everything else not listed.
+//! thread creation (`clone` only with `CLONE_THREAD` and without any `CLONE_NEW*` flag;
+//! `clone3` fails with `ENOSYS` so libc falls back to `clone`), unix socket operations for
+//! the API and vsock sockets, signals to itself, and exit. Never allowed: `execve`, new
+//! processes, namespaces, mounts, ptrace, module loading, BPF and everything else not
+//! listed.
 
 use std::collections::BTreeMap;
 
@@ -160,14 +166,14 @@ pub fn vmm_filters(mismatch: SeccompAction) -> Result<Vec<BpfProgram>, SeccompEr
         .iter()
         .map(|(_, nr)| (*nr, Vec::new()))
         .collect();
-    // clone: threads only.
+    // clone: threads only, and never into a new namespace.
     let thread = libc::CLONE_THREAD as u64;
     rules.insert(
         libc::SYS_clone,
         vec![SeccompRule::new(vec![SeccompCondition::new(
             0,
             SeccompCmpArgLen::Qword,
-            SeccompCmpOp::MaskedEq(thread),
+            SeccompCmpOp::MaskedEq(thread | agentenv_seccomp::CLONE_NAMESPACE_MASK),
             thread,
         )?])?],
     );
@@ -190,8 +196,13 @@ pub fn vmm_filters(mismatch: SeccompAction) -> Result<Vec<BpfProgram>, SeccompEr
         SeccompAction::Errno(libc::ENOSYS as u32),
         arch,
     )?;
-    // The allow-list goes last: once it is installed, `seccomp` itself is forbidden.
-    Ok(vec![clone3.try_into()?, allow.try_into()?])
+    // The foreign-ABI prefilter goes first, the allow-list last: once it is installed,
+    // `seccomp` itself is forbidden.
+    Ok(vec![
+        agentenv_seccomp::prefilter(),
+        clone3.try_into()?,
+        allow.try_into()?,
+    ])
 }
 
 /// Installs the filters on every thread of the process (threads started later inherit
@@ -206,6 +217,36 @@ pub fn install(filters: &[BpfProgram]) -> Result<(), SeccompError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shared_prefilter_is_installed_first() {
+        let filters = vmm_filters(SeccompAction::KillProcess).unwrap();
+        assert_eq!(filters.len(), 3);
+        assert_eq!(filters[0], agentenv_seccomp::prefilter());
+    }
+
+    /// The VMM allows nothing the sandbox policy refuses: every refusal there (namespaces,
+    /// mounts, ptrace, keyrings, io_uring, bpf, ...) is something the VMM never needs either.
+    /// No exception so far; one would have to be listed here with its reason.
+    #[test]
+    fn the_vmm_allows_nothing_the_sandbox_policy_refuses() {
+        const NEEDED_BY_THE_VMM: &[&str] = &[];
+        for (name, nr) in ALLOWED_SYSCALLS {
+            if NEEDED_BY_THE_VMM.contains(name) {
+                continue;
+            }
+            assert!(
+                !agentenv_seccomp::REFUSED.iter().any(|(_, r)| r == nr),
+                "the VMM allows {name}, which agentenv_seccomp::REFUSED refuses"
+            );
+        }
+        // Nor the conditionally allowed ones: clone (threads, no namespace flag) and ioctl
+        // (by type) are checked by their own rules; personality and socket(AF_VSOCK) are
+        // not allowed at all.
+        for nr in [libc::SYS_clone, libc::SYS_ioctl, libc::SYS_personality] {
+            assert!(!ALLOWED_SYSCALLS.iter().any(|(_, n)| *n == nr));
+        }
+    }
 
     #[test]
     fn allow_list_has_no_duplicates() {
@@ -282,6 +323,27 @@ mod tests {
             let envp = [std::ptr::null()];
             // SAFETY: execve with valid NUL-terminated arrays; killed by the filter.
             unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+            7
+        });
+        assert_eq!(status, nix_like::Status::Signaled(libc::SIGSYS));
+    }
+
+    #[test]
+    fn foreign_abis_and_namespaced_threads_kill_the_vmm_process() {
+        // An x32 getpid: refused by the prefilter, killed by the allow-list.
+        let status = in_filtered_child(|| {
+            let x32 = i64::from(agentenv_seccomp::X32_SYSCALL_BIT);
+            // SAFETY: getpid takes no arguments; the filter ends the process first.
+            unsafe { libc::syscall(libc::SYS_getpid | x32) };
+            7
+        });
+        assert_eq!(status, nix_like::Status::Signaled(libc::SIGSYS));
+        // A "thread" into a new network namespace. Without the filter the kernel would
+        // answer EINVAL (CLONE_THREAD needs CLONE_SIGHAND), and the child would exit 7.
+        let status = in_filtered_child(|| {
+            let flags = libc::c_long::from(libc::CLONE_THREAD | libc::CLONE_NEWNET);
+            // SAFETY: clone with flags the filter refuses; no stack or pointers are passed.
+            unsafe { libc::syscall(libc::SYS_clone, flags, 0, 0, 0, 0) };
             7
         });
         assert_eq!(status, nix_like::Status::Signaled(libc::SIGSYS));
