@@ -74,8 +74,6 @@ if [ -z "$bin_dir" ]; then
   log "building ${bins[*]} (release)"
   args=(); for b in "${bins[@]}"; do args+=(--bin "$b"); done
   (cd "$repo" && cargo build --release -p agentenv-bin "${args[@]}" >&2)
-  # The microVM monitor, for AENV_BACKEND=microvm|auto.
-  [ $want_rt = 1 ] && (cd "$repo" && cargo build --release -p agentenv-vmm --bin agentenv-vmm >&2)
   bin_dir="$(cd "$repo" && cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release"
 fi
 for b in "${bins[@]}"; do
@@ -84,6 +82,17 @@ done
 if [ $want_rt = 1 ] && [ -z "$guest" ]; then
   log "building the static guest agent"
   guest="$("$repo/agentenv-guest/build-static.sh")"
+fi
+# The microVM monitor, for AENV_BACKEND=microvm|auto: statically linked, since the node
+# runs each VMM jailed in a directory that holds nothing else.
+vmm=""
+if [ $want_rt = 1 ]; then
+  if [ -x "$bin_dir/agentenv-vmm" ] && ! file "$bin_dir/agentenv-vmm" | grep -q 'dynamically linked'; then
+    vmm="$bin_dir/agentenv-vmm"
+  elif command -v cargo >/dev/null; then
+    log "building the static VMM"
+    vmm="$("$repo/agentenv-vmm/build-static.sh")"
+  fi
 fi
 if [ $want_rt = 1 ]; then
   [ -f "$guest" ] || die "guest agent $guest not found: build it with agentenv-guest/build-static.sh"
@@ -173,10 +182,10 @@ if [ $want_rt = 1 ]; then
   install -d -o 0 -g 0 -m 0700 "$root/var/lib/aenv/secrets"
   install -d -m 0755 "$root/etc/default"
   install -m 0755 "$guest" "$root/var/lib/aenv/bin/agentenv-guest"
-  if [ -x "$bin_dir/agentenv-vmm" ]; then
-    install -m 0755 "$bin_dir/agentenv-vmm" "$root/var/lib/aenv/bin/agentenv-vmm"
+  if [ -n "$vmm" ]; then
+    install -m 0755 "$vmm" "$root/var/lib/aenv/bin/agentenv-vmm"
   else
-    log "no agentenv-vmm in $bin_dir: microVM sandboxes are unavailable on this node (the jail runs them)"
+    log "no static agentenv-vmm (build it with agentenv-vmm/build-static.sh): microVM sandboxes are unavailable on this node (the jail runs them)"
   fi
   seed="${AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED:-$(random_hex)}"
   id="${node_id:-$(hostname)}"

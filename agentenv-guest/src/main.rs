@@ -38,6 +38,12 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // No other process of the sandbox, root included, may read or write the agent's
+    // memory or descriptors through /proc: for a non-dumpable process that needs
+    // CAP_SYS_PTRACE, which sandboxes never hold. (Programs the agent runs are dumpable
+    // again after their exec.)
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) takes plain integers.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

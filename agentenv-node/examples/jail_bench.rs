@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::wait_ready;
-use agentenv_node::backend::jail::netpool::NetPoolStats;
 use agentenv_node::backend::jail::{JailBackend, JailConfig};
 use agentenv_node::backend::{SandboxBackend, SandboxSpec};
+use agentenv_node::host::netpool::NetPoolStats;
 use agentenv_node::template::{BASE_TEMPLATE, Progress};
 use anyhow::{Context, bail};
 use futures::StreamExt;
@@ -474,7 +474,7 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(1)
     );
     b.shutdown().await;
-    if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
+    if let Err(e) = agentenv_node::host::net::uninstall_host_rules(
         BENCH_PREFIX,
         &runtime_dir,
         Duration::from_secs(5),

@@ -124,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
     let mut m = MicrovmConfig::new(
         data.path().join("vm"),
         &agent,
-        microvm_common::vmm_binary(),
+        microvm_common::static_vmm_binary(),
         kernel,
     );
     m.templates.root = templates;
@@ -196,7 +196,7 @@ async fn main() -> anyhow::Result<()> {
     // Leave no host firewall chains of the two prefixes behind.
     jail.shutdown().await;
     for (prefix, runtime_dir) in [vm_rules, jail_rules] {
-        if let Err(e) = agentenv_node::backend::jail::net::uninstall_host_rules(
+        if let Err(e) = agentenv_node::host::net::uninstall_host_rules(
             &prefix,
             &runtime_dir,
             std::time::Duration::from_secs(5),

@@ -89,6 +89,15 @@ pub struct NodeConfig {
     /// Network namespaces the jail keeps ready for creates (`AENV_JAIL_NET_POOL_SIZE`,
     /// `[jail].net_pool_size`); 0 turns the pool off.
     pub jail_net_pool_size: usize,
+    /// Host ids sandboxes run as, 65,536 per sandbox (`AENV_JAIL_ID_POOL`,
+    /// `[jail].id_pool`, `<first id>:<number of ids>`).
+    pub jail_id_pool: crate::host::ids::IdPoolRange,
+    /// A sandbox's writable disk unless its create names a size, in MiB
+    /// (`AENV_JAIL_DISK_SIZE_MB`, `[jail].disk_size_mb`).
+    pub jail_disk_size_mb: u64,
+    /// Writable layers of the default size kept ready (`AENV_JAIL_LAYER_POOL_SIZE`,
+    /// `[jail].layer_pool_size`); 0 turns the pool off.
+    pub jail_layer_pool_size: usize,
     /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
     pub proxy_domains: Vec<String>,
     /// `[sandbox_proxy].upload_idle_timeout_ms` (30 s).
@@ -209,6 +218,9 @@ struct FileJail {
     iface_prefix: Option<String>,
     cgroup_parent: Option<String>,
     net_pool_size: Option<u64>,
+    id_pool: Option<String>,
+    disk_size_mb: Option<u64>,
+    layer_pool_size: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -502,6 +514,43 @@ impl NodeConfig {
                     "use at most 1024 (0 turns the pool off)",
                 )
             })?;
+        let jail_id_pool = match env("AENV_JAIL_ID_POOL").or(file.jail.id_pool.clone()) {
+            Some(v) => v.parse().map_err(|e: crate::host::ids::IdError| {
+                invalid("jail.id_pool", v.clone(), e.to_string())
+            })?,
+            None => crate::host::ids::IdPoolRange::default(),
+        };
+        let jail_disk_size_mb = match env("AENV_JAIL_DISK_SIZE_MB") {
+            Some(v) => parse_u64("AENV_JAIL_DISK_SIZE_MB", &v)?,
+            None => file
+                .jail
+                .disk_size_mb
+                .unwrap_or(crate::backend::jail::DEFAULT_DISK_SIZE_MB),
+        };
+        crate::host::disk::check_size(jail_disk_size_mb).map_err(|e| {
+            invalid(
+                "jail.disk_size_mb",
+                jail_disk_size_mb.to_string(),
+                e.to_string(),
+            )
+        })?;
+        let jail_layer_pool_size = match env("AENV_JAIL_LAYER_POOL_SIZE") {
+            Some(v) => parse_u64("AENV_JAIL_LAYER_POOL_SIZE", &v)?,
+            None => file
+                .jail
+                .layer_pool_size
+                .unwrap_or(crate::backend::jail::DEFAULT_LAYER_POOL_SIZE as u64),
+        };
+        let jail_layer_pool_size = usize::try_from(jail_layer_pool_size)
+            .ok()
+            .filter(|n| *n <= MAX_NET_POOL_SIZE)
+            .ok_or_else(|| {
+                invalid(
+                    "jail.layer_pool_size",
+                    jail_layer_pool_size.to_string(),
+                    "use at most 1024 (0 turns the pool off)",
+                )
+            })?;
         let default_cpu_count = file.machine.vcpu_count.unwrap_or(2);
         let default_memory_mb = file.machine.mem_size_mib.unwrap_or(512);
         if default_cpu_count == 0 {
@@ -565,6 +614,9 @@ impl NodeConfig {
                 .or(file.jail.cgroup_parent)
                 .unwrap_or_else(|| "agentenv".into()),
             jail_net_pool_size,
+            jail_id_pool,
+            jail_disk_size_mb,
+            jail_layer_pool_size,
             proxy_domains,
             proxy_upload_idle_timeout,
             proxy_response_header_timeout,

@@ -9,10 +9,11 @@ use tokio::net::TcpListener;
 
 use crate::access::{self, KeyOrigin, TokenIssuer};
 use crate::api::{self, ApiState, NodeIdentity};
-use crate::backend::jail::{JailBackend, JailConfig, net::Ipv4Net};
+use crate::backend::jail::{JailBackend, JailConfig};
 use crate::backend::microvm::{self, MicrovmBackend, MicrovmConfig};
 use crate::backend::{BackendError, KeptState, SandboxBackend};
 use crate::config::{BackendKind, NodeConfig};
+use crate::host::net::Ipv4Net;
 use crate::lifecycle::{
     LifecycleConfig, LifecycleError, Orchestrator, PausedStore, ReporterSource,
 };
@@ -79,6 +80,9 @@ pub async fn jail_backend(
     j.iface_prefix = cfg.jail_iface_prefix.clone();
     j.cgroup_parent = cfg.jail_cgroup_parent.clone();
     j.net_pool_size = cfg.jail_net_pool_size;
+    j.id_pool = cfg.jail_id_pool;
+    j.disk_size_mb = cfg.jail_disk_size_mb;
+    j.layer_pool_size = cfg.jail_layer_pool_size;
     let b = JailBackend::new(j).await?;
     let report = b.reconcile(kept).await?;
     if !report.removed_sandboxes.is_empty() {
@@ -110,6 +114,7 @@ pub async fn microvm_backend(
         .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
     m.iface_prefix = cfg.jail_iface_prefix.clone();
     m.cgroup_parent = cfg.jail_cgroup_parent.clone();
+    m.id_pool = cfg.jail_id_pool;
     let b = MicrovmBackend::new(m).await?;
     let report = b.reconcile(kept).await?;
     if !report.removed_sandboxes.is_empty() {
@@ -137,9 +142,11 @@ pub fn auto_backend(cfg: &NodeConfig) -> (BackendKind, String) {
 }
 
 /// Opens the snapshot repository of `cfg` and checks that it is usable (a writable
-/// directory; a bucket that exists and accepts the credentials).
+/// directory; a bucket that exists and accepts the credentials). Records are signed and
+/// verified with the key derived from the token seed `seed`.
 pub async fn snapshot_repository(
     cfg: &NodeConfig,
+    seed: &str,
 ) -> Result<Arc<crate::snapshot::SnapshotRepo>, DaemonError> {
     use agentenv_core::storage::{OpendalStorage, Storage};
     let storage = OpendalStorage::open(&cfg.snapshot_repository)
@@ -153,6 +160,7 @@ pub async fn snapshot_repository(
         Arc::new(storage),
         &cfg.snapshot_repository,
         &cfg.snapshot_local_cache,
+        crate::snapshot::RecordKey::from_seed(seed),
     )?;
     tracing::info!(store = %describe, "snapshot repository ready");
     Ok(Arc::new(repo))
@@ -187,7 +195,7 @@ impl Daemon {
         let seed = access::resolve_seed(cfg.token_seed.clone(), &cfg.home)?;
         // Before the backend: a repository that cannot work stops the start with
         // nothing set up.
-        let snapshots = snapshot_repository(&cfg).await?;
+        let snapshots = snapshot_repository(&cfg, &seed).await?;
         let kept: Vec<KeptState> = store
             .load_all()
             .map_err(LifecycleError::from)?

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
+pub mod host;
 pub mod lifecycle;
 pub mod reporter;
 pub mod snapshot;

@@ -7,7 +7,7 @@ mod rules_common;
 use std::path::Path;
 use std::process::Command;
 
-use agentenv_node::backend::jail::net::{self, HostRules, Ipv4Net, NetError};
+use agentenv_node::host::net::{self, HostRules, Ipv4Net, NetError};
 
 fn skip_reason() -> Option<String> {
     if !nix::unistd::Uid::effective().is_root() {

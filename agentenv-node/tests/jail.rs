@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use agentenv_node::backend::agent::probe_health;
 use agentenv_node::backend::jail::JailBackend;
-use agentenv_node::backend::jail::spawn::KEPT_CAPABILITIES;
 use agentenv_node::backend::{BackendError, KeptState, SandboxBackend, SandboxState};
+use agentenv_node::host::spawn::KEPT_CAPABILITIES;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_agent_answers_at_the_sandbox_address_and_runs_a_command() {
@@ -194,7 +194,7 @@ fn host_global_addresses() -> Vec<Ipv4Addr> {
         .filter_map(|a| a.split('/').next()?.parse::<Ipv4Addr>().ok())
         .filter(|ip| {
             !"10.12.0.0/16"
-                .parse::<agentenv_node::backend::jail::net::Ipv4Net>()
+                .parse::<agentenv_node::host::net::Ipv4Net>()
                 .unwrap()
                 .contains(*ip)
         })
@@ -257,7 +257,7 @@ async fn seccomp_capabilities_and_no_new_privs_restrict_the_sandbox() {
 
 /// Reads the counter the sandbox writes to /tmp/counter, through its writable layer.
 fn read_counter(b: &agentenv_node::backend::jail::JailBackend, id: &str) -> Option<u64> {
-    std::fs::read_to_string(b.sandbox_dir(id).join("upper/tmp/counter"))
+    std::fs::read_to_string(b.layer_mount(id).join("upper/tmp/counter"))
         .ok()?
         .trim()
         .parse()
@@ -527,7 +527,9 @@ async fn egress_goes_through_nat_only_when_internet_access_is_allowed() {
 async fn reconcile_cleans_up_after_a_crashed_node_process() {
     require_jail!();
     let data = tempfile::tempdir().unwrap();
-    let cfg = common::config(data.path());
+    let mut cfg = common::config(data.path());
+    // A crashed process's layer pool would stay locked by this (living) test process.
+    cfg.layer_pool_size = 0;
     let (crashed, _unused) = common::backend_with(|c| *c = cfg.clone()).await;
     let info = common::create_ready(&crashed, common::spec(&common::id("crash"))).await;
     common::spawn_bg(&info, "exec sleep 1000").await;
@@ -572,7 +574,7 @@ async fn kept_layer_is_reused_and_reconcile_removes_unreferenced_ones() {
     b.pause(&first.id).await.unwrap();
     let kept = b.keep(&first.id).await.unwrap();
     assert_eq!(kept.path.parent(), Some(b.kept_dir()));
-    assert!(kept.path.join("upper/root/file").is_file());
+    assert!(kept.path.join("disk/layer.img").is_file());
     // Everything but the layer is released.
     common::assert_gone(&b, &t);
     assert!(matches!(
@@ -626,11 +628,11 @@ async fn kept_layer_is_reused_and_reconcile_removes_unreferenced_ones() {
     assert!(
         report
             .removed_other
-            .contains(&format!("kept layer {}", stray.path.display())),
+            .contains(&format!("kept state {}", stray.path.display())),
         "{report:?}"
     );
     assert!(!stray.path.exists());
-    assert!(referenced.path.join("upper/root/file").is_file());
+    assert!(referenced.path.join("disk/layer.img").is_file());
     // Discarding the last one leaves the kept directory empty.
     restarted.discard_kept(&referenced).await.unwrap();
     assert!(!referenced.path.exists());
@@ -642,7 +644,7 @@ async fn kept_layer_is_reused_and_reconcile_removes_unreferenced_ones() {
             && !again
                 .removed_other
                 .iter()
-                .any(|r| r.starts_with("kept layer")),
+                .any(|r| r.starts_with("kept state")),
         "{again:?}"
     );
 }
@@ -733,9 +735,8 @@ impl PoolTraces {
         let addresses = names
             .iter()
             .map(|l| {
-                let slot =
-                    agentenv_node::backend::jail::net::slot_of_ifname(&common::iface_prefix(), l)
-                        .expect("a pooled interface name");
+                let slot = agentenv_node::host::net::slot_of_ifname(&common::iface_prefix(), l)
+                    .expect("a pooled interface name");
                 slot.sandbox_ip()
             })
             .collect();
@@ -948,6 +949,8 @@ async fn reconcile_releases_the_namespace_pool_of_a_crashed_node_process() {
     let data = tempfile::tempdir().unwrap();
     let mut cfg = common::config(data.path());
     cfg.net_pool_size = 2;
+    // A crashed process's layer pool would stay locked by this (living) test process.
+    cfg.layer_pool_size = 0;
     let (crashed, _unused) = common::backend_with(|c| *c = cfg.clone()).await;
     pool_ready(&crashed, 2).await;
     let left = PoolTraces::of(&crashed);

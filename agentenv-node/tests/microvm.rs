@@ -78,7 +78,7 @@ async fn backend(data: &Path, net: u8) -> MicrovmBackend {
     let kernel = halting_guest(data);
     let agent = data.join("agentenv-guest");
     std::fs::write(&agent, b"\x7fELF the agent never runs in these tests").unwrap();
-    let mut cfg = MicrovmConfig::new(data, &agent, microvm_common::vmm_binary(), kernel);
+    let mut cfg = MicrovmConfig::new(data, &agent, microvm_common::static_vmm_binary(), kernel);
     cfg.templates.root = data.join("templates");
     tiny_template(&cfg.templates.root);
     cfg.cgroup_parent = "agentenv-test-vm".into();
@@ -154,7 +154,7 @@ fn vmm_taps(pid: i32) -> Vec<String> {
 async fn serial_contains(dir: &Path, text: &str) -> bool {
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     loop {
-        if std::fs::read_to_string(dir.join("serial.log"))
+        if std::fs::read_to_string(dir.join("jail/run/serial.log"))
             .unwrap_or_default()
             .contains(text)
         {
@@ -226,6 +226,52 @@ async fn assert_vmm_in_place(b: &MicrovmBackend, id: &str) -> i32 {
         proc_status.lines().any(|l| l == "Seccomp:\t2"),
         "the VMM runs under its seccomp filter"
     );
+    // The jailer: an unprivileged uid of the pool, no capabilities, no environment, and
+    // the sandbox's jail directory as its root.
+    let field = |name: &str| {
+        proc_status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:\t")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let uids: Vec<u32> = field("Uid")
+        .split_whitespace()
+        .map(|u| u.parse().unwrap())
+        .collect();
+    assert_eq!(uids.len(), 4, "{proc_status}");
+    assert!(uids.iter().all(|u| *u == uids[0]), "{proc_status}");
+    assert!(
+        uids[0] >= 100_000,
+        "the VMM runs as a pool id: {proc_status}"
+    );
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(field(caps), "0000000000000000", "{caps}: {proc_status}");
+    }
+    assert_eq!(field("NoNewPrivs"), "1");
+    assert!(
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .unwrap()
+            .is_empty(),
+        "the VMM's environment is empty"
+    );
+    let jail = std::fs::metadata(b.sandbox_dir(id).join("jail")).unwrap();
+    let root = std::fs::metadata(format!("/proc/{pid}/root/")).unwrap();
+    assert_eq!(
+        (root.dev(), root.ino()),
+        (jail.dev(), jail.ino()),
+        "the VMM's root is its jail directory"
+    );
+    let seen: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for name in &seen {
+        assert!(
+            ["vm.json", "vmlinux", "rootfs.ext4", "dev", "run"].contains(&name.as_str()),
+            "unexpected {name} in the VMM's jail: {seen:?}"
+        );
+    }
     let status = b.vmm_client(id).unwrap().status().await.unwrap();
     assert_eq!(status["state"], "running");
     pid
@@ -249,7 +295,7 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
     let ns = netns_inode(pid);
     assert!(serial_contains(&dir, "ready").await, "the guest ran");
     let vm: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("vm.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(dir.join("jail/vm.json")).unwrap()).unwrap();
     let cmdline = vm["cmdline"].as_str().unwrap();
     assert!(
         cmdline.contains(&format!(
@@ -261,15 +307,15 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
         cmdline.contains("init=/agentenv/agentenv-guest"),
         "{cmdline}"
     );
-    assert!(dir.join("rootfs.ext4").is_file());
+    assert!(dir.join("jail/rootfs.ext4").is_file());
     let usage = b.usage(&sid).await.unwrap();
     assert!(usage.memory_limit_bytes >= 32 << 20, "{usage:?}");
     assert!(usage.processes >= 1, "{usage:?}");
 
     b.pause(&sid).await.unwrap();
     assert_eq!(b.get(&sid).await.unwrap().state, SandboxState::Paused);
-    assert!(dir.join("snapshot").join(STATE_FILE).is_file());
-    assert!(dir.join("snapshot").join(MEMORY_FILE).is_file());
+    assert!(dir.join("jail/run/snapshot").join(STATE_FILE).is_file());
+    assert!(dir.join("jail/run/snapshot").join(MEMORY_FILE).is_file());
     wait_gone(pid).await;
     assert_eq!(b.vmm_pid(&sid), None);
     // Pausing again is a no-op.
@@ -329,7 +375,12 @@ async fn a_kept_snapshot_restores_with_its_memory_size_and_reconcile_drops_unref
     assert!(matches!(e, BackendError::InvalidState { .. }), "{e}");
     b.pause(&sid).await.unwrap();
     let kept = b.keep(&sid).await.unwrap();
-    assert!(kept.path.join("snapshot").join(STATE_FILE).is_file());
+    assert!(
+        kept.path
+            .join("jail/run/snapshot")
+            .join(STATE_FILE)
+            .is_file()
+    );
     assert!(
         !b.address_reserved(info.address.ip),
         "keep releases the address"

@@ -302,3 +302,138 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     })
     .await;
 }
+
+/// Bad input from the shared store: a record changed after it was written is refused by
+/// id and by name and is not listed; a layer that escapes (signed by a node that has the
+/// seed, as a compromised node or a stolen seed could) is refused naming its entry, and
+/// nothing is written outside the node's directories.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_records_and_escaping_layers_are_refused() {
+    use agentenv_core::storage::OpendalStorage;
+    use agentenv_node::backend::SnapshotCapture;
+    use agentenv_node::snapshot::{RecordKey, SnapshotRepo, SnapshotSpec};
+
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let cfg = node_common::config(home.path(), 55);
+    let store_cfg = cfg.snapshot_repository.clone();
+    let node = Node::start(cfg).await;
+    let addr = node.addr;
+    let store = home.path().join("snapshot-store/repository");
+
+    // A snapshot of a real sandbox, then its record changed in the store.
+    let src = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
+    let r = api(
+        addr,
+        "POST",
+        &format!("/sandboxes/{src}/snapshots"),
+        r#"{"name":"tampered"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let snap = r.json()["snapshotID"].as_str().unwrap().to_string();
+    let path = store.join(format!("catalog/records/{snap}.json"));
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["committed"]["env"]["INJECTED"] = "1".into();
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    for template in [snap.as_str(), "tampered"] {
+        let r = api(
+            addr,
+            "POST",
+            "/v2/sandboxes",
+            &format!(r#"{{"templateID":"{template}"}}"#),
+        )
+        .await;
+        assert_eq!(r.status, 500, "{}", r.text());
+        let msg = r.json()["message"].as_str().unwrap().to_string();
+        assert!(
+            msg.contains(&snap)
+                && msg.contains("not written by a node sharing this node's seed")
+                && msg.contains("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED"),
+            "{msg}"
+        );
+    }
+    assert_eq!(
+        api(addr, "GET", "/snapshots", "").await.json(),
+        serde_json::json!([])
+    );
+
+    // A layer whose `etc` is a link to a host directory, with a file through it.
+    let seed = agentenv_node::access::resolve_seed(None, home.path()).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let repo = SnapshotRepo::new(
+        std::sync::Arc::new(OpendalStorage::open(&store_cfg).unwrap()),
+        &store_cfg,
+        cache.path(),
+        RecordKey::from_seed(&seed),
+    )
+    .unwrap();
+    let victim = tempfile::tempdir().unwrap();
+    let dir = repo.staging_dir().unwrap();
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(dir.path().join("layer.tar")).unwrap());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        h.set_uid(0);
+        h.set_gid(0);
+        b.append_link(&mut h, "etc", victim.path()).unwrap();
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(6);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        b.append_data(&mut h, "etc/hosts", &b"owned\n"[..]).unwrap();
+        b.finish().unwrap();
+    }
+    let rec = repo
+        .publish(
+            &SnapshotSpec {
+                sandbox_id: src.clone(),
+                name: Some("escape".into()),
+                template: "base".into(),
+                cpu_count: 1,
+                memory_mb: 256,
+                env: Default::default(),
+            },
+            SnapshotCapture {
+                backend: "jail".into(),
+                files: vec!["layer.tar".into()],
+            },
+            dir.path(),
+        )
+        .await
+        .unwrap();
+    let r = api(addr, "POST", "/v2/sandboxes", r#"{"templateID":"escape"}"#).await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    let msg = r.json()["message"].as_str().unwrap().to_string();
+    assert!(
+        msg.contains("\"etc/hosts\"") && msg.contains("`etc` is a symbolic link"),
+        "{msg}"
+    );
+    assert_eq!(
+        std::fs::read_dir(victim.path()).unwrap().count(),
+        0,
+        "a file was written through the layer's link"
+    );
+    // Nothing of the refused layer is kept, and the node keeps serving.
+    let kept = home.path().join("jail/kept");
+    until(Duration::from_secs(10), "no kept layer left", || async {
+        (std::fs::read_dir(&kept).unwrap().count() == 0).then_some(())
+    })
+    .await;
+    assert_eq!(state(addr, &src).await.as_deref(), Some("running"));
+    assert_eq!(read(addr, &src, "echo alive").await, "alive");
+
+    let r = api(addr, "DELETE", &format!("/templates/{}", rec.id), "").await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(
+        api(addr, "DELETE", &format!("/sandboxes/{src}"), "")
+            .await
+            .status,
+        204
+    );
+    node.stop().await;
+}

@@ -207,7 +207,7 @@ pub fn node_iface_prefix(idx: u8) -> String {
 }
 
 /// Removes the host firewall chains of `iface_prefix` (see
-/// `agentenv_node::backend::jail::net::uninstall_host_rules`), waiting a few seconds for
+/// `agentenv_node::host::net::uninstall_host_rules`), waiting a few seconds for
 /// the veths of closed sandbox namespaces to go; a refusal (sandboxes still there) or a
 /// failure is reported on stderr, and the chains then stay.
 pub fn remove_host_rules(iface_prefix: &str, runtime_dir: &Path) {
@@ -218,7 +218,7 @@ pub fn remove_host_rules(iface_prefix: &str, runtime_dir: &Path) {
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
-        rt.block_on(agentenv_node::backend::jail::net::uninstall_host_rules(
+        rt.block_on(agentenv_node::host::net::uninstall_host_rules(
             &prefix,
             &dir,
             Duration::from_secs(10),

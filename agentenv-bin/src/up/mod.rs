@@ -13,7 +13,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_node::backend::jail::net::uninstall_host_rules;
+use agentenv_node::host::net::uninstall_host_rules;
 use base64::Engine as _;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};

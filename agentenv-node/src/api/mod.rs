@@ -404,7 +404,9 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
             }
             BackendError::InvalidLimits(_) | BackendError::InvalidId(_) => StatusCode::BAD_REQUEST,
             BackendError::NotFound(_) => StatusCode::NOT_FOUND,
-            BackendError::AddressPoolExhausted { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            BackendError::AddressPoolExhausted { .. } | BackendError::IdPoolExhausted { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         },
         LifecycleError::Agent { .. } | LifecycleError::Persist(_) | LifecycleError::Internal(_) => {
@@ -423,9 +425,10 @@ fn snapshot_status(e: &SnapshotError) -> StatusCode {
         | SnapshotError::AliasConflict { .. }
         | SnapshotError::WrongBackend { .. } => StatusCode::BAD_REQUEST,
         SnapshotError::NotFound(_) => StatusCode::NOT_FOUND,
-        SnapshotError::Corrupt { .. } | SnapshotError::Storage(_) | SnapshotError::Io { .. } => {
-            StatusCode::INTERNAL_SERVER_ERROR
-        }
+        SnapshotError::Corrupt { .. }
+        | SnapshotError::Forged { .. }
+        | SnapshotError::Storage(_)
+        | SnapshotError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

@@ -28,6 +28,9 @@ pub struct NewSandbox {
     pub cpu_count: Option<u32>,
     #[serde(rename = "memoryMB")]
     pub memory_mb: Option<u64>,
+    /// The size of the sandbox's writable disk (an extension; E2B sets it per template).
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -73,6 +76,7 @@ impl NewSandbox {
         r.env_vars = self.env_vars.unwrap_or_default();
         r.cpu_count = self.cpu_count;
         r.memory_mb = self.memory_mb;
+        r.disk_size_mb = self.disk_size_mb;
         Ok(r)
     }
 }

@@ -19,8 +19,6 @@
 pub mod agent;
 pub mod jail;
 pub mod microvm;
-mod orphans;
-pub(crate) mod table;
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -53,6 +51,9 @@ pub struct SandboxSpec {
     pub allow_internet_access: bool,
     /// Most processes (threads included) at once; `None` uses the backend's default.
     pub max_processes: Option<u32>,
+    /// Size of the sandbox's writable disk in MiB; `None` uses the backend's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_size_mb: Option<u64>,
     /// State kept by [`SandboxBackend::keep`] to start from instead of the bare template
     /// (jail: the writable layer; microvm: the snapshot). Create takes it over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -92,6 +93,7 @@ impl SandboxSpec {
             env: BTreeMap::new(),
             allow_internet_access: true,
             max_processes: None,
+            disk_size_mb: None,
             kept: None,
         }
     }
@@ -176,6 +178,10 @@ pub enum BackendError {
     InvalidLimits(String),
     #[error("no free sandbox address in {pool}: destroy sandboxes or configure a larger pool")]
     AddressPoolExhausted { pool: String },
+    #[error(
+        "no free id range in the pool {pool}: destroy sandboxes or configure a larger AENV_JAIL_ID_POOL"
+    )]
+    IdPoolExhausted { pool: String },
     #[error("sandbox {id} is {state:?}, the operation needs it {needed:?}")]
     InvalidState {
         id: String,

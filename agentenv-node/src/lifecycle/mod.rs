@@ -113,6 +113,7 @@ pub struct CreateRequest {
     pub env_vars: BTreeMap<String, String>,
     pub cpu_count: Option<u32>,
     pub memory_mb: Option<u64>,
+    pub disk_size_mb: Option<u64>,
 }
 
 impl CreateRequest {
@@ -130,6 +131,7 @@ impl CreateRequest {
             env_vars: BTreeMap::new(),
             cpu_count: None,
             memory_mb: None,
+            disk_size_mb: None,
         }
     }
 }
@@ -160,6 +162,9 @@ pub struct SandboxRecord {
     pub env_vars: BTreeMap<String, String>,
     pub cpu_count: u32,
     pub memory_mb: u64,
+    /// The writable disk's size in MiB, when the create named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_size_mb: Option<u64>,
     /// When the timeout fires (wall clock, ms since the epoch); `None` while paused.
     pub expires_at_ms: Option<u64>,
     /// The timer behind `expires_at_ms`.
@@ -193,6 +198,7 @@ impl SandboxRecord {
         let mut spec = SandboxSpec::new(&self.id, &self.template);
         spec.cpu_count = self.cpu_count;
         spec.memory_mb = self.memory_mb;
+        spec.disk_size_mb = self.disk_size_mb;
         spec.env = self.env_vars.clone();
         spec.allow_internet_access = self.allow_internet_access.unwrap_or(true);
         spec.kept = self.kept.clone();
@@ -451,6 +457,7 @@ impl Orchestrator {
             env_vars: req.env_vars,
             cpu_count: req.cpu_count.unwrap_or(self.cfg.default_cpu_count),
             memory_mb: req.memory_mb.unwrap_or(self.cfg.default_memory_mb),
+            disk_size_mb: req.disk_size_mb,
             expires_at_ms: None,
             deadline: None,
             address: None,

@@ -15,6 +15,24 @@
 //! Publishing claims the alias first (an atomic create, so two nodes never bind one name
 //! to two snapshots), uploads the files, then creates the record. Deleting removes the
 //! record first (no new sandbox can start from it), then the alias, then the files.
+//!
+//! # Signed records
+//!
+//! Whoever can write to the store must not be able to make a node start sandboxes from
+//! files of their choosing. Every record carries `signature`: hex
+//! HMAC-SHA256 over the record's canonical form, under a key derived from the node's
+//! token seed ([`RecordKey::from_seed`]: HMAC-SHA256(seed, `"agentenv snapshot record
+//! v1"`), so access tokens and record signatures never share a key). The record names
+//! the SHA-256 of each of its files, so the signature covers their content too. Every
+//! read verifies it (constant-time) and a record that does not verify is refused
+//! ([`SnapshotError::Forged`]) and never used; listing leaves it out. Nodes that share a
+//! repository must therefore share `AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED`.
+//!
+//! The canonical form is `serde_json::to_vec` of the record with `signature` left out:
+//! fields in declaration order, maps are `BTreeMap`s (sorted keys), no floats, so the
+//! same record always gives the same bytes. Changing the record's fields changes the
+//! form: records written by a node with other fields do not verify here, and are refused
+//! rather than misread.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,7 +41,10 @@ use std::time::SystemTime;
 
 use agentenv_core::storage::{Storage, StorageConfig, StorageError};
 use bytes::Bytes;
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::backend::SnapshotCapture;
 
@@ -55,6 +76,10 @@ pub enum SnapshotError {
         "snapshot {id} in the repository is unreadable: {reason}; delete it (DELETE /templates/{id})"
     )]
     Corrupt { id: String, reason: String },
+    #[error(
+        "snapshot {id} is refused: its record {reason}, so it was not written by a node sharing this node's seed (or was changed since); it is not used. Nodes sharing a snapshot repository must share AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED; otherwise delete it (DELETE /templates/{id})"
+    )]
+    Forged { id: String, reason: String },
     #[error("snapshot repository: {0}")]
     Storage(#[from] StorageError),
     #[error("{context}: {source}")]
@@ -96,6 +121,10 @@ pub struct Committed {
     pub env: BTreeMap<String, String>,
     /// Size of each file, for checking downloads.
     pub sizes: BTreeMap<String, u64>,
+    /// SHA-256 of each file (hex), for checking downloads: the record's signature covers
+    /// the files' content through it.
+    #[serde(default)]
+    pub digests: BTreeMap<String, String>,
 }
 
 /// The catalog record of a published snapshot.
@@ -109,6 +138,98 @@ pub struct SnapshotRecord {
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
     pub committed: Committed,
+    /// Hex HMAC-SHA256 of the record's canonical form (see the module docs); empty when
+    /// missing, which never verifies.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub signature: String,
+}
+
+/// The key that signs and verifies snapshot records: HMAC-SHA256(seed, "agentenv
+/// snapshot record v1"), derived from the node's token seed so that nodes sharing the
+/// seed accept each other's snapshots and the access tokens (HMAC under the seed itself)
+/// never share a key with the records.
+#[derive(Clone)]
+pub struct RecordKey([u8; 32]);
+
+impl std::fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RecordKey(..)")
+    }
+}
+
+/// What the record key is derived for. Access tokens are HMACs under the seed too, of
+/// sandbox ids (`[A-Za-z0-9_-]`, with a `sandbox-traffic-` prefix for traffic tokens):
+/// this context, with its spaces, is none of them, so no token is ever the record key.
+const RECORD_KEY_CONTEXT: &[u8] = b"agentenv snapshot record v1";
+
+fn hmac(key: &[u8], msg: &[u8]) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
+    m.update(msg);
+    m.finalize().into_bytes().into()
+}
+
+impl RecordKey {
+    /// The record key of a node whose token seed is `seed`
+    /// (`AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED` or the managed seed file).
+    pub fn from_seed(seed: &str) -> Self {
+        Self(hmac(seed.as_bytes(), RECORD_KEY_CONTEXT))
+    }
+
+    fn mac(&self, record: &SnapshotRecord) -> [u8; 32] {
+        hmac(&self.0, &canonical(record))
+    }
+
+    /// The signature of `record` (its own `signature` is ignored).
+    pub fn sign(&self, record: &SnapshotRecord) -> String {
+        hex::encode(self.mac(record))
+    }
+
+    /// Checks `record`'s signature; the error says what is wrong with it.
+    fn verify(&self, record: &SnapshotRecord) -> Result<(), SnapshotError> {
+        let forged = |reason: &str| SnapshotError::Forged {
+            id: record.id.clone(),
+            reason: reason.to_string(),
+        };
+        if record.signature.is_empty() {
+            return Err(forged("carries no signature"));
+        }
+        let Ok(given) = hex::decode(&record.signature) else {
+            return Err(forged("has a malformed signature"));
+        };
+        if !bool::from(self.mac(record)[..].ct_eq(&given)) {
+            return Err(forged("has a signature that does not match its content"));
+        }
+        Ok(())
+    }
+}
+
+/// The bytes a record's signature covers: the record without its signature, as compact
+/// JSON (deterministic: see the module docs).
+fn canonical(record: &SnapshotRecord) -> Vec<u8> {
+    let unsigned = SnapshotRecord {
+        signature: String::new(),
+        ..record.clone()
+    };
+    serde_json::to_vec(&unsigned).expect("a record always serializes")
+}
+
+/// SHA-256 of the file `path`, hex.
+fn file_digest(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(hex::encode(h.finalize()))
+}
+
+async fn digest_of(path: PathBuf) -> Result<String, SnapshotError> {
+    let context = format!("reading {}", path.display());
+    tokio::task::spawn_blocking(move || file_digest(&path))
+        .await
+        .map_err(|e| SnapshotError::Io {
+            context: context.clone(),
+            source: std::io::Error::other(e),
+        })?
+        .map_err(io(context))
 }
 
 /// What a snapshot is taken from.
@@ -162,14 +283,17 @@ pub struct SnapshotRepo {
     storage: Arc<dyn Storage>,
     layout: Layout,
     cache: PathBuf,
+    key: RecordKey,
 }
 
 impl SnapshotRepo {
-    /// A repository on `storage`, laid out for `cfg`'s kind, staging files under `cache`.
+    /// A repository on `storage`, laid out for `cfg`'s kind, staging files under `cache`,
+    /// signing and verifying records with `key`.
     pub fn new(
         storage: Arc<dyn Storage>,
         cfg: &StorageConfig,
         cache: impl Into<PathBuf>,
+        key: RecordKey,
     ) -> Result<Self, SnapshotError> {
         let cache = cache.into();
         std::fs::create_dir_all(cache.join("staging"))
@@ -187,6 +311,7 @@ impl SnapshotRepo {
                 StorageConfig::S3(_) => Layout::Oss,
             },
             cache,
+            key,
         })
     }
 
@@ -223,7 +348,7 @@ impl SnapshotRepo {
         }
     }
 
-    /// Reads a record by id (`None` when absent).
+    /// Reads a record by id (`None` when absent), verifying its signature.
     pub async fn record(&self, id: &str) -> Result<Option<SnapshotRecord>, SnapshotError> {
         if !crate::dataplane::is_uuid(id) {
             return Ok(None);
@@ -231,12 +356,20 @@ impl SnapshotRepo {
         let Some(raw) = self.storage.read(&Self::record_key(id), MAX_RECORD).await? else {
             return Ok(None);
         };
-        serde_json::from_slice(&raw)
-            .map(Some)
-            .map_err(|e| SnapshotError::Corrupt {
+        let record: SnapshotRecord =
+            serde_json::from_slice(&raw).map_err(|e| SnapshotError::Corrupt {
                 id: id.to_string(),
                 reason: e.to_string(),
-            })
+            })?;
+        self.key.verify(&record)?;
+        // A signed record copied under another snapshot's key.
+        if record.id != id {
+            return Err(SnapshotError::Forged {
+                id: id.to_string(),
+                reason: format!("is the record of snapshot {}", record.id),
+            });
+        }
+        Ok(Some(record))
     }
 
     async fn alias_target(&self, name: &str) -> Result<Option<String>, SnapshotError> {
@@ -254,9 +387,16 @@ impl SnapshotRepo {
         if validate_name(id_or_name).is_err() {
             return Ok(None);
         }
-        match self.alias_target(id_or_name).await? {
-            Some(id) => self.record(&id).await,
-            None => Ok(None),
+        let Some(id) = self.alias_target(id_or_name).await? else {
+            return Ok(None);
+        };
+        match self.record(&id).await? {
+            // The name must be the record's own (aliases are not signed).
+            Some(r) if r.alias.as_deref() != Some(id_or_name) => Err(SnapshotError::Forged {
+                id,
+                reason: format!("does not carry the name {id_or_name:?} that points to it"),
+            }),
+            other => Ok(other),
         }
     }
 
@@ -272,7 +412,13 @@ impl SnapshotRepo {
             let Some(other) = self.alias_target(name).await? else {
                 continue;
             };
-            let live = self.record(&other).await?.is_some()
+            // Live while its record exists (verified or not: a name is never taken from
+            // under a record).
+            let live = self
+                .storage
+                .stat(&Self::record_key(&other))
+                .await?
+                .is_some()
                 || !self
                     .storage
                     .list(&self.artifact_prefix(&other))
@@ -338,6 +484,7 @@ impl SnapshotRepo {
     ) -> Result<SnapshotRecord, SnapshotError> {
         let prefix = self.artifact_prefix(id);
         let mut sizes = BTreeMap::new();
+        let mut digests = BTreeMap::new();
         for f in &capture.files {
             if !is_plain_file_name(f) || f == "manifest.json" {
                 return Err(SnapshotError::Io {
@@ -345,15 +492,17 @@ impl SnapshotRepo {
                     source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
                 });
             }
+            let path = dir.join(f);
+            digests.insert(f.clone(), digest_of(path.clone()).await?);
             let n = self
                 .storage
-                .put_file(&format!("{prefix}{f}"), &dir.join(f))
+                .put_file(&format!("{prefix}{f}"), &path)
                 .await?;
             sizes.insert(f.clone(), n);
         }
         let now = now_ms();
         let disk_size_mb = sizes.values().sum::<u64>().div_ceil(1 << 20);
-        let record = SnapshotRecord {
+        let mut record = SnapshotRecord {
             version: 1,
             id: id.to_string(),
             alias: spec.name.clone(),
@@ -372,8 +521,11 @@ impl SnapshotRepo {
                 template: spec.template.clone(),
                 env: spec.env.clone(),
                 sizes,
+                digests,
             },
+            signature: String::new(),
         };
+        record.signature = self.key.sign(&record);
         let json = serde_json::to_vec_pretty(&record).map_err(|e| SnapshotError::Corrupt {
             id: id.to_string(),
             reason: e.to_string(),
@@ -389,31 +541,45 @@ impl SnapshotRepo {
         Ok(record)
     }
 
-    /// Downloads a snapshot's files into `dir`, checking their sizes.
+    /// Downloads a snapshot's files into `dir`, checking the record's signature and the
+    /// files' names, sizes and digests against it.
     pub async fn download(&self, record: &SnapshotRecord, dir: &Path) -> Result<(), SnapshotError> {
+        self.key.verify(record)?;
+        let corrupt = |reason: String| SnapshotError::Corrupt {
+            id: record.id.clone(),
+            reason,
+        };
         let prefix = self.artifact_prefix(&record.id);
         for f in &record.committed.capture.files {
             if !is_plain_file_name(f) {
-                return Err(SnapshotError::Corrupt {
-                    id: record.id.clone(),
-                    reason: format!("the file name {f:?} is not a plain name"),
-                });
+                return Err(corrupt(format!("the file name {f:?} is not a plain name")));
             }
+            let (Some(&want), Some(digest)) = (
+                record.committed.sizes.get(f),
+                record.committed.digests.get(f),
+            ) else {
+                return Err(corrupt(format!(
+                    "the record gives no size or digest of {f}"
+                )));
+            };
+            let path = dir.join(f);
             let got = self
                 .storage
-                .get_file(&format!("{prefix}{f}"), &dir.join(f))
+                .get_file(&format!("{prefix}{f}"), &path)
                 .await
                 .map_err(|e| match e {
                     StorageError::NotFound { .. } => SnapshotError::NotFound(record.id.clone()),
                     other => other.into(),
                 })?;
-            if let Some(&want) = record.committed.sizes.get(f)
-                && want != got
-            {
-                return Err(SnapshotError::Corrupt {
-                    id: record.id.clone(),
-                    reason: format!("{f} has {got} bytes, the record says {want}"),
-                });
+            if want != got {
+                return Err(corrupt(format!(
+                    "{f} has {got} bytes, the record says {want}"
+                )));
+            }
+            if digest_of(path).await? != *digest {
+                return Err(corrupt(format!(
+                    "the content of {f} is not what the record's digest says"
+                )));
             }
         }
         Ok(())
@@ -510,11 +676,15 @@ mod tests {
     use agentenv_core::storage::OpendalStorage;
 
     fn repo(root: &Path, cache: &Path) -> SnapshotRepo {
+        repo_with_seed(root, cache, "test-seed")
+    }
+
+    fn repo_with_seed(root: &Path, cache: &Path, seed: &str) -> SnapshotRepo {
         let cfg = StorageConfig::Fs {
             root: root.to_path_buf(),
         };
         let storage = Arc::new(OpendalStorage::open(&cfg).unwrap());
-        SnapshotRepo::new(storage, &cfg, cache).unwrap()
+        SnapshotRepo::new(storage, &cfg, cache, RecordKey::from_seed(seed)).unwrap()
     }
 
     fn spec(name: Option<&str>) -> SnapshotSpec {
@@ -653,6 +823,8 @@ mod tests {
         let (dir, cap) = capture(&r, b"x").await;
         let mut rec = r.publish(&spec(None), cap, dir.path()).await.unwrap();
         rec.committed.capture.files = vec!["../escape".into()];
+        // Even signed (by whoever holds the seed), the name is refused.
+        rec.signature = r.key.sign(&rec);
         let d = r.staging_dir().unwrap();
         let e = r.download(&rec, d.path()).await.unwrap_err();
         assert!(matches!(e, SnapshotError::Corrupt { .. }), "{e}");
@@ -676,5 +848,146 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(r.resolve("app").await.unwrap().unwrap().id, rec.id);
+    }
+
+    fn assert_forged(e: &SnapshotError, id: &str) {
+        assert!(matches!(e, SnapshotError::Forged { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains(id), "{msg}");
+        assert!(
+            msg.contains("not written by a node sharing this node's seed"),
+            "{msg}"
+        );
+        assert!(msg.contains("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn records_are_signed_and_forged_ones_are_refused() {
+        let store = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let r = repo(store.path(), cache.path());
+        let (dir, cap) = capture(&r, b"layer bytes").await;
+        let rec = r
+            .publish(&spec(Some("web")), cap, dir.path())
+            .await
+            .unwrap();
+        assert_eq!(rec.signature.len(), 64);
+        assert_eq!(
+            rec.committed.digests["layer.tar"],
+            hex::encode(Sha256::digest(b"layer bytes"))
+        );
+        let path = store
+            .path()
+            .join(format!("catalog/records/{}.json", rec.id));
+        let original = std::fs::read(&path).unwrap();
+        let stored: serde_json::Value = serde_json::from_slice(&original).unwrap();
+        assert_eq!(stored["signature"], rec.signature.as_str());
+
+        // Each forgery: written over the record, then refused by id, by name, when
+        // downloading, and left out of the list.
+        let forge = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = stored.clone();
+            f(&mut v);
+            std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+        };
+        type Forgery<'a> = (&'a str, &'a dyn Fn(&mut serde_json::Value));
+        let forgeries: [Forgery<'_>; 5] = [
+            ("no signature", &|v| {
+                v.as_object_mut().unwrap().remove("signature");
+            }),
+            ("empty signature", &|v| v["signature"] = "".into()),
+            ("wrong signature", &|v| {
+                v["signature"] = "00".repeat(32).into()
+            }),
+            ("malformed signature", &|v| v["signature"] = "zz".into()),
+            ("a field changed after signing", &|v| {
+                v["committed"]["template"] = "other".into()
+            }),
+        ];
+        for (what, f) in forgeries {
+            forge(f);
+            let e = r.resolve(&rec.id).await.unwrap_err();
+            assert_forged(&e, &rec.id);
+            let e = r.resolve("web").await.unwrap_err();
+            assert_forged(&e, &rec.id);
+            assert!(r.list().await.unwrap().is_empty(), "{what}");
+        }
+        // Changed in memory after reading: download verifies too.
+        let mut changed = rec.clone();
+        changed.committed.env.insert("B".into(), "2".into());
+        let d = r.staging_dir().unwrap();
+        assert_forged(&r.download(&changed, d.path()).await.unwrap_err(), &rec.id);
+        assert!(!d.path().join("layer.tar").exists());
+        // Restored, the genuine record reads again.
+        std::fs::write(&path, &original).unwrap();
+        assert_eq!(r.resolve("web").await.unwrap().unwrap(), rec);
+
+        // A signed record copied under another id is refused.
+        let other = "01936f8e-72f5-7000-8000-0000000000aa";
+        std::fs::write(
+            store.path().join(format!("catalog/records/{other}.json")),
+            &original,
+        )
+        .unwrap();
+        assert_forged(&r.resolve(other).await.unwrap_err(), other);
+        // A name pointed at a snapshot that does not carry it is refused.
+        std::fs::write(
+            store.path().join("catalog/aliases/evil"),
+            format!("\"{}\"", rec.id),
+        )
+        .unwrap();
+        assert_forged(&r.resolve("evil").await.unwrap_err(), &rec.id);
+        assert!(r.delete(other).await.unwrap());
+        assert_eq!(r.list().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_record_signed_with_another_seed_is_refused() {
+        let store = tempfile::tempdir().unwrap();
+        let (c1, c2, c3) = (
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+        );
+        let a = repo_with_seed(store.path(), c1.path(), "seed-a");
+        let b = repo_with_seed(store.path(), c2.path(), "seed-b");
+        let a2 = repo_with_seed(store.path(), c3.path(), "seed-a");
+        let (dir, cap) = capture(&a, b"x").await;
+        let rec = a
+            .publish(&spec(Some("app")), cap, dir.path())
+            .await
+            .unwrap();
+        assert_forged(&b.resolve(&rec.id).await.unwrap_err(), &rec.id);
+        assert_forged(&b.resolve("app").await.unwrap_err(), &rec.id);
+        assert!(b.list().await.unwrap().is_empty());
+        let d = b.staging_dir().unwrap();
+        assert_forged(&b.download(&rec, d.path()).await.unwrap_err(), &rec.id);
+        // A node sharing the seed uses it.
+        assert_eq!(a2.resolve("app").await.unwrap().unwrap(), rec);
+        // Access tokens are HMACs under the seed of sandbox ids: the key's context is
+        // none, so no token is the record key.
+        assert!(
+            crate::backend::validate_sandbox_id(std::str::from_utf8(RECORD_KEY_CONTEXT).unwrap())
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_file_changed_in_the_store_is_refused_on_download() {
+        let store = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let r = repo(store.path(), cache.path());
+        let (dir, cap) = capture(&r, b"layer bytes").await;
+        let rec = r.publish(&spec(None), cap, dir.path()).await.unwrap();
+        // Same size, other bytes.
+        std::fs::write(
+            store.path().join(format!("snapshots/{}/layer.tar", rec.id)),
+            b"LAYER BYTES",
+        )
+        .unwrap();
+        let d = r.staging_dir().unwrap();
+        let e = r.download(&rec, d.path()).await.unwrap_err();
+        assert!(matches!(e, SnapshotError::Corrupt { .. }), "{e}");
+        assert!(e.to_string().contains("digest"), "{e}");
     }
 }

@@ -64,3 +64,25 @@ pub fn vmm_binary() -> PathBuf {
     })
     .clone()
 }
+
+/// A statically linked `agentenv-vmm`, as the node's jail needs it: `AGENTENV_VMM_BIN`
+/// when set (scripts/test.sh builds it), else built with agentenv-vmm/build-static.sh.
+pub fn static_vmm_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("AGENTENV_VMM_BIN") {
+            return PathBuf::from(p);
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../agentenv-vmm/build-static.sh");
+        let out = std::process::Command::new(&script)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("running agentenv-vmm/build-static.sh");
+        assert!(
+            out.status.success(),
+            "building a static agentenv-vmm failed"
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}

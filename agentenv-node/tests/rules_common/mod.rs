@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use agentenv_node::backend::jail::net;
+use agentenv_node::host::net;
 
 /// `first` and four letters from the process id: no other test process running now has
 /// it (process ids stay below 26^4 on these hosts; above, they wrap around).

@@ -31,11 +31,11 @@
 //! template snapshot restore it instead of booting, as often as wanted and next to the
 //! sandbox it was taken from.
 
+pub mod jail;
 pub mod net;
 
-use std::ffi::CString;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -44,16 +44,24 @@ use agentenv_vmm::control::{SnapshotKind, VmmClient};
 use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 use async_trait::async_trait;
 
-use super::table::{Entry, SandboxTable, TableSandbox};
-use serde::{Deserialize, Serialize};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::WaitStatus;
+use nix::unistd::Pid;
 use tokio::sync::watch;
 
-use super::jail::cgroup::{Hierarchy, Limits, SandboxCgroup};
-use super::jail::net::{self as jnet, AddressPool, HostRules, Ipv4Net, SandboxNet, Slot};
+use self::jail::Jail;
+use crate::host::table::{SandboxTable, TableSandbox};
+
 use super::{
     AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
     SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture,
     validate_sandbox_id,
+};
+use crate::host::cgroup::{Limits, SandboxCgroup};
+use crate::host::ids::{IdPoolRange, IdRange};
+use crate::host::net::Ipv4Net;
+use crate::host::{
+    HostConfig, HostSlot, SandboxHost, StateFile, devices, setup, spawn, watch_exit, write_json,
 };
 use crate::template::image;
 use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
@@ -64,6 +72,9 @@ pub const DEFAULT_BOOT_ARGS: &str = "reboot=k panic=1 pci=off";
 
 /// The sandbox's disk in its directory (and in captures).
 const ROOTFS_FILE: &str = "rootfs.ext4";
+
+/// What a kept sandbox directory holds.
+const KEPT_FILES: &[&str] = &["jail/run/snapshot", "jail/rootfs.ext4", "state.json"];
 
 /// The files of a capture ([`SandboxBackend::snapshot`]).
 const CAPTURE_FILES: &[&str] = &[STATE_FILE, MEMORY_FILE, ROOTFS_FILE, "state.json"];
@@ -115,6 +126,8 @@ pub struct MicrovmConfig {
     pub op_timeout: Duration,
     /// How long a snapshot may take.
     pub snapshot_timeout: Duration,
+    /// Host ids VMM processes run as, 65,536 per sandbox (`AENV_JAIL_ID_POOL`).
+    pub id_pool: IdPoolRange,
 }
 
 impl MicrovmConfig {
@@ -148,6 +161,24 @@ impl MicrovmConfig {
             attach_devices: true,
             op_timeout: Duration::from_secs(10),
             snapshot_timeout: Duration::from_secs(120),
+            id_pool: IdPoolRange::default(),
+        }
+    }
+
+    fn host(&self) -> HostConfig {
+        HostConfig {
+            kind: "microvm",
+            data_dir: self.data_dir.clone(),
+            runtime_dir: self.runtime_dir.clone(),
+            address_pool: self.address_pool,
+            iface_prefix: self.iface_prefix.clone(),
+            denied_networks: self.denied_networks.clone(),
+            dns_servers: self.dns_servers.clone(),
+            cgroup_parent: self.cgroup_parent.clone(),
+            op_timeout: self.op_timeout,
+            net_pool_size: 0,
+            id_pool: self.id_pool,
+            devices: devices::MICROVM,
         }
     }
 }
@@ -198,33 +229,15 @@ fn unavailable_reason_at(
     None
 }
 
-/// What reconciliation needs to find a sandbox's leftovers.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct StateFile {
-    id: String,
-    template: String,
-    pid: Option<i32>,
-    host_if: String,
-    slot: Ipv4Addr,
-    created_at: u64,
-    /// The guest's vCPUs and memory (a restore needs the same).
-    #[serde(default)]
-    cpu_count: Option<u32>,
-    #[serde(default)]
-    memory_mb: Option<u64>,
-}
-
 /// A running VMM process.
 struct VmmProcess {
     pid: i32,
-    exited: watch::Receiver<Option<std::process::ExitStatus>>,
+    exited: watch::Receiver<Option<WaitStatus>>,
 }
 
 struct Sandbox {
     info: Mutex<SandboxInfo>,
-    dir: PathBuf,
-    cgroup: SandboxCgroup,
-    net: Mutex<Option<SandboxNet>>,
+    host: HostSlot,
     vmm: Mutex<Option<VmmProcess>>,
     client: VmmClient,
     op: tokio::sync::Mutex<()>,
@@ -236,25 +249,15 @@ impl TableSandbox for Sandbox {
     }
 
     fn cgroup(&self) -> &SandboxCgroup {
-        &self.cgroup
+        &self.host.cgroup
     }
-}
-
-fn setup(msg: impl std::fmt::Display) -> BackendError {
-    BackendError::Setup(msg.to_string())
 }
 
 /// The microvm backend.
 pub struct MicrovmBackend {
     cfg: MicrovmConfig,
     templates: TemplateStore,
-    hierarchy: Hierarchy,
-    pool: AddressPool,
-    netlink: rtnetlink::Handle,
-    dns: Vec<Ipv4Addr>,
-    sandboxes_dir: PathBuf,
-    kept_dir: PathBuf,
-    host_cpus: u32,
+    host: SandboxHost,
     sandboxes: SandboxTable<Sandbox>,
 }
 
@@ -273,15 +276,6 @@ impl MicrovmBackend {
     /// [`MicrovmBackend::new`] without the check that Linux guests can run (KVM under
     /// `kvm_pvm` still runs guest programs: tests drive the backend with those).
     pub async fn new_unchecked(cfg: MicrovmConfig) -> Result<Self, BackendError> {
-        if cfg.iface_prefix.is_empty()
-            || cfg.iface_prefix.len() > 6
-            || !cfg.iface_prefix.bytes().all(|b| b.is_ascii_lowercase())
-        {
-            return Err(setup(format!(
-                "invalid iface_prefix {:?}: use 1 to 6 lowercase letters",
-                cfg.iface_prefix
-            )));
-        }
         for (what, p) in [
             ("agent binary", &cfg.agent_binary),
             ("VMM binary", &cfg.vmm_binary),
@@ -291,53 +285,20 @@ impl MicrovmBackend {
                 return Err(setup(format!("the {what} {} does not exist", p.display())));
             }
         }
-        let sandboxes_dir = cfg.data_dir.join("microvm").join("sandboxes");
-        let kept_dir = cfg.data_dir.join("microvm").join("kept");
-        for d in [&sandboxes_dir, &kept_dir, &cfg.image_dir, &cfg.runtime_dir] {
-            std::fs::create_dir_all(d)
-                .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
-        }
-        let hierarchy = Hierarchy::detect().map_err(setup)?;
-        hierarchy
-            .prepare_parent(&cfg.cgroup_parent)
-            .map_err(setup)?;
-        let pool = AddressPool::new(cfg.address_pool, &cfg.runtime_dir).map_err(setup)?;
-        let dns = cfg
-            .dns_servers
-            .clone()
-            .unwrap_or_else(jnet::host_nameservers);
-        HostRules {
-            iface_prefix: cfg.iface_prefix.clone(),
-            pool: cfg.address_pool,
-            denied: cfg.denied_networks.clone(),
-            dns: dns.clone(),
-        }
-        .install(&cfg.runtime_dir)
-        .await
-        .map_err(setup)?;
-        let (conn, netlink, _) = rtnetlink::new_connection()
-            .map_err(|e| BackendError::io("opening a netlink socket", e))?;
-        tokio::spawn(conn);
-        let host_cpus = std::thread::available_parallelism()
-            .map(|n| n.get() as u32)
-            .unwrap_or(1);
+        std::fs::create_dir_all(&cfg.image_dir)
+            .map_err(|e| BackendError::io(format!("creating {}", cfg.image_dir.display()), e))?;
+        let host = SandboxHost::new(cfg.host()).await?;
         tracing::info!(
             kernel = %cfg.kernel.display(),
             vmm = %cfg.vmm_binary.display(),
-            cgroup = hierarchy.version(),
+            cgroup = host.hierarchy().version(),
             pool = %cfg.address_pool,
             "microvm backend ready"
         );
         Ok(Self {
             templates: TemplateStore::new(cfg.templates.clone()),
             cfg,
-            hierarchy,
-            pool,
-            netlink,
-            dns,
-            sandboxes_dir,
-            kept_dir,
-            host_cpus,
+            host,
             sandboxes: SandboxTable::new(),
         })
     }
@@ -349,12 +310,12 @@ impl MicrovmBackend {
 
     /// The directory of a sandbox.
     pub fn sandbox_dir(&self, id: &str) -> PathBuf {
-        self.sandboxes_dir.join(id)
+        self.host.sandbox_dir(id)
     }
 
     /// Where kept snapshots live.
     pub fn kept_dir(&self) -> &Path {
-        &self.kept_dir
+        self.host.kept_dir()
     }
 
     /// The PID of a sandbox's VMM process, while one runs.
@@ -371,17 +332,13 @@ impl MicrovmBackend {
 
     /// The cgroup directories of a sandbox.
     pub fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
-        self.hierarchy
-            .sandbox(&self.cfg.cgroup_parent, id)
-            .dirs()
-            .to_vec()
+        self.host.cgroup_dirs(id)
     }
 
     /// The host interface of a sandbox.
     pub fn host_interface(&self, id: &str) -> Option<String> {
         let sbx = self.sandboxes.ready(id).ok()?;
-        let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
-        net.as_ref().map(|n| n.host_if.clone())
+        sbx.host.with_net(|n| n.host_if.clone())
     }
 
     /// Runs `program` with `args` inside a sandbox's network namespace; its output.
@@ -392,25 +349,19 @@ impl MicrovmBackend {
         args: &[&str],
     ) -> Result<String, BackendError> {
         let sbx = self.sandboxes.ready(id)?;
-        let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
-        let n = net
-            .as_ref()
-            .ok_or_else(|| setup(format!("sandbox {id} has no network namespace")))?;
-        net::run_in(n.netns.as_fd(), program, args, "").map_err(setup)
+        sbx.host
+            .with_net(|n| net::run_in(n.netns.as_fd(), program, args, "").map_err(setup))
+            .ok_or_else(|| setup(format!("sandbox {id} has no network namespace")))?
     }
 
     /// Whether an address of the pool is reserved (by any node process on this host).
     pub fn address_reserved(&self, ip: Ipv4Addr) -> bool {
-        self.pool.is_reserved(Slot {
-            network: Ipv4Addr::from(u32::from(ip) & !3),
-        })
+        self.host.address_reserved(ip)
     }
 
     /// Names of host interfaces of microVM sandboxes.
     pub async fn host_interfaces(&self) -> Vec<String> {
-        jnet::list_links(&self.netlink, &self.cfg.iface_prefix)
-            .await
-            .unwrap_or_default()
+        self.host.host_interfaces().await
     }
 
     fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
@@ -420,10 +371,11 @@ impl MicrovmBackend {
                 agentenv_vmm::config::MAX_VCPUS
             )));
         }
-        if spec.cpu_count > self.host_cpus {
+        if spec.cpu_count > self.host.host_cpus() {
             return Err(BackendError::InvalidLimits(format!(
                 "cpuCount {} is more than this node's {} CPUs",
-                spec.cpu_count, self.host_cpus
+                spec.cpu_count,
+                self.host.host_cpus()
             )));
         }
         if spec.memory_mb < MIN_MEMORY_MB {
@@ -438,37 +390,15 @@ impl MicrovmBackend {
         })
     }
 
-    fn check_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
-        let bad = |reason: &str| BackendError::BadKeptState {
-            path: kept.path.clone(),
-            reason: reason.to_string(),
-        };
-        let under = kept.path.parent() == Some(self.kept_dir.as_path())
-            && kept
-                .path
-                .file_name()
-                .is_some_and(|n| !n.to_string_lossy().starts_with('.'));
-        if !under {
-            return Err(bad(&format!(
-                "it is not a directory of {}",
-                self.kept_dir.display()
-            )));
-        }
-        for f in ["snapshot", ROOTFS_FILE, "state.json"] {
-            if !kept.path.join(f).exists() {
-                return Err(bad(&format!("{f} is missing")));
-            }
-        }
-        Ok(())
-    }
-
     /// The VM configuration of a sandbox.
-    fn vm_config(
-        &self,
-        spec: &SandboxSpec,
-        dir: &Path,
-    ) -> Result<agentenv_vmm::VmConfig, BackendError> {
-        let dns = self.dns.first().map(|d| d.to_string()).unwrap_or_default();
+    /// The VM configuration of a sandbox, with the paths the VMM sees in its jail.
+    fn vm_config(&self, spec: &SandboxSpec) -> Result<agentenv_vmm::VmConfig, BackendError> {
+        let dns = self
+            .host
+            .dns()
+            .first()
+            .map(|d| d.to_string())
+            .unwrap_or_default();
         let mut cmdline = format!(
             "{} ip={}::{}:255.255.255.252:{}:eth0:off:{dns}",
             self.cfg.boot_args,
@@ -499,7 +429,7 @@ impl MicrovmBackend {
         if self.cfg.attach_devices {
             drives.push(agentenv_vmm::config::DriveConfig {
                 id: "rootfs".into(),
-                path: dir.join(ROOTFS_FILE),
+                path: PathBuf::from(jail::DISK),
                 read_only: false,
                 is_root: true,
             });
@@ -516,7 +446,7 @@ impl MicrovmBackend {
             "cmdline": cmdline,
             "drives": drives,
             "net": nets,
-            "serial_output": dir.join("serial.log"),
+            "serial_output": jail::SERIAL_LOG,
             // A balloon the node can inflate to take memory back (empty at start; the
             // guest gets pages back when it runs short), and entropy for the guest.
             "balloon": if self.cfg.attach_devices {
@@ -531,8 +461,15 @@ impl MicrovmBackend {
             "rng": self.cfg.attach_devices,
         }))
         .map_err(|e| setup(format!("building the VM configuration: {e}")))?;
-        cfg.validate()
+        // Checked with the host's view of the files; the VMM sees them in its jail.
+        let mut host_view = cfg.clone();
+        host_view.drives.clear();
+        host_view.serial_output = None;
+        host_view
+            .validate()
             .map_err(|e| BackendError::InvalidLimits(e.to_string()))?;
+        let mut cfg = cfg;
+        cfg.kernel = PathBuf::from(jail::KERNEL);
         Ok(cfg)
     }
 
@@ -544,9 +481,9 @@ impl MicrovmBackend {
     ) -> Result<SandboxInfo, BackendError> {
         validate_sandbox_id(&spec.id)?;
         if let Some(kept) = &spec.kept {
-            self.check_kept(kept)?;
+            self.host.check_kept(kept, KEPT_FILES)?;
             // A snapshot restores the memory size and vCPUs it was taken with.
-            let st = read_state(&kept.path).ok_or_else(|| BackendError::BadKeptState {
+            let st = StateFile::read(&kept.path).ok_or_else(|| BackendError::BadKeptState {
                 path: kept.path.clone(),
                 reason: "state.json is unreadable".into(),
             })?;
@@ -558,20 +495,15 @@ impl MicrovmBackend {
             }
         }
         let limits = self.check_limits(&spec)?;
-        let sock = self.sandbox_dir(&spec.id).join("api.sock");
+        let sock = Jail::of(&self.sandbox_dir(&spec.id)).host_path(jail::API_SOCK);
         if sock.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(setup(format!(
                 "the VMM socket path {} is longer than {MAX_SOCKET_PATH} bytes: use a shorter data directory",
                 sock.display()
             )));
         }
-        {
-            let mut map = self.sandboxes.lock();
-            if map.contains_key(&spec.id) || self.sandbox_dir(&spec.id).exists() {
-                return Err(BackendError::AlreadyExists(spec.id.clone()));
-            }
-            map.insert(spec.id.clone(), Entry::Creating);
-        }
+        self.sandboxes
+            .begin(&spec.id, self.sandbox_dir(&spec.id).exists())?;
         let result = async {
             let disk = if spec.kept.is_some() {
                 None
@@ -600,18 +532,7 @@ impl MicrovmBackend {
             self.start(&spec, limits, disk.as_deref()).await
         }
         .await;
-        let mut map = self.sandboxes.lock();
-        match result {
-            Ok(sbx) => {
-                let info = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                map.insert(spec.id.clone(), Entry::Ready(sbx));
-                Ok(info)
-            }
-            Err(e) => {
-                map.remove(&spec.id);
-                Err(e)
-            }
-        }
+        self.sandboxes.finish(&spec.id, result)
     }
 
     async fn start(
@@ -620,198 +541,168 @@ impl MicrovmBackend {
         limits: Limits,
         disk: Option<&Path>,
     ) -> Result<Arc<Sandbox>, BackendError> {
-        let mut undo = Undo::new(self);
-        let dir = self.sandbox_dir(&spec.id);
-        undo.dir = Some(dir.clone());
-        if let Some(kept) = &spec.kept {
-            std::fs::rename(&kept.path, &dir).map_err(|e| {
-                BackendError::io(
-                    format!("moving {} to {}", kept.path.display(), dir.display()),
-                    e,
-                )
-            })?;
-            undo.kept = Some(kept.path.clone());
-        } else {
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?;
-            if let Some(disk) = disk {
-                copy_sparse(disk, &dir.join(ROOTFS_FILE)).await?;
-            }
+        let mut claim = self
+            .host
+            .claim(
+                &spec.id,
+                spec.kept.as_ref(),
+                spec.allow_internet_access,
+                limits,
+            )
+            .await?;
+        let dir = claim.dir().to_path_buf();
+        let ids = claim.ids();
+        let jail = Jail::of(&dir);
+        std::fs::create_dir_all(jail.root())
+            .map_err(|e| BackendError::io(format!("creating {}", jail.root().display()), e))?;
+        if let Some(disk) = disk {
+            copy_sparse(disk, &jail.host_path(jail::DISK)).await?;
         }
-        let slot = self.pool.reserve(&dir).map_err(|e| match e {
-            jnet::NetError::Exhausted(p) => BackendError::AddressPoolExhausted {
-                pool: p.to_string(),
-            },
-            other => setup(other),
-        })?;
-        undo.slot = Some(slot);
-        let config = self.vm_config(spec, &dir)?;
-        write_json(&dir.join("vm.json"), &config)?;
-
-        let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, &spec.id);
-        cg.create(limits).map_err(setup)?;
-        undo.cgroup = Some(cg.clone());
-
-        let host_if = slot.host_ifname(&self.cfg.iface_prefix, spec.allow_internet_access);
-        // The slot is ours now: a link already named after it is a leftover of a process
-        // that died without cleaning up.
-        for internet in [true, false] {
-            let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
-            if let Ok(true) = jnet::delete_link(&self.netlink, &name).await {
-                tracing::warn!(link = %name, "deleted a leftover link of a reused address");
-            }
-        }
-        undo.link = Some(host_if.clone());
-        let sandbox_net = jnet::create_sandbox_net(&self.netlink, slot, host_if.clone())
+        let j = jail.clone();
+        tokio::task::spawn_blocking(move || j.prepare(ids))
             .await
-            .map_err(setup)?;
-        net::setup_tap(sandbox_net.netns.as_fd(), slot.sandbox_ip()).map_err(setup)?;
+            .map_err(|e| setup(format!("jail task: {e}")))??;
+        let config = self.vm_config(spec)?;
+        write_json(&jail.host_path(jail::CONFIG), &config)?;
+        let slot = claim.slot();
+        net::setup_tap(claim.net().netns.as_fd(), slot.sandbox_ip(), ids.base).map_err(setup)?;
 
-        let created_at = SystemTime::now();
         let mut state = StateFile {
             id: spec.id.clone(),
             template: spec.template.clone(),
             pid: None,
-            host_if: host_if.clone(),
+            host_if: claim.host_if().to_string(),
             slot: slot.network,
-            created_at: created_at
+            created_at: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            id_base: Some(ids.base),
             cpu_count: Some(spec.cpu_count),
             memory_mb: Some(spec.memory_mb),
         };
-        write_json(&dir.join("state.json"), &state)?;
+        state.write(&dir)?;
 
-        let client =
-            VmmClient::new(dir.join("api.sock"), spec.id.clone()).with_timeout(self.cfg.op_timeout);
-        let restore = spec.kept.as_ref().map(|_| dir.join("snapshot"));
+        let client = VmmClient::new(jail.host_path(jail::API_SOCK), spec.id.clone())
+            .with_timeout(self.cfg.op_timeout);
+        let restore = spec.kept.is_some();
         let vmm = self
-            .spawn_vmm(&dir, &sandbox_net.netns, &cg, restore.as_deref(), &client)
-            .await;
-        let vmm = vmm?;
-        undo.pid = Some(vmm.pid);
+            .spawn_vmm(
+                &spec.id,
+                &dir,
+                ids,
+                claim.net().netns.as_fd(),
+                claim.cgroup(),
+                restore,
+                &client,
+            )
+            .await?;
+        claim.set_pid(vmm.pid);
         state.pid = Some(vmm.pid);
-        write_json(&dir.join("state.json"), &state)?;
-        if restore.is_some() {
-            let _ = std::fs::remove_dir_all(dir.join("snapshot"));
+        state.write(&dir)?;
+        if restore {
+            let _ = std::fs::remove_dir_all(jail.host_path(jail::SNAPSHOT));
         }
+        let host = claim.commit();
         let info = SandboxInfo {
             id: spec.id.clone(),
             template: spec.template.clone(),
             state: SandboxState::Running,
             address: SandboxAddress {
-                ip: slot.sandbox_ip(),
+                ip: host.ip(),
                 agent_port: self.cfg.agent_port,
             },
             cpu_count: spec.cpu_count,
             memory_mb: spec.memory_mb,
             allow_internet_access: spec.allow_internet_access,
-            created_at,
+            created_at: host.created_at,
         };
-        undo.disarm();
-        tracing::debug!(id = %spec.id, pid = vmm.pid, ip = %slot.sandbox_ip(), "microVM started");
+        tracing::debug!(id = %spec.id, pid = vmm.pid, ip = %host.ip(), "microVM started");
         Ok(Arc::new(Sandbox {
             info: Mutex::new(info),
-            dir,
-            cgroup: cg,
-            net: Mutex::new(Some(sandbox_net)),
+            host,
             vmm: Mutex::new(Some(vmm)),
             client,
             op: tokio::sync::Mutex::new(()),
         }))
     }
 
-    /// Starts a VMM inside the sandbox's namespace and cgroup, booting (or restoring from
-    /// `restore`) right away, and waits until it answers.
+    /// Starts a jailed VMM (see [`jail`]) inside the sandbox's namespace and cgroup,
+    /// booting (or restoring from the jail's snapshot when `restore`) right away, and
+    /// waits until it answers.
+    #[allow(clippy::too_many_arguments)]
     async fn spawn_vmm(
         &self,
+        id: &str,
         dir: &Path,
-        netns: &std::os::fd::OwnedFd,
+        ids: IdRange,
+        netns: std::os::fd::BorrowedFd<'_>,
         cg: &SandboxCgroup,
-        restore: Option<&Path>,
+        restore: bool,
         client: &VmmClient,
     ) -> Result<VmmProcess, BackendError> {
+        let jail = Jail::of(dir);
         let log = std::fs::File::options()
             .create(true)
             .append(true)
             .open(dir.join("vmm.log"))
             .map_err(|e| BackendError::io("creating vmm.log", e))?;
         let _ = std::fs::remove_file(client.path());
-        let mut cmd = tokio::process::Command::new(&self.cfg.vmm_binary);
-        cmd.arg("--config")
-            .arg(dir.join("vm.json"))
-            .arg("--api-sock")
-            .arg(client.path())
-            .arg("--log-file")
-            .arg(dir.join("vmm.log"))
-            .arg("--seccomp")
-            .arg(if self.cfg.seccomp { "strict" } else { "off" })
-            .arg("--start")
-            .current_dir(dir)
-            .stdin(std::process::Stdio::null())
-            .stdout(
-                log.try_clone()
-                    .map_err(|e| BackendError::io("opening vmm.log", e))?,
-            )
-            .stderr(log)
-            .kill_on_drop(false);
-        if let Some(r) = restore {
-            cmd.arg("--restore").arg(r);
+        let mut args: Vec<String> = [
+            "--config",
+            jail::CONFIG,
+            "--api-sock",
+            jail::API_SOCK,
+            "--seccomp",
+            if self.cfg.seccomp { "strict" } else { "off" },
+            "--start",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if restore {
+            args.extend(["--restore".to_string(), jail::SNAPSHOT.to_string()]);
         }
-        let netns = netns.as_raw_fd();
-        let procs: Vec<CString> = cg
-            .procs_files()
-            .iter()
-            .map(|p| CString::new(p.as_os_str().as_encoded_bytes()))
-            .collect::<Result<_, _>>()
-            .map_err(|e| setup(format!("cgroup path: {e}")))?;
-        // SAFETY: the closure runs in the forked child before exec. It only makes
-        // async-signal-safe system calls (setns, open, write, close, setsid, getpid) on
-        // memory prepared before the fork (the C strings), formatting the pid into a
-        // stack buffer without allocating.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let mut buf = [0u8; 24];
-                let text = format_pid(libc::getpid(), &mut buf);
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let n = libc::write(fd, text.as_ptr().cast(), text.len());
-                    let err = std::io::Error::last_os_error();
-                    libc::close(fd);
-                    if n < 0 {
-                        return Err(err);
-                    }
-                }
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| setup(format!("starting {}: {e}", self.cfg.vmm_binary.display())))?;
-        let pid = child
-            .id()
-            .map(|p| p as i32)
-            .ok_or_else(|| setup("the VMM exited at once"))?;
-        let (tx, rx) = watch::channel(None);
-        tokio::spawn(async move {
-            let status = child.wait().await.ok();
-            tracing::debug!(pid, ?status, "VMM exited");
-            let _ = tx.send(status.or_else(|| {
-                use std::os::unix::process::ExitStatusExt;
-                Some(std::process::ExitStatus::from_raw(-1))
-            }));
-        });
-        let proc = VmmProcess { pid, exited: rx };
+        let root = jail.root().to_path_buf();
+        let binds = [(self.cfg.kernel.as_path(), jail::KERNEL, false)];
+        let plan = spawn::ChildPlan::new(spawn::PlanInput {
+            netns,
+            cgroup_procs: cg.join_files(),
+            hostname: id,
+            root: spawn::Root::Minimal {
+                root: &root,
+                devices: jail::DEVICES,
+                owner: (ids.base, ids.base),
+                binds: &binds,
+            },
+            identity: spawn::Identity::Unprivileged {
+                uid: ids.base,
+                gid: ids.base,
+            },
+            program: spawn::Program::Host(&self.cfg.vmm_binary),
+            args: &args,
+            // Nothing of the node's environment (keys, seeds, credentials) reaches it.
+            env: Vec::new(),
+            log: log.as_fd(),
+            filters: Vec::new(),
+            rlimits: &[],
+            umask: 0o077,
+        })
+        .map_err(setup)?;
+        let pid = tokio::task::spawn_blocking(move || {
+            let r = spawn::spawn(&plan);
+            drop(plan);
+            r
+        })
+        .await
+        .map_err(|e| setup(format!("spawn task: {e}")))?
+        .map_err(|e| setup(format!("starting {}: {e}", self.cfg.vmm_binary.display())))?;
+        drop(log);
+        let exited = watch_exit(pid).map_err(|e| BackendError::io("watching the VMM", e))?;
+        let proc = VmmProcess {
+            pid: pid.as_raw(),
+            exited,
+        };
         let mut exited = proc.exited.clone();
         let ready = tokio::select! {
             r = client.wait_ready(self.cfg.op_timeout) => r.map_err(|e| e.to_string()),
@@ -824,17 +715,14 @@ impl MicrovmBackend {
                     Ok(status) => format!("it reports {status}"),
                     Err(e) => e,
                 };
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
+                let _ = kill(pid, Signal::SIGKILL);
                 let mut exited = proc.exited.clone();
                 let _ = tokio::time::timeout(self.cfg.op_timeout, exited.wait_for(|s| s.is_some()))
                     .await;
                 Err(setup(format!(
                     "the VMM of {} did not start ({why}); its log: {}",
                     dir.display(),
-                    log_tail(&dir.join("vmm.log"))
+                    jail::log_tail(&dir.join("vmm.log"))
                 )))
             }
         }
@@ -858,10 +746,7 @@ impl MicrovmBackend {
                 return Ok(());
             }
         }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(proc.pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        let _ = kill(Pid::from_raw(proc.pid), Signal::SIGKILL);
         match tokio::time::timeout(self.cfg.op_timeout, exited.wait_for(|s| s.is_some())).await {
             Ok(_) => Ok(()),
             Err(_) => Err(setup(format!(
@@ -871,127 +756,29 @@ impl MicrovmBackend {
         }
     }
 
-    /// Stops a sandbox and removes what it holds; `keep` names where its directory goes
+    /// Stops a sandbox and gives back what it holds; `keep` names where its directory goes
     /// instead of being deleted. Every step runs; errors are collected.
     async fn teardown(&self, sbx: &Sandbox, keep: Option<&Path>) -> Result<(), BackendError> {
-        let timeout = self.cfg.op_timeout;
-        let mut errors = Vec::new();
-        if let Err(e) = self.stop_vmm(sbx, false).await {
-            errors.push(e.to_string());
-        }
-        if !sbx.cgroup.pids().is_empty()
-            && let Err(e) = sbx.cgroup.kill_all(timeout).await
-        {
-            errors.push(e.to_string());
-        }
-        let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(n) = net {
-            let (host_if, slot) = (n.host_if.clone(), n.slot);
-            // The tap and bridge live in the namespace: they go with it, and the veth
-            // pair with them.
-            drop(n);
-            if let Err(e) = jnet::wait_link_gone(&self.netlink, &host_if, timeout).await {
-                tracing::warn!(link = %host_if, error = %e, "veth outlived its namespace; deleting it");
-                if let Err(e) = jnet::delete_link(&self.netlink, &host_if).await {
-                    errors.push(e.to_string());
-                }
-            }
-            if let Err(e) = sbx.cgroup.remove(timeout).await {
-                errors.push(e.to_string());
-            }
-            self.pool.release(slot);
-        } else if let Err(e) = sbx.cgroup.remove(timeout).await {
-            errors.push(e.to_string());
-        }
-        match keep {
-            Some(kept) => {
+        let stopped = self.stop_vmm(sbx, false).await;
+        let keep_fn = keep.map(|kept| {
+            move |dir: &Path| {
+                let run = Jail::of(dir).host_path(jail::RUN);
                 for f in ["api.sock", "vsock.sock"] {
-                    let _ = std::fs::remove_file(sbx.dir.join(f));
+                    let _ = std::fs::remove_file(run.join(f));
                 }
-                if let Err(e) = std::fs::rename(&sbx.dir, kept) {
-                    errors.push(format!(
-                        "moving {} to {}: {e}",
-                        sbx.dir.display(),
-                        kept.display()
-                    ));
-                }
+                std::fs::rename(dir, kept)
+                    .map_err(|e| format!("moving {} to {}: {e}", dir.display(), kept.display()))
             }
-            None => {
-                if let Err(e) = remove_dir(&sbx.dir) {
-                    errors.push(e);
-                }
-            }
-        }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(setup(errors.join("; ")))
-        }
+        });
+        let released = self
+            .host
+            .release(
+                &sbx.host,
+                keep_fn.as_ref().map(|f| f as &crate::host::DirHook<'_>),
+            )
+            .await;
+        stopped.and(released)
     }
-
-    async fn clean_leftover(&self, id: &str, report: &mut ReconcileReport) {
-        let dir = self.sandbox_dir(id);
-        let state = read_state(&dir);
-        if validate_sandbox_id(id).is_ok() {
-            let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, id);
-            if cg.exists() {
-                if let Err(e) = cg.kill_all(self.cfg.op_timeout).await {
-                    tracing::warn!(id, error = %e, "killing a leftover VMM");
-                }
-                if let Err(e) = cg.remove(self.cfg.op_timeout).await {
-                    tracing::warn!(id, error = %e, "removing a leftover cgroup");
-                }
-            }
-        }
-        let mut slots: Vec<Slot> = self
-            .pool
-            .reservations()
-            .into_iter()
-            .filter(|(_, owner)| owner == &dir)
-            .map(|(s, _)| s)
-            .collect();
-        if let Some(st) = &state {
-            slots.push(Slot { network: st.slot });
-        }
-        for slot in slots {
-            for internet in [true, false] {
-                let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
-                if let Ok(true) = jnet::delete_link(&self.netlink, &name).await {
-                    report.removed_other.push(format!("link {name}"));
-                }
-            }
-            if self
-                .pool
-                .reservations()
-                .iter()
-                .any(|(s, o)| *s == slot && o == &dir)
-            {
-                self.pool.release(slot);
-                report
-                    .removed_other
-                    .push(format!("address {}", slot.sandbox_ip()));
-            }
-        }
-        if let Err(e) = remove_dir(&dir) {
-            tracing::warn!(id, error = %e, "removing a leftover sandbox directory");
-        }
-        report.removed_sandboxes.push(id.to_string());
-    }
-}
-
-/// `pid` as decimal text in `buf`, without allocating.
-fn format_pid(pid: libc::pid_t, buf: &mut [u8; 24]) -> &[u8] {
-    let mut n = pid.unsigned_abs();
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    &buf[i..]
 }
 
 /// Moves a file, copying (sparsely) when it is on another filesystem.
@@ -1031,123 +818,6 @@ async fn copy_sparse(from: &Path, to: &Path) -> Result<(), BackendError> {
     Ok(())
 }
 
-fn write_json(path: &Path, value: &impl Serialize) -> Result<(), BackendError> {
-    let raw = serde_json::to_vec_pretty(value)
-        .map_err(|e| BackendError::io("encoding JSON", std::io::Error::other(e)))?;
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, raw)
-        .map_err(|e| BackendError::io(format!("writing {}", path.display()), e))?;
-    std::fs::rename(&tmp, path)
-        .map_err(|e| BackendError::io(format!("writing {}", path.display()), e))
-}
-
-fn read_state(dir: &Path) -> Option<StateFile> {
-    std::fs::read(dir.join("state.json"))
-        .ok()
-        .and_then(|raw| serde_json::from_slice(&raw).ok())
-}
-
-fn remove_dir(dir: &Path) -> Result<(), String> {
-    match std::fs::remove_dir_all(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(format!("removing {}: {e}", dir.display())),
-    }
-}
-
-/// The last lines of a log file, for error messages.
-fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
-    let tail: Vec<&str> = lines.into_iter().rev().collect();
-    if tail.is_empty() {
-        "(empty)".into()
-    } else {
-        tail.join(" | ")
-    }
-}
-
-struct Undo<'a> {
-    backend: &'a MicrovmBackend,
-    armed: bool,
-    dir: Option<PathBuf>,
-    kept: Option<PathBuf>,
-    slot: Option<Slot>,
-    cgroup: Option<SandboxCgroup>,
-    link: Option<String>,
-    pid: Option<i32>,
-}
-
-impl<'a> Undo<'a> {
-    fn new(backend: &'a MicrovmBackend) -> Self {
-        Self {
-            backend,
-            armed: true,
-            dir: None,
-            kept: None,
-            slot: None,
-            cgroup: None,
-            link: None,
-            pid: None,
-        }
-    }
-
-    fn disarm(&mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for Undo<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        if let Some(pid) = self.pid {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        if let Some(cg) = self.cgroup.take() {
-            for p in cg.pids() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(p),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            // The directories can go once the processes are gone; a leftover is removed
-            // by the next reconciliation.
-            for _ in 0..100 {
-                if cg.pids().is_empty() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            for d in cg.dirs() {
-                let _ = std::fs::remove_dir(d);
-            }
-        }
-        if let Some(link) = self.link.take() {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "del", &link])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
-        if let Some(slot) = self.slot {
-            self.backend.pool.release(slot);
-        }
-        if let Some(dir) = &self.dir {
-            if let Some(kept) = &self.kept {
-                if let Err(e) = std::fs::rename(dir, kept) {
-                    tracing::warn!(path = %kept.display(), error = %e, "returning a kept snapshot after a failed create");
-                }
-            } else {
-                let _ = std::fs::remove_dir_all(dir);
-            }
-        }
-    }
-}
-
 #[async_trait]
 impl SandboxBackend for MicrovmBackend {
     fn kind(&self) -> &'static str {
@@ -1166,12 +836,17 @@ impl SandboxBackend for MicrovmBackend {
             return Ok(());
         }
         sbx.client.pause().await.map_err(setup)?;
-        let snap = sbx.dir.join("snapshot");
-        let staging = sbx.dir.join(".snapshot.tmp");
+        let jail = Jail::of(&sbx.host.dir);
+        let snap = jail.host_path(jail::SNAPSHOT);
+        let staging = jail.host_path(jail::SNAPSHOT_STAGING);
         let _ = std::fs::remove_dir_all(&staging);
         let taken = sbx
             .client
-            .snapshot(&staging, SnapshotKind::Full, self.cfg.snapshot_timeout)
+            .snapshot(
+                Path::new(jail::SNAPSHOT_STAGING),
+                SnapshotKind::Full,
+                self.cfg.snapshot_timeout,
+            )
             .await;
         if let Err(e) = taken {
             // The VM keeps running: nothing is lost.
@@ -1198,27 +873,30 @@ impl SandboxBackend for MicrovmBackend {
         let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
-            let snap = sbx.dir.join("snapshot");
             // A duplicate of the namespace descriptor: the lock is not held across awaits.
-            let netns = {
-                let net = sbx.net.lock().unwrap_or_else(|e| e.into_inner());
-                let n = net
-                    .as_ref()
-                    .ok_or_else(|| setup(format!("sandbox {id} lost its network namespace")))?;
-                n.netns
-                    .try_clone()
-                    .map_err(|e| BackendError::io("duplicating the namespace descriptor", e))?
-            };
+            let netns = sbx
+                .host
+                .with_net(|n| n.netns.try_clone())
+                .ok_or_else(|| setup(format!("sandbox {id} lost its network namespace")))?
+                .map_err(|e| BackendError::io("duplicating the namespace descriptor", e))?;
             let vmm = self
-                .spawn_vmm(&sbx.dir, &netns, &sbx.cgroup, Some(&snap), &sbx.client)
+                .spawn_vmm(
+                    id,
+                    &sbx.host.dir,
+                    sbx.host.ids,
+                    netns.as_fd(),
+                    &sbx.host.cgroup,
+                    true,
+                    &sbx.client,
+                )
                 .await?;
             let pid = vmm.pid;
             *sbx.vmm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vmm);
-            if let Some(mut st) = read_state(&sbx.dir) {
+            if let Some(mut st) = StateFile::read(&sbx.host.dir) {
                 st.pid = Some(pid);
-                write_json(&sbx.dir.join("state.json"), &st)?;
+                st.write(&sbx.host.dir)?;
             }
-            let _ = std::fs::remove_dir_all(&snap);
+            let _ = std::fs::remove_dir_all(Jail::of(&sbx.host.dir).host_path(jail::SNAPSHOT));
         }
         let mut info = sbx.info.lock().unwrap_or_else(|e| e.into_inner());
         info.state = SandboxState::Running;
@@ -1234,8 +912,7 @@ impl SandboxBackend for MicrovmBackend {
     async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
         let sbx = self.sandboxes.remove_paused(id)?;
         let _op = sbx.op.lock().await;
-        let nonce: u64 = rand::random();
-        let path = self.kept_dir.join(format!("{id}.{nonce:016x}"));
+        let path = self.host.new_kept_path(id);
         self.teardown(&sbx, Some(&path)).await?;
         Ok(KeptState { path })
     }
@@ -1251,24 +928,35 @@ impl SandboxBackend for MicrovmBackend {
                 needed: SandboxState::Running,
             });
         }
+        let jail = Jail::of(&sbx.host.dir);
+        let capture = jail.host_path(jail::CAPTURE);
+        let _ = std::fs::remove_dir_all(&capture);
         sbx.client.pause().await.map_err(setup)?;
         // While the vCPUs are parked the disk and the memory agree.
         let captured = async {
             sbx.client
-                .snapshot(dir, SnapshotKind::Full, self.cfg.snapshot_timeout)
+                .snapshot(
+                    Path::new(jail::CAPTURE),
+                    SnapshotKind::Full,
+                    self.cfg.snapshot_timeout,
+                )
                 .await
                 .map_err(setup)?;
-            copy_sparse(&sbx.dir.join(ROOTFS_FILE), &dir.join(ROOTFS_FILE)).await?;
-            let st = read_state(&sbx.dir).ok_or_else(|| {
+            for f in [STATE_FILE, MEMORY_FILE] {
+                jail::take_vmm_file(&capture.join(f), &dir.join(f))?;
+            }
+            copy_sparse(&jail.host_path(jail::DISK), &dir.join(ROOTFS_FILE)).await?;
+            let st = StateFile::read(&sbx.host.dir).ok_or_else(|| {
                 setup(format!(
                     "{} is unreadable",
-                    sbx.dir.join("state.json").display()
+                    sbx.host.dir.join("state.json").display()
                 ))
             })?;
             write_json(&dir.join("state.json"), &st)
         }
         .await;
         let resumed = sbx.client.resume().await.map_err(setup);
+        let _ = std::fs::remove_dir_all(&capture);
         captured?;
         resumed?;
         tracing::debug!(id, dir = %dir.display(), "microVM captured");
@@ -1296,19 +984,17 @@ impl SandboxBackend for MicrovmBackend {
                 ),
             });
         }
-        let nonce: u64 = rand::random();
-        let path = self.kept_dir.join(format!("snapshot.{nonce:016x}"));
-        let snap = path.join("snapshot");
+        let path = self.host.new_kept_path("snapshot");
+        let jail = Jail::of(&path);
+        let snap = jail.host_path(jail::SNAPSHOT);
         std::fs::create_dir_all(&snap)
             .map_err(|e| BackendError::io(format!("creating {}", snap.display()), e))?;
         let moved = async {
             for f in [STATE_FILE, MEMORY_FILE] {
                 move_file(&dir.join(f), &snap.join(f)).await?;
             }
-            for f in [ROOTFS_FILE, "state.json"] {
-                move_file(&dir.join(f), &path.join(f)).await?;
-            }
-            Ok::<(), BackendError>(())
+            move_file(&dir.join(ROOTFS_FILE), &jail.host_path(jail::DISK)).await?;
+            move_file(&dir.join("state.json"), &path.join("state.json")).await
         }
         .await;
         if let Err(e) = moved {
@@ -1319,11 +1005,7 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
-        if !kept.path.exists() {
-            return Ok(());
-        }
-        self.check_kept(kept)?;
-        remove_dir(&kept.path).map_err(setup)
+        self.host.discard_kept(kept, KEPT_FILES)
     }
 
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
@@ -1339,58 +1021,13 @@ impl SandboxBackend for MicrovmBackend {
     }
 
     async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
-        let mut report = ReconcileReport::default();
-        let live = self.sandboxes.ids();
-        let entries = std::fs::read_dir(&self.sandboxes_dir).map_err(|e| {
-            BackendError::io(format!("listing {}", self.sandboxes_dir.display()), e)
-        })?;
-        for entry in entries.flatten() {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            if !live.contains(&id) {
-                self.clean_leftover(&id, &mut report).await;
-            }
-        }
-        if let Ok(entries) = std::fs::read_dir(&self.kept_dir) {
-            for entry in entries.flatten() {
-                let path = entry.path();
-                if kept.iter().any(|k| k.path == path) {
-                    continue;
-                }
-                match remove_dir(&path) {
-                    Ok(()) => report
-                        .removed_other
-                        .push(format!("kept snapshot {}", path.display())),
-                    Err(e) => tracing::warn!(error = %e, "removing an unreferenced kept snapshot"),
-                }
-            }
-        }
-        super::orphans::HostResources {
-            pool: &self.pool,
-            netlink: &self.netlink,
-            hierarchy: &self.hierarchy,
-            cgroup_parent: &self.cfg.cgroup_parent,
-            iface_prefix: &self.cfg.iface_prefix,
-            op_timeout: self.cfg.op_timeout,
-        }
-        .remove_orphans(&live, &mut report)
-        .await;
-        if !report.removed_sandboxes.is_empty() || !report.removed_other.is_empty() {
-            tracing::info!(?report, "cleaned leftovers of an earlier node process");
-        }
-        Ok(report)
+        self.host.reconcile(&self.sandboxes.ids(), kept, None).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pids_are_formatted_without_allocating() {
-        let mut buf = [0u8; 24];
-        assert_eq!(format_pid(0, &mut buf), b"0");
-        assert_eq!(format_pid(4194304, &mut buf), b"4194304");
-    }
 
     #[test]
     fn availability_names_what_is_missing() {

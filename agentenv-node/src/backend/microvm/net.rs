@@ -10,7 +10,7 @@
 //! slot: a paused sandbox kept across a node restart, or a capture started as new
 //! sandboxes next to the one it was taken from.
 //!
-//! [`create_sandbox_net`]: crate::backend::jail::net::create_sandbox_net
+//! [`create_sandbox_net`]: crate::host::net::create_sandbox_net
 
 use std::io::Write;
 use std::net::Ipv4Addr;
@@ -18,7 +18,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
-use crate::backend::jail::net::GUEST_IF;
+use crate::host::net::GUEST_IF;
 
 /// The tap device inside every sandbox namespace.
 pub const TAP_IF: &str = "tap0";
@@ -42,10 +42,11 @@ pub enum TapError {
     Failed { program: String, output: String },
 }
 
-/// The `ip -batch` requests that add the tap.
-pub fn tap_batch() -> String {
+/// The `ip -batch` requests that add the tap, owned by the VMM's host uid and gid (an
+/// unprivileged process may attach to a tap it owns).
+pub fn tap_batch(owner: u32) -> String {
     format!(
-        "tuntap add dev {TAP_IF} mode tap\n\
+        "tuntap add dev {TAP_IF} mode tap user {owner} group {owner}\n\
          addr add {TAP_IP}/30 dev {TAP_IF}\n\
          link set {TAP_IF} up\n"
     )
@@ -114,8 +115,8 @@ pub fn run_in(
 
 /// Adds the tap, turns on forwarding and installs the address translation between the
 /// sandbox address and the guest.
-pub fn setup_tap(netns: BorrowedFd<'_>, sandbox_ip: Ipv4Addr) -> Result<(), TapError> {
-    run_in(netns, "ip", &["-batch", "-"], &tap_batch())?;
+pub fn setup_tap(netns: BorrowedFd<'_>, sandbox_ip: Ipv4Addr, owner: u32) -> Result<(), TapError> {
+    run_in(netns, "ip", &["-batch", "-"], &tap_batch(owner))?;
     // /proc/sys/net shows the namespace of the process that opens it.
     run_in(
         netns,
@@ -133,8 +134,8 @@ mod tests {
 
     #[test]
     fn the_tap_is_the_guests_gateway_in_one_30() {
-        let b = tap_batch();
-        assert!(b.contains("tuntap add dev tap0 mode tap\n"));
+        let b = tap_batch(1_000_000_000);
+        assert!(b.contains("tuntap add dev tap0 mode tap user 1000000000 group 1000000000\n"));
         assert!(b.contains("addr add 169.254.0.22/30 dev tap0\n"));
         assert_eq!(u32::from(GUEST_IP) & !3, u32::from(TAP_IP) & !3);
     }

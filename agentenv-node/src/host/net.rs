@@ -17,8 +17,8 @@ use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::reserve::{IndexName, Reservations, ReserveError};
 use futures::TryStreamExt;
 use nix::fcntl::{Flock, FlockArg};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, State};
@@ -164,12 +164,29 @@ impl Slot {
     }
 }
 
-/// A pool of /30 networks with host-wide reservations.
+/// A pool of /30 networks with host-wide reservations (files `<runtime>/slots/<network>`).
 #[derive(Debug)]
 pub struct AddressPool {
     net: Ipv4Net,
-    dir: PathBuf,
-    cursor: AtomicU32,
+    reservations: Reservations<SlotNames>,
+}
+
+/// Reservation file names of a pool: the slot's network address.
+#[derive(Debug)]
+struct SlotNames {
+    base: u32,
+}
+
+impl IndexName for SlotNames {
+    fn name(&self, idx: u32) -> String {
+        Ipv4Addr::from(self.base + idx * 4).to_string()
+    }
+
+    fn parse(&self, name: &str) -> Option<u32> {
+        let ip: Ipv4Addr = name.parse().ok()?;
+        let off = u32::from(ip).checked_sub(self.base)?;
+        (off % 4 == 0).then_some(off / 4)
+    }
 }
 
 impl AddressPool {
@@ -178,12 +195,16 @@ impl AddressPool {
             return Err(NetError::PoolTooSmall(net));
         }
         let dir = runtime_dir.join("slots");
-        std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
-        Ok(Self {
-            net,
-            dir,
-            cursor: AtomicU32::new(0),
-        })
+        let count = 1u32 << (30 - net.prefix_len());
+        let reservations = Reservations::new(
+            dir.clone(),
+            count,
+            SlotNames {
+                base: u32::from(net.addr()),
+            },
+        )
+        .map_err(io_err(format!("creating {}", dir.display())))?;
+        Ok(Self { net, reservations })
     }
 
     pub fn net(&self) -> Ipv4Net {
@@ -194,80 +215,59 @@ impl AddressPool {
         1u32 << (30 - self.net.prefix_len())
     }
 
-    fn slot_path(&self, slot: Slot) -> PathBuf {
-        self.dir.join(slot.network.to_string())
+    fn index(&self, slot: Slot) -> u32 {
+        (u32::from(slot.network).wrapping_sub(u32::from(self.net.addr()))) / 4
+    }
+
+    fn slot(&self, idx: u32) -> Slot {
+        Slot {
+            network: Ipv4Addr::from(u32::from(self.net.addr()) + idx * 4),
+        }
+    }
+
+    /// Whether `slot` is one of this pool's.
+    fn owns(&self, slot: Slot) -> bool {
+        self.net.contains(slot.network) && u32::from(slot.network) % 4 == 0
     }
 
     /// Reserves a free slot for `owner` (written into the reservation).
     pub fn reserve(&self, owner: &Path) -> Result<Slot, NetError> {
-        let n = self.slots();
-        let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
-        for i in 0..n {
-            let idx = (start + i) % n;
-            let slot = Slot {
-                network: Ipv4Addr::from(u32::from(self.net.addr()) + idx * 4),
-            };
-            match File::options()
-                .write(true)
-                .create_new(true)
-                .open(self.slot_path(slot))
-            {
-                Ok(mut f) => {
-                    f.write_all(owner.as_os_str().as_encoded_bytes())
-                        .map_err(io_err("writing an address reservation"))?;
-                    self.cursor.store(idx + 1, Ordering::Relaxed);
-                    return Ok(slot);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(io_err(format!("reserving {}", slot.network))(e)),
-            }
+        match self.reservations.reserve(owner) {
+            Ok(idx) => Ok(self.slot(idx)),
+            Err(ReserveError::Exhausted) => Err(NetError::Exhausted(self.net)),
+            Err(ReserveError::Io(context, source)) => Err(NetError::Io { context, source }),
         }
-        Err(NetError::Exhausted(self.net))
     }
 
     /// Returns a slot to the pool.
     pub fn release(&self, slot: Slot) {
-        match std::fs::remove_file(self.slot_path(slot)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(slot = %slot.network, error = %e, "releasing an address"),
+        if self.owns(slot) {
+            self.reservations.release(self.index(slot));
         }
     }
 
     /// Hands a reservation over to `owner` (rewritten in place, atomically).
     pub fn transfer(&self, slot: Slot, owner: &Path) -> Result<(), NetError> {
-        let nonce: u64 = rand::random();
-        // Names that do not parse as an address are skipped by `reservations`.
-        let tmp = self.dir.join(format!(".{}.{nonce:016x}", slot.network));
-        std::fs::write(&tmp, owner.as_os_str().as_encoded_bytes()).map_err(io_err(format!(
-            "handing over the reservation of {}",
-            slot.network
-        )))?;
-        std::fs::rename(&tmp, self.slot_path(slot)).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io_err(format!("handing over the reservation of {}", slot.network))(e)
-        })
+        self.reservations
+            .transfer(self.index(slot), owner)
+            .map_err(io_err(format!(
+                "handing over the reservation of {}",
+                slot.network
+            )))
     }
 
     pub fn is_reserved(&self, slot: Slot) -> bool {
-        self.slot_path(slot).exists()
+        self.owns(slot) && self.reservations.is_reserved(self.index(slot))
     }
 
-    /// Every reservation on the host: `(slot, owner path)`.
+    /// Every reservation of this pool on the host: `(slot, owner path)`.
     pub fn reservations(&self) -> Vec<(Slot, PathBuf)> {
-        let mut out = Vec::new();
-        if let Ok(entries) = std::fs::read_dir(&self.dir) {
-            for e in entries.flatten() {
-                let Ok(network) = e.file_name().to_string_lossy().parse::<Ipv4Addr>() else {
-                    continue;
-                };
-                let owner = std::fs::read(e.path())
-                    .map(|b| PathBuf::from(String::from_utf8_lossy(&b).into_owned()))
-                    .unwrap_or_default();
-                out.push((Slot { network }, owner));
-            }
-        }
-        out
+        self.reservations
+            .list()
+            .into_iter()
+            .filter(|(idx, _)| *idx < self.slots())
+            .map(|(idx, owner)| (self.slot(idx), owner))
+            .collect()
     }
 }
 
@@ -596,6 +596,15 @@ pub async fn create_sandbox_net_with_netlink(
                     return Err(io_err(format!("writing {path}"))(e));
                 }
             }
+        }
+        // Sandbox root lives in a user namespace that does not own this network
+        // namespace, so it has no CAP_NET_BIND_SERVICE or CAP_NET_RAW here: let every
+        // user bind low ports and open ICMP echo sockets (ping), as containers do.
+        for (path, value) in [
+            ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
+            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+        ] {
+            std::fs::write(path, value).map_err(io_err(format!("writing {path}")))?;
         }
         let _guard = rt.enter();
         let (conn, handle, _) = rtnetlink::new_connection()

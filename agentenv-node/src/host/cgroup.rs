@@ -1,9 +1,14 @@
 //! Per-sandbox cgroups on cgroup v1 or v2, behind one small interface.
 //!
 //! v1: one directory per hierarchy that carries a controller we use (`cpu`, `cpuacct`,
-//! `memory`, `pids`, `freezer`; co-mounted controllers share a directory). v2: one
-//! directory in the unified hierarchy, with `cpu`, `memory` and `pids` enabled in the
+//! `memory`, `pids`, `freezer`, `devices`; co-mounted controllers share a directory). v2:
+//! one directory in the unified hierarchy, with `cpu`, `memory` and `pids` enabled in the
 //! parent's `cgroup.subtree_control` and the built-in freezer.
+//!
+//! Devices ([`SandboxCgroup::restrict_devices`], rules in [`super::devices`]): the v1
+//! `devices` controller, or on v2 a `BPF_PROG_TYPE_CGROUP_DEVICE` program attached to the
+//! sandbox's directory. A host without either is refused: root in a sandbox could create
+//! and open any host device node.
 //!
 //! Sandbox cgroups live under `<parent>/<sandbox id>`, where `<parent>` is relative to the
 //! node's own cgroup (or absolute from the hierarchy root when it starts with `/`).
@@ -13,13 +18,17 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::devices::{self, DeviceError, DeviceRule};
+
 /// Errors of the cgroup layer.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     #[error(
-        "no usable cgroup hierarchy: need cgroup v1 with cpu, cpuacct, memory, pids and freezer mounted, or cgroup v2 with cpu, memory and pids available ({0})"
+        "no usable cgroup hierarchy: need cgroup v1 with cpu, cpuacct, memory, pids, freezer and devices mounted, or cgroup v2 with cpu, memory and pids available and cgroup device BPF programs ({0})"
     )]
     Unsupported(String),
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -40,7 +49,7 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CgroupEr
 }
 
 /// The controllers the jail needs on cgroup v1.
-pub const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer"];
+pub const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer", "devices"];
 /// The controllers the jail enables on cgroup v2.
 pub const V2_CONTROLLERS: &[&str] = &["cpu", "memory", "pids"];
 
@@ -82,15 +91,26 @@ pub const CPU_PERIOD_US: u64 = 100_000;
 
 impl Hierarchy {
     /// Detects the host's hierarchy from `/proc/self/mountinfo` and `/proc/self/cgroup`.
-    /// cgroup v1 is used when it carries the memory controller, else v2.
+    /// cgroup v1 is used when it carries every controller of [`V1_CONTROLLERS`], else v2.
+    /// On v2 it also loads the device program once, so that a kernel without cgroup
+    /// device BPF programs is refused here rather than at the first sandbox.
     pub fn detect() -> Result<Self, CgroupError> {
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(io_err("reading /proc/self/mountinfo"))?;
         let own = std::fs::read_to_string("/proc/self/cgroup")
             .map_err(io_err("reading /proc/self/cgroup"))?;
-        Self::from_texts(&mountinfo, &own, |p| {
+        let h = Self::from_texts(&mountinfo, &own, |p| {
             std::fs::read_to_string(p.join("cgroup.controllers")).ok()
-        })
+        })?;
+        if let Hierarchy::V2 { mount, .. } = &h {
+            devices::check_bpf_support().map_err(|e| {
+                CgroupError::Unsupported(format!(
+                    "cgroup v2 at {} needs cgroup device BPF programs to keep sandboxes from using host devices: {e}",
+                    mount.display()
+                ))
+            })?;
+        }
+        Ok(h)
     }
 
     /// [`Hierarchy::detect`] on given texts; `controllers_of` reads a v2 cgroup's
@@ -148,7 +168,12 @@ impl Hierarchy {
             }
         }
         let has_v1 = |c: &str| v1.iter().any(|(cs, _)| cs.iter().any(|x| x == c));
-        if V1_CONTROLLERS.iter().all(|c| has_v1(c)) {
+        let missing_v1: Vec<&str> = V1_CONTROLLERS
+            .iter()
+            .copied()
+            .filter(|c| !has_v1(c))
+            .collect();
+        if missing_v1.is_empty() {
             let mounts = v1
                 .into_iter()
                 .map(|(controllers, mount)| {
@@ -166,6 +191,7 @@ impl Hierarchy {
                 .collect();
             return Ok(Hierarchy::V1(mounts));
         }
+        let mut v2_missing = None;
         if let Some(mount) = v2_mount {
             let own = own_v2.unwrap_or_else(|| PathBuf::from("/"));
             let available = controllers_of(&mount).unwrap_or_default();
@@ -177,13 +203,26 @@ impl Hierarchy {
             if missing.is_empty() {
                 return Ok(Hierarchy::V2 { mount, own });
             }
-            return Err(CgroupError::Unsupported(format!(
+            v2_missing = Some(format!(
                 "cgroup v2 at {} lacks {}",
                 mount.display(),
                 missing.join(", ")
-            )));
+            ));
         }
-        Err(CgroupError::Unsupported("no cgroup mounts found".into()))
+        // A v1 host that lacks some of our controllers (a hybrid host's unified hierarchy
+        // carries none of them): say what v1 lacks.
+        if !v1.is_empty() {
+            let mut msg = format!("cgroup v1 lacks {}", missing_v1.join(", "));
+            if missing_v1.contains(&"devices") {
+                msg.push_str(
+                    "; sandboxes must not run without the devices controller, or root in a sandbox could create and open host device nodes: mount it (mount -t cgroup -o devices cgroup /sys/fs/cgroup/devices)",
+                );
+            }
+            return Err(CgroupError::Unsupported(msg));
+        }
+        Err(CgroupError::Unsupported(
+            v2_missing.unwrap_or_else(|| "no cgroup mounts found".into()),
+        ))
     }
 
     pub fn version(&self) -> u8 {
@@ -315,6 +354,49 @@ impl SandboxCgroup {
             "cgroup.procs"
         };
         self.dirs.iter().map(|d| d.join(file)).collect()
+    }
+
+    /// Restricts the devices the cgroup's processes may use to `rules` (for example
+    /// [`devices::STANDARD`] or [`devices::MICROVM`]); everything else is denied, `mknod`
+    /// included unless a rule grants it. Call it right after [`SandboxCgroup::create`],
+    /// before any process joins. Calling it again replaces the list.
+    ///
+    /// v1: `a` to `devices.deny`, then one `devices.allow` line per rule (so a failure
+    /// part-way leaves fewer devices allowed, never more). v2: attaches a cgroup device
+    /// BPF program built from the rules (see [`devices`]), which stays attached until the
+    /// cgroup is removed.
+    pub fn restrict_devices(&self, rules: &[DeviceRule]) -> Result<(), CgroupError> {
+        devices::validate(rules)?;
+        if self.version != 1 {
+            devices::attach_bpf(&self.dirs[0], rules)?;
+            return Ok(());
+        }
+        let dir = self
+            .controllers
+            .iter()
+            .position(|cs| cs.iter().any(|c| c == "devices"))
+            .map(|i| &self.dirs[i])
+            .ok_or_else(|| {
+                CgroupError::Unsupported(
+                    "this cgroup v1 hierarchy has no devices controller, so sandbox devices cannot be restricted".into(),
+                )
+            })?;
+        let deny = dir.join("devices.deny");
+        std::fs::write(&deny, "a").map_err(io_err(format!(
+            "writing \"a\" to {} (denying every device)",
+            deny.display()
+        )))?;
+        let allow = dir.join("devices.allow");
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&allow)
+            .map_err(io_err(format!("opening {}", allow.display())))?;
+        for line in devices::v1_lines(rules) {
+            // One rule per write(2): the kernel parses each write on its own.
+            std::io::Write::write_all(&mut file, line.as_bytes())
+                .map_err(io_err(format!("writing {line:?} to {}", allow.display())))?;
+        }
+        Ok(())
     }
 
     fn write(&self, controller: &str, file: &str, value: &str) -> Result<(), CgroupError> {
@@ -579,9 +661,9 @@ mod tests {
 34 30 0:30 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids
 35 30 0:31 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer
 36 30 0:32 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,xattr,name=systemd
+37 30 0:33 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices
 ";
-    const OWN_V1: &str =
-        "5:freezer:/\n4:pids:/\n3:memory:/svc/a\n2:cpu,cpuacct:/\n1:name=systemd:/\n0::/\n";
+    const OWN_V1: &str = "6:devices:/svc/a\n5:freezer:/\n4:pids:/\n3:memory:/svc/a\n2:cpu,cpuacct:/\n1:name=systemd:/\n0::/\n";
 
     #[test]
     fn v1_is_detected_with_comounted_controllers_and_own_cgroups() {
@@ -596,13 +678,18 @@ mod tests {
                 "/sys/fs/cgroup/memory/svc/a/agentenv/sbx1",
                 "/sys/fs/cgroup/pids/agentenv/sbx1",
                 "/sys/fs/cgroup/freezer/agentenv/sbx1",
+                "/sys/fs/cgroup/devices/svc/a/agentenv/sbx1",
             ]
         );
         assert_eq!(
             cg.join_files()[0],
             Path::new("/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1/tasks")
         );
-        assert_eq!(cg.join_files().len(), 4);
+        assert_eq!(cg.join_files().len(), 5);
+        assert_eq!(
+            cg.dir_with("devices"),
+            Path::new("/sys/fs/cgroup/devices/svc/a/agentenv/sbx1")
+        );
         assert_eq!(
             cg.dir_with("cpuacct"),
             Path::new("/sys/fs/cgroup/cpu,cpuacct/agentenv/sbx1")
@@ -641,6 +728,125 @@ mod tests {
             )]
         );
         assert_eq!(cg.join_files(), cg.procs_files());
+    }
+
+    /// The hierarchies of this kind of host: every v1 controller in its own mount, and an
+    /// empty unified hierarchy beside them.
+    const MOUNTINFO_HYBRID: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+38 31 0:35 / /sys/fs/cgroup/blkio rw,relatime - cgroup cgroup rw,blkio
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+    const OWN_HYBRID: &str = "9:name=systemd:/\n8:pids:/\n7:blkio:/\n6:freezer:/\n5:devices:/\n4:memory:/process_api/b7\n3:cpuset:/\n2:cpuacct:/\n1:cpu:/\n0::/\n";
+
+    #[test]
+    fn v1_with_separate_mounts_includes_the_devices_hierarchy() {
+        let h =
+            Hierarchy::from_texts(MOUNTINFO_HYBRID, OWN_HYBRID, |_| Some(String::new())).unwrap();
+        let Hierarchy::V1(mounts) = &h else {
+            panic!("{h:?}")
+        };
+        let names: Vec<&str> = mounts
+            .iter()
+            .flat_map(|m| m.controllers.iter().map(String::as_str))
+            .collect();
+        // cpuset and blkio are not ours; name=systemd is not a controller.
+        assert_eq!(
+            names,
+            ["cpu", "cpuacct", "memory", "devices", "freezer", "pids"]
+        );
+        let cg = h.sandbox("agentenv", "s");
+        assert_eq!(
+            cg.dir_with("devices"),
+            Path::new("/sys/fs/cgroup/devices/agentenv/s")
+        );
+        assert_eq!(
+            cg.dir_with("memory"),
+            Path::new("/sys/fs/cgroup/memory/process_api/b7/agentenv/s")
+        );
+        assert!(
+            cg.join_files()
+                .contains(&PathBuf::from("/sys/fs/cgroup/devices/agentenv/s/tasks"))
+        );
+    }
+
+    #[test]
+    fn v1_without_devices_is_refused_saying_why() {
+        let mi: String = MOUNTINFO_HYBRID
+            .lines()
+            .filter(|l| !l.contains("devices"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let err = Hierarchy::from_texts(&mi, OWN_HYBRID, |_| Some(String::new())).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("cgroup v1 lacks devices"), "{msg}");
+        assert!(
+            msg.contains("must not run without the devices controller"),
+            "{msg}"
+        );
+        assert!(msg.contains("mount -t cgroup -o devices"), "{msg}");
+        // Without the unified mount too: the same answer.
+        let mi: String = mi
+            .lines()
+            .filter(|l| !l.contains("cgroup2"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let err = Hierarchy::from_texts(&mi, OWN_HYBRID, |_| None).unwrap_err();
+        assert!(err.to_string().contains("cgroup v1 lacks devices"), "{err}");
+    }
+
+    #[test]
+    fn v1_missing_several_controllers_names_them_all() {
+        let mi = "32 30 0:28 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n";
+        let err = Hierarchy::from_texts(mi, "", |_| None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("cgroup v1 lacks memory, pids, freezer, devices"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn v2_with_controllers_wins_over_an_incomplete_v1() {
+        // A v2 host that still mounts a v1 hierarchy by name only (or a lone v1
+        // controller): devices are handled by BPF there.
+        let mi = "\
+31 23 0:27 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw
+32 23 0:28 / /run/misc rw - cgroup cgroup rw,devices
+";
+        let h = Hierarchy::from_texts(mi, "0::/\n", |_| Some("cpu memory pids".into())).unwrap();
+        assert_eq!(h.version(), 2);
+    }
+
+    #[test]
+    fn restrict_devices_on_a_v1_hierarchy_without_devices_is_an_error() {
+        let h = Hierarchy::V1(vec![V1Mount {
+            controllers: vec!["memory".into()],
+            mount: "/nonexistent/memory".into(),
+            own: "/".into(),
+        }]);
+        let err = h
+            .sandbox("p", "s")
+            .restrict_devices(devices::STANDARD)
+            .unwrap_err();
+        assert!(err.to_string().contains("no devices controller"), "{err}");
+        // Invalid rules are refused before anything is written.
+        let bad = [DeviceRule::new(
+            devices::DeviceKind::Char,
+            Some(1),
+            Some(3),
+            devices::Access::NONE,
+        )];
+        let err = h.sandbox("p", "s").restrict_devices(&bad).unwrap_err();
+        assert!(matches!(err, CgroupError::Devices(_)), "{err}");
     }
 
     #[test]

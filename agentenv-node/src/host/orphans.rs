@@ -4,13 +4,15 @@
 
 use std::time::Duration;
 
-use super::ReconcileReport;
-use super::jail::cgroup::Hierarchy;
-use super::jail::net::{self, AddressPool};
+use super::cgroup::Hierarchy;
+use super::ids::IdPool;
+use super::net::{self, AddressPool};
+use crate::backend::ReconcileReport;
 
 /// Where a backend's sandboxes hold host resources.
 pub(crate) struct HostResources<'a> {
     pub pool: &'a AddressPool,
+    pub ids: &'a IdPool,
     pub netlink: &'a rtnetlink::Handle,
     pub hierarchy: &'a Hierarchy,
     pub cgroup_parent: &'a str,
@@ -36,6 +38,12 @@ impl HostResources<'_> {
                     .removed_other
                     .push(format!("address {}", slot.sandbox_ip()));
             }
+        }
+        // Id ranges whose owner directory is gone belong to nobody.
+        for range in self.ids.release_orphans() {
+            report
+                .removed_other
+                .push(format!("id range {}", range.base));
         }
         // Sandbox cgroups without an address reservation belong to nobody: a sandbox
         // reserves its address before it creates its cgroup and releases it after (the

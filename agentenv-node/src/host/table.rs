@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::jail::cgroup::SandboxCgroup;
-use super::{BackendError, ResourceUsage, SandboxInfo, SandboxState};
+use super::cgroup::SandboxCgroup;
+use crate::backend::{BackendError, ResourceUsage, SandboxInfo, SandboxState};
 
 /// One id of the table.
 pub(crate) enum Entry<S> {
@@ -32,6 +32,38 @@ impl<S: TableSandbox> SandboxTable<S> {
     /// The table itself (a panic elsewhere while it was held does not make it unusable).
     pub(crate) fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry<S>>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds `id` for a create in flight (`dir_exists`: the sandbox's directory is
+    /// already there, which makes the id taken too).
+    pub(crate) fn begin(&self, id: &str, dir_exists: bool) -> Result<(), BackendError> {
+        let mut map = self.lock();
+        if map.contains_key(id) || dir_exists {
+            return Err(BackendError::AlreadyExists(id.to_string()));
+        }
+        map.insert(id.to_string(), Entry::Creating);
+        Ok(())
+    }
+
+    /// Ends the create of `id` begun with [`Self::begin`]: the sandbox is ready, or the
+    /// id is free again.
+    pub(crate) fn finish(
+        &self,
+        id: &str,
+        result: Result<Arc<S>, BackendError>,
+    ) -> Result<SandboxInfo, BackendError> {
+        let mut map = self.lock();
+        match result {
+            Ok(sbx) => {
+                let info = info_of(sbx.as_ref());
+                map.insert(id.to_string(), Entry::Ready(sbx));
+                Ok(info)
+            }
+            Err(e) => {
+                map.remove(id);
+                Err(e)
+            }
+        }
     }
 
     /// The ready sandbox `id`.
