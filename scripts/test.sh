@@ -24,6 +24,14 @@ log "building the static guest agent"
 AGENTENV_GUEST_BIN="$(agentenv-guest/build-static.sh)"
 export AGENTENV_GUEST_BIN
 
+log "building the static attacker of the attack suite"
+AGENTENV_ATTACK_BIN="$(agentenv-attack/build-static.sh)"
+export AGENTENV_ATTACK_BIN
+
+log "building the static VMM (the node runs it jailed)"
+AGENTENV_VMM_BIN="$(agentenv-vmm/build-static.sh)"
+export AGENTENV_VMM_BIN
+
 log "building tests"
 cargo nextest run --workspace --locked --no-run
 
