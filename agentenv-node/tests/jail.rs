@@ -1022,3 +1022,133 @@ async fn dropping_the_backend_releases_its_namespace_pool() {
         "{report:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_inside_is_an_unprivileged_host_uid_that_owns_what_it_writes() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let info = common::create_ready(&b, common::spec(&common::id("ids"))).await;
+    let base = b.id_base(&info.id).unwrap();
+    assert!(base >= 65536, "root inside is not a host system id: {base}");
+    // On the host, PID 1 runs as the range's base id.
+    let pid = b.pid(&info.id).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uids = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .unwrap()
+        .split_whitespace()
+        .map(|u| u.parse::<u32>().unwrap())
+        .collect::<Vec<_>>();
+    assert_eq!(uids, vec![base; 4], "{status}");
+    // Inside it is root, the template (owned by host root on disk) is root's, and the
+    // map is the range.
+    let out = common::sh(
+        &info,
+        "id -u; stat -c %u:%g /etc/passwd /usr/bin; cat /proc/self/uid_map; echo mine > /root/mine; stat -c %u /root/mine; umask",
+    )
+    .await;
+    assert_eq!(out.exit, 0, "{out:?}");
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "0", "{out:?}");
+    assert_eq!(lines[1], "0:0");
+    assert_eq!(lines[2], "0:0");
+    assert_eq!(
+        lines[3].split_whitespace().collect::<Vec<_>>(),
+        vec!["0", &base.to_string(), "65536"]
+    );
+    assert_eq!(lines[4], "0");
+    assert_eq!(lines[5], "0022", "the agent's children get umask 022");
+    // On the host the file belongs to the range, the template stays host root's.
+    let mine = std::fs::metadata(b.layer_mount(&info.id).join("upper/root/mine")).unwrap();
+    assert_eq!((mine.uid(), mine.gid()), (base, base));
+    let template = b
+        .templates()
+        .ensure(agentenv_node::template::BASE_TEMPLATE, common::progress())
+        .await
+        .unwrap();
+    let passwd = std::fs::metadata(template.rootfs.join("etc/passwd")).unwrap();
+    assert_eq!((passwd.uid(), passwd.gid()), (0, 0));
+    // Any id inside is the range's id on the host; one outside the range cannot be
+    // given (it has no mapping).
+    let out = common::sh(
+        &info,
+        "touch /tmp/probe-file /tmp/far && chown 1234:1234 /tmp/probe-file && stat -c %u /tmp/probe-file; chown 70000 /tmp/far 2>/dev/null && echo far-owned; true",
+    )
+    .await;
+    assert_eq!(out.exit, 0, "{out:?}");
+    assert!(!out.stdout.contains("far-owned"), "{out:?}");
+    let inside: u32 = out.stdout.trim().parse().unwrap();
+    assert_eq!(inside, 1234);
+    let probe = std::fs::metadata(b.layer_mount(&info.id).join("upper/tmp/probe-file")).unwrap();
+    assert_eq!(probe.uid(), base + inside);
+    b.destroy(&info.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_id_pool_refuses_a_create_and_leaves_nothing_of_it() {
+    require_jail!();
+    // A pool of one range of this test process's own (reservations are host-wide).
+    let first = 3_000_000_000u32 + (std::process::id() % 10_000) * 65536;
+    let (b, _data) = common::backend_with(|c| {
+        c.id_pool = format!("{first}:65536").parse().unwrap();
+    })
+    .await;
+    let one = common::create_ready(&b, common::spec(&common::id("one"))).await;
+    assert_eq!(b.id_base(&one.id), Some(first));
+    let links = b.host_interfaces().await;
+    let second = common::id("two");
+    let e = b.create(common::spec(&second)).await.unwrap_err();
+    assert!(matches!(e, BackendError::IdPoolExhausted { .. }), "{e:?}");
+    assert!(e.to_string().contains("AENV_JAIL_ID_POOL"), "{e}");
+    // Nothing of the refused create: no directory, cgroup, link or address.
+    assert!(!b.sandbox_dir(&second).exists());
+    assert!(b.cgroup_dirs(&second).iter().all(|d| !d.exists()));
+    assert_eq!(b.host_interfaces().await.len(), links.len());
+    assert!(matches!(
+        b.get(&second).await,
+        Err(BackendError::NotFound(_))
+    ));
+    // The range comes back with the sandbox that held it.
+    b.destroy(&one.id).await.unwrap();
+    let two = common::create_ready(&b, common::spec(&second)).await;
+    assert_eq!(b.id_base(&two.id), Some(first));
+    b.destroy(&two.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writable_layer_is_capped_at_the_disk_size_with_enospc_inside() {
+    require_jail!();
+    let (b, _data) = common::backend().await;
+    let mut spec = common::spec(&common::id("disk"));
+    spec.disk_size_mb = Some(64);
+    let info = common::create_ready(&b, spec).await;
+    let out = common::sh(
+        &info,
+        "dd if=/dev/zero of=/root/fill bs=1M count=200 2>&1; echo status=$?; df -m / | tail -1",
+    )
+    .await;
+    assert!(out.stdout.contains("No space left on device"), "{out:?}");
+    assert!(!out.stdout.contains("status=0"), "{out:?}");
+    let written = std::fs::metadata(b.layer_mount(&info.id).join("upper/root/fill"))
+        .unwrap()
+        .len();
+    assert!(
+        written <= 64 << 20,
+        "wrote {written} bytes past a 64 MiB cap"
+    );
+    // The sandbox still works after a full disk once the file goes.
+    let out = common::sh(
+        &info,
+        "rm /root/fill && echo ok > /root/after && cat /root/after",
+    )
+    .await;
+    assert_eq!(out.stdout.trim(), "ok", "{out:?}");
+    // A size out of bounds is refused before anything is made.
+    let mut bad = common::spec(&common::id("disk-bad"));
+    bad.disk_size_mb = Some(1);
+    let e = b.create(bad.clone()).await.unwrap_err();
+    assert!(matches!(e, BackendError::InvalidLimits(_)), "{e:?}");
+    assert!(!b.sandbox_dir(&bad.id).exists());
+    b.destroy(&info.id).await.unwrap();
+}

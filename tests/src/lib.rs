@@ -59,25 +59,43 @@ pub fn binary(name: &str) -> Result<PathBuf, String> {
 /// The static guest agent: `AGENTENV_GUEST_BIN`, else the static build, else built with
 /// `agentenv-guest/build-static.sh`.
 pub fn guest_binary() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
-        return Ok(PathBuf::from(p));
+    static_binary(
+        "AGENTENV_GUEST_BIN",
+        "agentenv-guest",
+        "agentenv-guest/build-static.sh",
+    )
+}
+
+/// A statically linked binary of the workspace: the path in the environment variable
+/// `env` (which must be a file), else `<target>/<triple>/release/<name>`, else what
+/// `script` (relative to the workspace) builds.
+pub fn static_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(env) {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("{env}={} is not a file", p.display()))
+        };
     }
     for t in ["x86_64-unknown-linux-gnu", "x86_64-unknown-linux-musl"] {
-        let p = target_dir().join(t).join("release/agentenv-guest");
+        let p = target_dir().join(t).join("release").join(name);
         if p.is_file() {
             return Ok(p);
         }
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../agentenv-guest/build-static.sh");
-    let out = Command::new(&script)
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(script);
+    let out = Command::new(&path)
         .stderr(Stdio::inherit())
         .output()
-        .map_err(|e| format!("running {}: {e}", script.display()))?;
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if out.status.success() && Path::new(&path).is_file() {
-        Ok(PathBuf::from(path))
+        .map_err(|e| format!("running {}: {e}", path.display()))?;
+    let built = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if out.status.success() && Path::new(&built).is_file() {
+        Ok(PathBuf::from(built))
     } else {
-        Err("agentenv-guest/build-static.sh failed".into())
+        Err(format!("{script} failed"))
     }
 }
 

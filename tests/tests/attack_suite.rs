@@ -40,7 +40,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -48,7 +48,6 @@ use agentenv_guest::client::GuestClient;
 use agentenv_guest::proto::process as pr;
 use agentenv_tests::{
     NODE_RUNTIME_DIR, Proc, api, binary, free_port, node_env, node_iface_prefix, skip_reason,
-    target_dir,
 };
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -154,31 +153,11 @@ impl Drop for Report {
 /// The static attacker: `AGENTENV_ATTACK_BIN`, else the static build in the target
 /// directory, else built with `agentenv-attack/build-static.sh`.
 fn attack_binary() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("AGENTENV_ATTACK_BIN") {
-        let p = PathBuf::from(p);
-        return if p.is_file() {
-            Ok(p)
-        } else {
-            Err(format!("AGENTENV_ATTACK_BIN={} is not a file", p.display()))
-        };
-    }
-    for t in ["x86_64-unknown-linux-gnu", "x86_64-unknown-linux-musl"] {
-        let p = target_dir().join(t).join("release/sandbox-attack");
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../agentenv-attack/build-static.sh");
-    let out = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("running {}: {e}", script.display()))?;
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if out.status.success() && Path::new(&path).is_file() {
-        Ok(PathBuf::from(path))
-    } else {
-        Err("agentenv-attack/build-static.sh failed".into())
-    }
+    agentenv_tests::static_binary(
+        "AGENTENV_ATTACK_BIN",
+        "sandbox-attack",
+        "agentenv-attack/build-static.sh",
+    )
 }
 
 // ------------------------------------------------------------------ the node

@@ -13,7 +13,7 @@
 //! namespace chain (inotify instances and watches, pending signals, message queues, locked
 //! memory) land on the sandbox's own host uid, never on host root.
 
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -354,76 +354,20 @@ fn user_namespace_as(uid: Option<u32>, map: &str) -> Result<OwnedFd, HelperError
 /// template root needs); the error says which kernel is needed.
 pub fn check_idmapped_mounts(dir: &Path, range: IdRange) -> Result<(), String> {
     let userns = range.user_namespace().map_err(|e| e.to_string())?;
-    let tree = open_tree_clone(dir).map_err(|e| {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{} contains a NUL byte", dir.display()))?;
+    let tree = super::spawn::open_tree_clone(&c).map_err(|e| {
         format!(
             "open_tree on {}: {e} (needs Linux 5.12 or later)",
             dir.display()
         )
     })?;
-    set_idmap(&tree, &userns).map_err(|e| {
+    super::spawn::set_idmap(&tree, std::os::fd::AsRawFd::as_raw_fd(&userns)).map_err(|e| {
         format!(
             "an id-mapped mount of {} failed: {e} (the jail needs Linux 5.19 or later and a file system with id-mapped mount support, such as ext4, xfs or btrfs)",
             dir.display()
         )
     })
-}
-
-/// A detached copy of the mount at `dir` (`open_tree(OPEN_TREE_CLONE)`).
-pub fn open_tree_clone(dir: &Path) -> std::io::Result<OwnedFd> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    // SAFETY: a NUL-terminated path and plain flags; the result is a new descriptor.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// The `struct mount_attr` of mount_setattr(2).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
-/// `MOUNT_ATTR_IDMAP` and the usual restrictions on a detached mount.
-fn set_idmap(tree: &OwnedFd, userns: &OwnedFd) -> std::io::Result<()> {
-    let attr = MountAttr {
-        attr_set: libc::MOUNT_ATTR_IDMAP
-            | libc::MOUNT_ATTR_RDONLY
-            | libc::MOUNT_ATTR_NOSUID
-            | libc::MOUNT_ATTR_NODEV,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: std::os::fd::AsRawFd::as_raw_fd(userns) as u64,
-    };
-    // SAFETY: the descriptor is live, the path is an empty C string, and `attr` is a
-    // mount_attr of the size passed.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            std::os::fd::AsRawFd::as_raw_fd(tree),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -489,6 +433,24 @@ mod tests {
         };
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
         assert_eq!(uid, r.base);
+    }
+
+    #[test]
+    fn a_file_system_without_id_mapped_mounts_is_refused_naming_the_kernel_needed() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIPPED: id-mapped mounts need root");
+            return;
+        }
+        // procfs supports no id mapping, on any kernel.
+        let e = check_idmapped_mounts(
+            Path::new("/proc"),
+            IdRange {
+                base: 1_000_000_000,
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("Linux 5.19 or later"), "{e}");
+        assert!(e.contains("/proc"), "{e}");
     }
 
     #[test]

@@ -241,11 +241,15 @@ pub struct Traces {
     pub ip: Ipv4Addr,
     pub gateway: Ipv4Addr,
     pub dir: PathBuf,
+    /// The base of the sandbox's id range (root inside is this host uid).
+    pub id_base: u32,
+    /// Where its writable layer is mounted.
+    pub layer: PathBuf,
 }
 
 pub fn traces(b: &JailBackend, info: &SandboxInfo) -> Traces {
     let pid = b.pid(&info.id).expect("pid");
-    let namespaces = ["net", "pid", "mnt", "uts", "ipc", "cgroup"]
+    let namespaces = ["net", "pid", "mnt", "uts", "ipc", "cgroup", "user"]
         .iter()
         .map(|ns| {
             let ino = std::fs::metadata(format!("/proc/{pid}/ns/{ns}"))
@@ -270,13 +274,27 @@ pub fn traces(b: &JailBackend, info: &SandboxInfo) -> Traces {
         ip: info.address.ip,
         gateway: Ipv4Addr::from(u32::from(info.address.ip) - 1),
         dir: b.sandbox_dir(&info.id),
+        id_base: b.id_base(&info.id).expect("an id range"),
+        layer: b.layer_mount(&info.id),
     };
     assert!(
         t.cgroup_dirs.iter().all(|d| d.is_dir()),
         "cgroups exist while running"
     );
     assert!(t.dir.is_dir());
+    assert!(
+        is_mounted(&t.layer),
+        "the writable layer is mounted while running"
+    );
     t
+}
+
+/// Whether something is mounted at `path` in the host's mount namespace.
+pub fn is_mounted(path: &Path) -> bool {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let want = path.to_string_lossy();
+    text.lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_ref()))
 }
 
 /// Namespace inodes of every process on the host, by kind.
@@ -288,7 +306,7 @@ pub fn host_namespaces() -> std::collections::HashSet<(String, u64)> {
             if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
                 continue;
             }
-            for ns in ["net", "pid", "mnt", "uts", "ipc", "cgroup"] {
+            for ns in ["net", "pid", "mnt", "uts", "ipc", "cgroup", "user"] {
                 if let Ok(m) = std::fs::metadata(e.path().join("ns").join(ns)) {
                     out.insert((ns.to_string(), m.ino()));
                 }
@@ -392,5 +410,17 @@ pub fn assert_gone(b: &JailBackend, t: &Traces) {
         "{}: directory {} still exists",
         t.id,
         t.dir.display()
+    );
+    assert!(
+        !is_mounted(&t.layer),
+        "{}: its writable layer is still mounted",
+        t.id
+    );
+    let ranges = b.host().ids().reservations();
+    assert!(
+        !ranges.iter().any(|(_, owner)| owner == &t.dir),
+        "{}: id range {} still reserved by it",
+        t.id,
+        t.id_base
     );
 }

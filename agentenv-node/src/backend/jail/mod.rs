@@ -25,7 +25,11 @@
 //!
 //! Pause freezes the cgroup; resume thaws it. Destroy kills PID 1 (the kernel kills the
 //! rest of the PID namespace) and gives the slot back.
+//!
+//! The backend's configuration ([`JailConfig`] and its defaults) is in `config`,
+//! re-exported here.
 
+mod config;
 pub mod layer;
 pub mod snapshot;
 
@@ -33,7 +37,6 @@ use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use nix::sys::signal::{Signal, kill};
@@ -42,19 +45,18 @@ use nix::unistd::Pid;
 use tokio::sync::watch;
 
 use super::{
-    AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
-    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture,
-    validate_sandbox_id,
+    BackendError, KeptState, ReconcileReport, ResourceUsage, SandboxAddress, SandboxBackend,
+    SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
 };
 use crate::host::cgroup::{Limits, SandboxCgroup};
 use crate::host::disk::{self, LayerPool, MountOptions, MountedLayer};
-use crate::host::ids::IdPoolRange;
-use crate::host::net::Ipv4Net;
 use crate::host::table::{SandboxTable, TableSandbox};
-use crate::host::{
-    HostConfig, HostSlot, Phases, SandboxHost, devices, netpool, setup, spawn, watch_exit,
+use crate::host::{HostSlot, Phases, SandboxHost, netpool, setup, spawn, watch_exit};
+use crate::template::{Progress, TemplateError, TemplateStore};
+
+pub use config::{
+    DEFAULT_DISK_SIZE_MB, DEFAULT_LAYER_POOL_SIZE, DEFAULT_NET_POOL_SIZE, JailConfig,
 };
-use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
 
 /// Where the agent binary appears inside every sandbox.
 pub const AGENT_GUEST_PATH: &str = "/agentenv/agentenv-guest";
@@ -69,114 +71,6 @@ const DISK_DIR: &str = "disk";
 pub fn layer_mount(dir: &Path) -> PathBuf {
     dir.join(DISK_DIR).join(disk::LAYER_DIR)
 }
-
-/// Configuration of the jail backend.
-///
-/// Node configuration it corresponds to: `home_path` → `data_dir`, `runtime_path` →
-/// `runtime_dir`, `tools.control_plane_port` → `agent_port`,
-/// `network.egress.always_denied_cidrs` → `denied_networks`; `address_pool` plays the
-/// part of `network.internal.veth_cidr` (one /30 per sandbox instead of a /31 plus a
-/// host interaction address, since no tap or in-namespace NAT sits between node and
-/// agent).
-///
-/// On cgroup v2 the parent must be a cgroup the node may enable controllers in: an
-/// absolute `cgroup_parent` such as `/agentenv`, or a delegated subtree.
-#[derive(Clone, Debug)]
-pub struct JailConfig {
-    /// The node's data directory (`home_path`); sandboxes live in `<data_dir>/jail`.
-    pub data_dir: PathBuf,
-    /// Host-wide runtime state (address and id reservations, locks), shared by every
-    /// node process on the host (`runtime_path`).
-    pub runtime_dir: PathBuf,
-    /// The template store.
-    pub templates: TemplateStoreConfig,
-    /// The agent binary on the host (a static `agentenv-guest`).
-    pub agent_binary: PathBuf,
-    /// Arguments of the agent (after its path): init mode by default.
-    pub agent_args: Vec<String>,
-    /// The agent's port inside the sandbox.
-    pub agent_port: u16,
-    /// Sandbox addresses: carved into /30 networks.
-    pub address_pool: Ipv4Net,
-    /// Host interface names start with this (at most 6 characters).
-    pub iface_prefix: String,
-    /// Networks sandboxes never reach (the host's private ranges by default).
-    pub denied_networks: Vec<Ipv4Net>,
-    /// Nameservers for the sandboxes' resolv.conf; `None` takes the host's.
-    pub dns_servers: Option<Vec<Ipv4Addr>>,
-    /// Parent of the sandbox cgroups, relative to the node's own cgroup (absolute from
-    /// the hierarchy root when it starts with `/`).
-    pub cgroup_parent: String,
-    /// Most processes per sandbox unless the spec says otherwise.
-    pub default_max_processes: u32,
-    /// How long pause, resume and kill may take before they fail.
-    pub op_timeout: Duration,
-    /// Network namespaces kept ready for creates (see [`netpool`]); 0 turns the pool off.
-    pub net_pool_size: usize,
-    /// Host ids sandboxes are given, 65,536 each (`AENV_JAIL_ID_POOL`).
-    pub id_pool: IdPoolRange,
-    /// Size of a sandbox's writable layer when its create names none, in MiB
-    /// (`AENV_JAIL_DISK_SIZE_MB`): writes beyond it fail with ENOSPC inside.
-    pub disk_size_mb: u64,
-    /// Writable layers of the default size kept formatted and mounted for creates
-    /// (`AENV_JAIL_LAYER_POOL_SIZE`); 0 turns the pool off.
-    pub layer_pool_size: usize,
-}
-
-/// Network namespaces a jail backend keeps ready unless configured otherwise.
-pub const DEFAULT_NET_POOL_SIZE: usize = 8;
-
-/// A sandbox's writable layer unless configured otherwise, in MiB (sparse: it takes host
-/// disk only as the sandbox writes).
-pub const DEFAULT_DISK_SIZE_MB: u64 = 10240;
-
-/// Writable layers a jail backend keeps ready unless configured otherwise.
-pub const DEFAULT_LAYER_POOL_SIZE: usize = 4;
-
-impl JailConfig {
-    /// Defaults for a node with data under `data_dir`, running `agent_binary`.
-    pub fn new(data_dir: impl Into<PathBuf>, agent_binary: impl Into<PathBuf>) -> Self {
-        let data_dir = data_dir.into();
-        Self {
-            templates: TemplateStoreConfig::new(data_dir.join("templates")),
-            data_dir,
-            runtime_dir: PathBuf::from("/run/agentenv"),
-            agent_binary: agent_binary.into(),
-            agent_args: vec!["--init".into()],
-            agent_port: AGENT_PORT,
-            address_pool: Ipv4Net::new(Ipv4Addr::new(10, 12, 0, 0), 16)
-                .expect("10.12.0.0/16 is a valid network"),
-            iface_prefix: "ae".into(),
-            denied_networks: Ipv4Net::default_denied(),
-            dns_servers: None,
-            cgroup_parent: "agentenv".into(),
-            default_max_processes: 1024,
-            op_timeout: Duration::from_secs(5),
-            net_pool_size: DEFAULT_NET_POOL_SIZE,
-            id_pool: IdPoolRange::default(),
-            disk_size_mb: DEFAULT_DISK_SIZE_MB,
-            layer_pool_size: DEFAULT_LAYER_POOL_SIZE,
-        }
-    }
-
-    fn host(&self) -> HostConfig {
-        HostConfig {
-            kind: "jail",
-            data_dir: self.data_dir.clone(),
-            runtime_dir: self.runtime_dir.clone(),
-            address_pool: self.address_pool,
-            iface_prefix: self.iface_prefix.clone(),
-            denied_networks: self.denied_networks.clone(),
-            dns_servers: self.dns_servers.clone(),
-            cgroup_parent: self.cgroup_parent.clone(),
-            op_timeout: self.op_timeout,
-            net_pool_size: self.net_pool_size,
-            id_pool: self.id_pool,
-            devices: devices::STANDARD,
-        }
-    }
-}
-
 struct Sandbox {
     info: Mutex<SandboxInfo>,
     pid: Pid,
@@ -432,31 +326,8 @@ impl JailBackend {
     }
 
     fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
-        if spec.cpu_count == 0 {
-            return Err(BackendError::InvalidLimits(
-                "cpuCount must be at least 1".into(),
-            ));
-        }
-        if spec.cpu_count > self.host.host_cpus() {
-            return Err(BackendError::InvalidLimits(format!(
-                "cpuCount {} is more than this node's {} CPUs",
-                spec.cpu_count,
-                self.host.host_cpus()
-            )));
-        }
-        if spec.memory_mb < MIN_MEMORY_MB {
-            return Err(BackendError::InvalidLimits(format!(
-                "memoryMB must be at least {MIN_MEMORY_MB}"
-            )));
-        }
+        self.host.check_cpus_and_memory(spec)?;
         let memory_bytes = spec.memory_mb.saturating_mul(1 << 20);
-        if memory_bytes > self.host.host_memory() {
-            return Err(BackendError::InvalidLimits(format!(
-                "memoryMB {} is more than this node's {} MiB",
-                spec.memory_mb,
-                self.host.host_memory() >> 20
-            )));
-        }
         let max_processes = spec.max_processes.unwrap_or(self.cfg.default_max_processes);
         if max_processes == 0 {
             return Err(BackendError::InvalidLimits(
@@ -508,15 +379,7 @@ impl JailBackend {
         lower: &Path,
     ) -> Result<Arc<Sandbox>, BackendError> {
         let mut phases = Phases::new();
-        let mut claim = self
-            .host
-            .claim(
-                &spec.id,
-                spec.kept.as_ref(),
-                spec.allow_internet_access,
-                limits,
-            )
-            .await?;
+        let mut claim = self.host.claim(spec, limits).await?;
         phases.mark("claim");
         let dir = claim.dir().to_path_buf();
         let ids = claim.ids();

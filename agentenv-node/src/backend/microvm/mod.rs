@@ -30,15 +30,21 @@
 //! [`SandboxBackend::import_snapshot`] turns a capture into kept state, so creates from a
 //! template snapshot restore it instead of booting, as often as wanted and next to the
 //! sandbox it was taken from.
+//!
+//! The backend's configuration ([`MicrovmConfig`], [`unavailable_reason`]) is in `config`,
+//! re-exported here; `vm` checks a spec's limits and builds the VM configuration of a
+//! sandbox.
 
+mod config;
 pub mod jail;
 pub mod net;
+mod vm;
 
 use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use agentenv_vmm::control::{SnapshotKind, VmmClient};
 use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
@@ -53,22 +59,16 @@ use self::jail::Jail;
 use crate::host::table::{SandboxTable, TableSandbox};
 
 use super::{
-    AGENT_PORT, BackendError, KeptState, MIN_MEMORY_MB, ReconcileReport, ResourceUsage,
-    SandboxAddress, SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture,
-    validate_sandbox_id,
+    BackendError, KeptState, ReconcileReport, ResourceUsage, SandboxAddress, SandboxBackend,
+    SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
 };
 use crate::host::cgroup::{Limits, SandboxCgroup};
-use crate::host::ids::{IdPoolRange, IdRange};
-use crate::host::net::Ipv4Net;
-use crate::host::{
-    HostConfig, HostSlot, SandboxHost, StateFile, devices, setup, spawn, watch_exit, write_json,
-};
+use crate::host::ids::IdRange;
+use crate::host::{HostSlot, SandboxHost, StateFile, setup, spawn, watch_exit, write_json};
 use crate::template::image;
-use crate::template::{Progress, TemplateError, TemplateStore, TemplateStoreConfig};
+use crate::template::{Progress, TemplateError, TemplateStore};
 
-/// The kernel arguments every guest gets before the backend's own.
-/// (The VMM adds the serial console and the virtio-mmio devices itself.)
-pub const DEFAULT_BOOT_ARGS: &str = "reboot=k panic=1 pci=off";
+pub use config::{DEFAULT_BOOT_ARGS, MicrovmConfig, unavailable_reason};
 
 /// The sandbox's disk in its directory (and in captures).
 const ROOTFS_FILE: &str = "rootfs.ext4";
@@ -81,154 +81,6 @@ const CAPTURE_FILES: &[&str] = &[STATE_FILE, MEMORY_FILE, ROOTFS_FILE, "state.js
 
 /// Longest unix socket path.
 const MAX_SOCKET_PATH: usize = 107;
-
-/// Configuration of the microvm backend.
-#[derive(Clone, Debug)]
-pub struct MicrovmConfig {
-    /// The node's data directory; sandboxes live in `<data_dir>/microvm`.
-    pub data_dir: PathBuf,
-    /// Host-wide runtime state (address reservations), shared with the jail backend.
-    pub runtime_dir: PathBuf,
-    /// The template store.
-    pub templates: TemplateStoreConfig,
-    /// The agent binary installed into template images as init.
-    pub agent_binary: PathBuf,
-    /// The `agentenv-vmm` binary.
-    pub vmm_binary: PathBuf,
-    /// The guest kernel (an uncompressed vmlinux or a bzImage).
-    pub kernel: PathBuf,
-    /// Kernel arguments before the backend's (`root=`, `ip=`, `init=`).
-    pub boot_args: String,
-    /// Where template disk images are cached.
-    pub image_dir: PathBuf,
-    /// The agent's port inside the guest.
-    pub agent_port: u16,
-    /// Sandbox addresses: carved into /30 networks (shared with the jail backend).
-    pub address_pool: Ipv4Net,
-    /// Host interface names start with this (at most 6 characters).
-    pub iface_prefix: String,
-    /// Networks sandboxes never reach.
-    pub denied_networks: Vec<Ipv4Net>,
-    /// Nameservers the guest is told about; `None` takes the host's.
-    pub dns_servers: Option<Vec<Ipv4Addr>>,
-    /// Parent of the sandbox cgroups.
-    pub cgroup_parent: String,
-    /// Memory the VMM process itself may use beyond the guest's, in MiB.
-    pub vmm_overhead_mib: u64,
-    /// Most threads of one VMM process.
-    pub vmm_max_threads: u32,
-    /// Install the VMM's seccomp filter (`--seccomp strict`).
-    pub seccomp: bool,
-    /// Attach the root disk and network device to the VM (a guest program without
-    /// drivers may run without them).
-    pub attach_devices: bool,
-    /// How long a VMM may take to answer, start or stop.
-    pub op_timeout: Duration,
-    /// How long a snapshot may take.
-    pub snapshot_timeout: Duration,
-    /// Host ids VMM processes run as, 65,536 per sandbox (`AENV_JAIL_ID_POOL`).
-    pub id_pool: IdPoolRange,
-}
-
-impl MicrovmConfig {
-    /// Defaults for a node with data under `data_dir`.
-    pub fn new(
-        data_dir: impl Into<PathBuf>,
-        agent_binary: impl Into<PathBuf>,
-        vmm_binary: impl Into<PathBuf>,
-        kernel: impl Into<PathBuf>,
-    ) -> Self {
-        let data_dir = data_dir.into();
-        Self {
-            templates: TemplateStoreConfig::new(data_dir.join("templates")),
-            image_dir: data_dir.join("microvm").join("images"),
-            data_dir,
-            runtime_dir: PathBuf::from("/run/agentenv"),
-            agent_binary: agent_binary.into(),
-            vmm_binary: vmm_binary.into(),
-            kernel: kernel.into(),
-            boot_args: DEFAULT_BOOT_ARGS.into(),
-            agent_port: AGENT_PORT,
-            address_pool: Ipv4Net::new(Ipv4Addr::new(10, 12, 0, 0), 16)
-                .expect("10.12.0.0/16 is a valid network"),
-            iface_prefix: "av".into(),
-            denied_networks: Ipv4Net::default_denied(),
-            dns_servers: None,
-            cgroup_parent: "agentenv-vm".into(),
-            vmm_overhead_mib: 64,
-            vmm_max_threads: 256,
-            seccomp: true,
-            attach_devices: true,
-            op_timeout: Duration::from_secs(10),
-            snapshot_timeout: Duration::from_secs(120),
-            id_pool: IdPoolRange::default(),
-        }
-    }
-
-    fn host(&self) -> HostConfig {
-        HostConfig {
-            kind: "microvm",
-            data_dir: self.data_dir.clone(),
-            runtime_dir: self.runtime_dir.clone(),
-            address_pool: self.address_pool,
-            iface_prefix: self.iface_prefix.clone(),
-            denied_networks: self.denied_networks.clone(),
-            dns_servers: self.dns_servers.clone(),
-            cgroup_parent: self.cgroup_parent.clone(),
-            op_timeout: self.op_timeout,
-            net_pool_size: 0,
-            id_pool: self.id_pool,
-            devices: devices::MICROVM,
-        }
-    }
-}
-
-/// Why this host cannot run microVM sandboxes, if it cannot: no `/dev/kvm`, KVM served
-/// by `kvm_pvm` (no Linux guest reaches userspace there), no guest kernel or no VMM
-/// binary. The message says what is missing and how to fix it.
-pub fn unavailable_reason(kernel: &Path, vmm_binary: &Path) -> Option<String> {
-    unavailable_reason_at(
-        Path::new("/dev/kvm"),
-        Path::new("/sys/module/kvm_pvm"),
-        kernel,
-        vmm_binary,
-    )
-}
-
-fn unavailable_reason_at(
-    dev_kvm: &Path,
-    pvm_module: &Path,
-    kernel: &Path,
-    vmm_binary: &Path,
-) -> Option<String> {
-    if !dev_kvm.exists() {
-        return Some(format!(
-            "{} is missing: this host has no KVM (enable virtualization or load kvm_intel/kvm_amd)",
-            dev_kvm.display()
-        ));
-    }
-    if pvm_module.exists() {
-        return Some(format!(
-            "{} is served by kvm_pvm ({} exists): guest kernel code is emulated there and no Linux guest reaches userspace; run microVMs on a host with hardware KVM",
-            dev_kvm.display(),
-            pvm_module.display()
-        ));
-    }
-    if !kernel.is_file() {
-        return Some(format!(
-            "no guest kernel at {}: build it with agentenv-vmm/guest/build-kernel.sh and set AENV_GUEST_KERNEL_PATH to its vmlinux",
-            kernel.display()
-        ));
-    }
-    if !vmm_binary.is_file() {
-        return Some(format!(
-            "no agentenv-vmm binary at {}: install it (deploy/install.sh) or set AENV_VMM_BINARY_PATH",
-            vmm_binary.display()
-        ));
-    }
-    None
-}
-
 /// A running VMM process.
 struct VmmProcess {
     pid: i32,
@@ -363,116 +215,6 @@ impl MicrovmBackend {
     pub async fn host_interfaces(&self) -> Vec<String> {
         self.host.host_interfaces().await
     }
-
-    fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
-        if spec.cpu_count == 0 || spec.cpu_count > u32::from(agentenv_vmm::config::MAX_VCPUS) {
-            return Err(BackendError::InvalidLimits(format!(
-                "cpuCount must be between 1 and {}",
-                agentenv_vmm::config::MAX_VCPUS
-            )));
-        }
-        if spec.cpu_count > self.host.host_cpus() {
-            return Err(BackendError::InvalidLimits(format!(
-                "cpuCount {} is more than this node's {} CPUs",
-                spec.cpu_count,
-                self.host.host_cpus()
-            )));
-        }
-        if spec.memory_mb < MIN_MEMORY_MB {
-            return Err(BackendError::InvalidLimits(format!(
-                "memoryMB must be at least {MIN_MEMORY_MB}"
-            )));
-        }
-        Ok(Limits {
-            cpus: spec.cpu_count,
-            memory_bytes: (spec.memory_mb + self.cfg.vmm_overhead_mib).saturating_mul(1 << 20),
-            max_processes: self.cfg.vmm_max_threads,
-        })
-    }
-
-    /// The VM configuration of a sandbox.
-    /// The VM configuration of a sandbox, with the paths the VMM sees in its jail.
-    fn vm_config(&self, spec: &SandboxSpec) -> Result<agentenv_vmm::VmConfig, BackendError> {
-        let dns = self
-            .host
-            .dns()
-            .first()
-            .map(|d| d.to_string())
-            .unwrap_or_default();
-        let mut cmdline = format!(
-            "{} ip={}::{}:255.255.255.252:{}:eth0:off:{dns}",
-            self.cfg.boot_args,
-            net::GUEST_IP,
-            net::TAP_IP,
-            // The kernel sets its host name from here (ids are valid host names).
-            spec.id,
-        );
-        if self.cfg.attach_devices {
-            cmdline.push_str(" root=/dev/vda rw rootwait");
-        }
-        // The kernel hands unknown `KEY=VALUE` arguments to init as its environment; a
-        // value the command line cannot carry is left to /init, which sets env again.
-        for (k, v) in &spec.env {
-            let plain = |s: &str| {
-                !s.is_empty()
-                    && s.bytes()
-                        .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\'' && b != b'=')
-            };
-            if plain(k) && !k.contains('.') && (v.is_empty() || plain(v)) {
-                cmdline.push_str(&format!(" {k}={v}"));
-            }
-        }
-        cmdline.push(' ');
-        cmdline.push_str(&image::init_cmdline());
-        let mut drives = Vec::new();
-        let mut nets = Vec::new();
-        if self.cfg.attach_devices {
-            drives.push(agentenv_vmm::config::DriveConfig {
-                id: "rootfs".into(),
-                path: PathBuf::from(jail::DISK),
-                read_only: false,
-                is_root: true,
-            });
-            nets.push(agentenv_vmm::config::NetConfig {
-                id: "eth0".into(),
-                tap: net::TAP_IF.into(),
-                guest_mac: net::GUEST_MAC.into(),
-            });
-        }
-        let cfg: agentenv_vmm::VmConfig = serde_json::from_value(serde_json::json!({
-            "vcpus": spec.cpu_count,
-            "memory_mib": spec.memory_mb,
-            "kernel": self.cfg.kernel,
-            "cmdline": cmdline,
-            "drives": drives,
-            "net": nets,
-            "serial_output": jail::SERIAL_LOG,
-            // A balloon the node can inflate to take memory back (empty at start; the
-            // guest gets pages back when it runs short), and entropy for the guest.
-            "balloon": if self.cfg.attach_devices {
-                serde_json::json!({
-                    "amount_mib": 0,
-                    "deflate_on_oom": true,
-                    "stats_polling_interval_s": 5,
-                })
-            } else {
-                serde_json::Value::Null
-            },
-            "rng": self.cfg.attach_devices,
-        }))
-        .map_err(|e| setup(format!("building the VM configuration: {e}")))?;
-        // Checked with the host's view of the files; the VMM sees them in its jail.
-        let mut host_view = cfg.clone();
-        host_view.drives.clear();
-        host_view.serial_output = None;
-        host_view
-            .validate()
-            .map_err(|e| BackendError::InvalidLimits(e.to_string()))?;
-        let mut cfg = cfg;
-        cfg.kernel = PathBuf::from(jail::KERNEL);
-        Ok(cfg)
-    }
-
     /// Creates a sandbox, building the template and its image first if needed.
     pub async fn create_with_progress(
         &self,
@@ -541,15 +283,7 @@ impl MicrovmBackend {
         limits: Limits,
         disk: Option<&Path>,
     ) -> Result<Arc<Sandbox>, BackendError> {
-        let mut claim = self
-            .host
-            .claim(
-                &spec.id,
-                spec.kept.as_ref(),
-                spec.allow_internet_access,
-                limits,
-            )
-            .await?;
+        let mut claim = self.host.claim(spec, limits).await?;
         let dir = claim.dir().to_path_buf();
         let ids = claim.ids();
         let jail = Jail::of(&dir);
@@ -1022,30 +756,5 @@ impl SandboxBackend for MicrovmBackend {
 
     async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
         self.host.reconcile(&self.sandboxes.ids(), kept, None).await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn availability_names_what_is_missing() {
-        let dir = tempfile::tempdir().unwrap();
-        let present = dir.path().join("present");
-        std::fs::write(&present, b"x").unwrap();
-        let absent = dir.path().join("absent");
-        let r = unavailable_reason_at(&absent, &absent, &present, &present).unwrap();
-        assert!(r.contains("has no KVM"), "{r}");
-        let r = unavailable_reason_at(&present, &present, &present, &present).unwrap();
-        assert!(r.contains("kvm_pvm"), "{r}");
-        let r = unavailable_reason_at(&present, &absent, &absent, &present).unwrap();
-        assert!(r.contains("AENV_GUEST_KERNEL_PATH"), "{r}");
-        let r = unavailable_reason_at(&present, &absent, &present, &absent).unwrap();
-        assert!(r.contains("AENV_VMM_BINARY_PATH"), "{r}");
-        assert_eq!(
-            unavailable_reason_at(&present, &absent, &present, &present),
-            None
-        );
     }
 }
