@@ -73,7 +73,7 @@ pub const DEFAULT_NET_POOL_SIZE: usize = 8;
 pub const DEFAULT_DISK_SIZE_MB: u64 = 10240;
 
 /// Writable layers a jail backend keeps ready unless configured otherwise.
-pub const DEFAULT_LAYER_POOL_SIZE: usize = 4;
+pub const DEFAULT_LAYER_POOL_SIZE: usize = 8;
 
 impl JailConfig {
     /// Defaults for a node with data under `data_dir`, running `agent_binary`.

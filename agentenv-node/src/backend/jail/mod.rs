@@ -424,12 +424,14 @@ impl JailBackend {
             std::fs::create_dir_all(d)
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
         }
+        phases.mark("prepare");
         let log = std::fs::File::create(dir.join("agent.log"))
             .map_err(|e| BackendError::io("creating agent.log", e))?;
+        phases.mark("dirs");
         let userns = ids
             .user_namespace()
             .map_err(|e| setup(format!("the sandbox's user namespace: {e}")))?;
-        phases.mark("files");
+        phases.mark("userns");
 
         let slot = claim.slot();
         let mut state = crate::host::StateFile {

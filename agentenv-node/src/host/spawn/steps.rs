@@ -70,7 +70,8 @@ impl Steps {
         });
     }
 
-    /// Binds the host file `src` onto the new file `target` with `flags` added.
+    /// Binds the host file `src` onto the new file `target`, remounted with `flags` added
+    /// when there are any.
     fn bind_file(
         &mut self,
         what: &'static str,
@@ -93,6 +94,9 @@ impl Steps {
             None,
             false,
         )?;
+        if flags.is_empty() {
+            return Ok(());
+        }
         self.mount(
             what,
             None,
@@ -184,12 +188,14 @@ pub(super) fn overlay_steps(
         Some(format!("mode=755,size=65536k,uid={base_id},gid={base_id}")),
         false,
     )?;
+    // A bind keeps the host's /dev mount flags (set-id and exec bits mean nothing on a
+    // device node): no remount.
     for name in STANDARD_DEVICES {
         steps.bind_file(
             "bind a device node",
             cstr(format!("/dev/{name}"))?,
             at(&format!("dev/{name}"))?,
-            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            MsFlags::empty(),
         )?;
     }
     for dir in ["dev/pts", "dev/shm"] {
