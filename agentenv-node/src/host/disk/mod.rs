@@ -624,7 +624,14 @@ pub fn remove_shared_mount_if_unused(dir: &Path) -> Result<bool, DiskError> {
     }
     match nix::mount::umount2(&dir, MntFlags::UMOUNT_NOFOLLOW) {
         Ok(()) => Ok(true),
-        Err(nix::Error::EINVAL) | Err(nix::Error::EBUSY) => Ok(false),
+        Err(nix::Error::EINVAL) => Ok(false),
+        // Only the directory's own files are in use (a trash being emptied): with no
+        // layer beneath, the mount can go lazily.
+        Err(nix::Error::EBUSY) => {
+            nix::mount::umount2(&dir, MntFlags::UMOUNT_NOFOLLOW | MntFlags::MNT_DETACH)
+                .map(|()| true)
+                .map_err(errno_err(format!("unmounting {}", dir.display())))
+        }
         Err(e) => Err(errno_err(format!("unmounting {}", dir.display()))(e)),
     }
 }
