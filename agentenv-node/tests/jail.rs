@@ -1152,3 +1152,27 @@ async fn the_writable_layer_is_capped_at_the_disk_size_with_enospc_inside() {
     assert!(!b.sandbox_dir(&bad.id).exists());
     b.destroy(&info.id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_leaves_the_sandboxes_of_a_node_with_another_address_pool_alone() {
+    require_jail!();
+    // Two node processes on one host, one runtime directory and cgroup parent, distinct
+    // address pools: one's reconciliation must not take the other's sandboxes for
+    // leftovers.
+    let (a, _data_a) = common::backend().await;
+    let info = common::create_ready(&a, common::spec(&common::id("other-pool"))).await;
+    let pool = format!("10.19.{}.0/24", std::process::id() % 250);
+    let (b, _data_b) = common::backend_with(|c| {
+        c.address_pool = pool.parse().unwrap();
+    })
+    .await;
+    let report = b.reconcile(&[]).await.unwrap();
+    assert!(
+        !report.removed_other.iter().any(|r| r.contains(&info.id)),
+        "{report:?}"
+    );
+    assert!(a.cgroup_dirs(&info.id).iter().all(|d| d.is_dir()));
+    let out = common::sh(&info, "echo alive").await;
+    assert_eq!(out.stdout.trim(), "alive", "{out:?}");
+    a.destroy(&info.id).await.unwrap();
+}

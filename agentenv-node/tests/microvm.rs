@@ -132,20 +132,16 @@ async fn wait_gone(pid: i32) {
 
 /// The interface the VMM attached to: `iff:` in the fdinfo of its /dev/net/tun descriptor.
 fn vmm_taps(pid: i32) -> Vec<String> {
+    // A tun descriptor's fdinfo names its interface (`iff:`); the path it was opened by is
+    // the VMM's jail's, which the host may not resolve.
     let mut out = Vec::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
         .unwrap()
         .flatten()
     {
-        if std::fs::read_link(e.path()).ok().as_deref() == Some(Path::new("/dev/net/tun")) {
-            let info = std::fs::read_to_string(format!(
-                "/proc/{pid}/fdinfo/{}",
-                e.file_name().to_string_lossy()
-            ))
-            .unwrap_or_default();
-            if let Some(l) = info.lines().find_map(|l| l.strip_prefix("iff:")) {
-                out.push(l.trim().to_string());
-            }
+        let info = std::fs::read_to_string(e.path()).unwrap_or_default();
+        if let Some(l) = info.lines().find_map(|l| l.strip_prefix("iff:")) {
+            out.push(l.trim().to_string());
         }
     }
     out

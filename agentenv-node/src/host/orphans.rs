@@ -24,9 +24,9 @@ impl HostResources<'_> {
     /// Removes what belongs to no sandbox; `live` are the ids the backend
     /// runs now. Each removal is added to `report`.
     pub(crate) async fn remove_orphans(&self, live: &[String], report: &mut ReconcileReport) {
-        // Reservations whose owner directory is gone belong to nobody.
+        // Reservations of this pool whose owner directory is gone belong to nobody.
         for (slot, owner) in self.pool.reservations() {
-            if !owner.as_os_str().is_empty() && !owner.exists() {
+            if self.pool.owns(slot) && !owner.as_os_str().is_empty() && !owner.exists() {
                 for internet in [true, false] {
                     let name = slot.host_ifname(self.iface_prefix, internet);
                     if let Ok(true) = net::delete_link(self.netlink, &name).await {

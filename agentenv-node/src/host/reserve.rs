@@ -105,23 +105,35 @@ impl<N: IndexName> Reservations<N> {
         })
     }
 
-    /// Whether `idx` is reserved (by anyone on this host).
-    pub(crate) fn is_reserved(&self, idx: u32) -> bool {
-        self.path(idx).exists()
+    /// Whether a reservation named `name` exists, of these indexes or not.
+    pub(crate) fn name_reserved(&self, name: &str) -> bool {
+        !name.starts_with('.') && !name.contains('/') && self.dir.join(name).exists()
     }
 
-    /// Every reservation on the host: `(index, owner path)`.
+    /// Every reservation of these indexes on the host: `(index, owner path)`.
     pub(crate) fn list(&self) -> Vec<(u32, PathBuf)> {
+        self.list_names()
+            .into_iter()
+            .filter_map(|(name, owner)| Some((self.naming.parse(&name)?, owner)))
+            .filter(|(idx, _)| *idx < self.count)
+            .collect()
+    }
+
+    /// Every reservation in the directory, of these indexes or not (node processes with
+    /// other pools share it): `(file name, owner path)`. Names starting with a dot are
+    /// reservations being handed over, not reservations.
+    pub(crate) fn list_names(&self) -> Vec<(String, PathBuf)> {
         let mut out = Vec::new();
         if let Ok(entries) = std::fs::read_dir(&self.dir) {
             for e in entries.flatten() {
-                let Some(idx) = self.naming.parse(&e.file_name().to_string_lossy()) else {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') {
                     continue;
-                };
+                }
                 let owner = std::fs::read(e.path())
                     .map(|b| PathBuf::from(String::from_utf8_lossy(&b).into_owned()))
                     .unwrap_or_default();
-                out.push((idx, owner));
+                out.push((name, owner));
             }
         }
         out
@@ -179,7 +191,7 @@ mod tests {
                 .any(|(i, o)| *i == a && o == Path::new("/owner/z"))
         );
         r.release(b);
-        assert!(!r.is_reserved(b));
+        assert!(!r.name_reserved(&b.to_string()));
         assert_eq!(r.reserve(Path::new("/owner/d")).unwrap(), b);
     }
 
@@ -192,7 +204,7 @@ mod tests {
         let kept = r.reserve(&live).unwrap();
         let gone = r.reserve(&dir.path().join("vanished")).unwrap();
         assert_eq!(r.release_orphans(), vec![gone]);
-        assert!(r.is_reserved(kept));
-        assert!(!r.is_reserved(gone));
+        assert!(r.name_reserved(&kept.to_string()));
+        assert!(!r.name_reserved(&gone.to_string()));
     }
 }

@@ -230,7 +230,7 @@ impl AddressPool {
     }
 
     /// Whether `slot` is one of this pool's.
-    fn owns(&self, slot: Slot) -> bool {
+    pub fn owns(&self, slot: Slot) -> bool {
         self.net.contains(slot.network) && u32::from(slot.network) % 4 == 0
     }
 
@@ -260,17 +260,24 @@ impl AddressPool {
             )))
     }
 
+    /// Whether `slot` is reserved on this host, by a sandbox of this pool or of another
+    /// node process's pool.
     pub fn is_reserved(&self, slot: Slot) -> bool {
-        self.owns(slot) && self.reservations.is_reserved(self.index(slot))
+        self.reservations.name_reserved(&slot.network.to_string())
     }
 
-    /// Every reservation of this pool on the host: `(slot, owner path)`.
+    /// Every address reservation on the host, of this pool and of the pools of other
+    /// node processes sharing the runtime directory: `(slot, owner path)`. (What belongs
+    /// to a sandbox is judged host-wide: a cgroup whose sandbox holds an address of
+    /// another pool is not a leftover.)
     pub fn reservations(&self) -> Vec<(Slot, PathBuf)> {
         self.reservations
-            .list()
+            .list_names()
             .into_iter()
-            .filter(|(idx, _)| *idx < self.slots())
-            .map(|(idx, owner)| (self.slot(idx), owner))
+            .filter_map(|(name, owner)| {
+                let network: Ipv4Addr = name.parse().ok()?;
+                Some((Slot { network }, owner))
+            })
             .collect()
     }
 }
