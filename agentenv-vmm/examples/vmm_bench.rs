@@ -23,7 +23,7 @@ use agentenv_vmm::{ExitReason, SnapshotKind, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
 use kvm_bindings::kvm_userspace_memory_region;
-use kvm_ioctls::{Kvm, VcpuExit};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -140,28 +140,30 @@ fn read_u64(vm: &Vm, addr: u64) -> u64 {
     vm.guest_memory().read_obj(GuestAddress(addr)).unwrap()
 }
 
-/// Bare kvm-ioctls: VM, anonymous memory, memslot, vCPU in real mode, KVM_RUN until the
-/// guest's `out dx, al` to 0x501.
-fn bare_first_exit(mib: u64) -> Duration {
-    let t0 = Instant::now();
-    let kvm = Kvm::new().unwrap();
-    let vm = kvm.create_vm().unwrap();
-    let size = (mib << 20) as usize;
-    // SAFETY: a fresh private anonymous mapping, unmapped below after the VM is gone.
+/// A bare real-mode vCPU of `vm` about to run `code` at 0x1000 of `size` bytes of fresh
+/// private anonymous memory (mapped with `extra_flags` too). Unmap the returned mapping
+/// once the VM is dropped.
+fn bare_vcpu(
+    vm: &VmFd,
+    size: usize,
+    extra_flags: libc::c_int,
+    code: &[u8],
+) -> (VcpuFd, *mut libc::c_void) {
+    // SAFETY: a fresh private anonymous mapping, unmapped by the caller after the VM is
+    // gone.
     let mem = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             size,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
             -1,
             0,
         )
     };
     assert_ne!(mem, libc::MAP_FAILED);
-    // mov dx, 0x501; out dx, al; hlt
-    let code = [0xba, 0x01, 0x05, 0xee, 0xf4];
-    // SAFETY: the mapping is `size` bytes and the code fits at 0x1000.
+    assert!(0x1000 + code.len() <= size);
+    // SAFETY: the mapping is `size` bytes and the code fits at 0x1000 (checked above).
     unsafe {
         std::ptr::copy_nonoverlapping(code.as_ptr(), (mem as *mut u8).add(0x1000), code.len())
     };
@@ -172,9 +174,9 @@ fn bare_first_exit(mib: u64) -> Duration {
         memory_size: size as u64,
         userspace_addr: mem as u64,
     };
-    // SAFETY: the mapping outlives the VM (it is unmapped after `vm` is dropped).
+    // SAFETY: the mapping outlives the VM (the caller unmaps it after dropping `vm`).
     unsafe { vm.set_user_memory_region(region).unwrap() };
-    let mut vcpu = vm.create_vcpu(0).unwrap();
+    let vcpu = vm.create_vcpu(0).unwrap();
     let mut sregs = vcpu.get_sregs().unwrap();
     sregs.cs.base = 0;
     sregs.cs.selector = 0;
@@ -183,6 +185,19 @@ fn bare_first_exit(mib: u64) -> Duration {
     regs.rip = 0x1000;
     regs.rflags = 2;
     vcpu.set_regs(&regs).unwrap();
+    (vcpu, mem)
+}
+
+/// Bare kvm-ioctls: VM, anonymous memory, memslot, vCPU in real mode, KVM_RUN until the
+/// guest's `out dx, al` to 0x501.
+fn bare_first_exit(mib: u64) -> Duration {
+    let t0 = Instant::now();
+    let kvm = Kvm::new().unwrap();
+    let vm = kvm.create_vm().unwrap();
+    let size = (mib << 20) as usize;
+    // mov dx, 0x501; out dx, al; hlt
+    let code = [0xba, 0x01, 0x05, 0xee, 0xf4];
+    let (mut vcpu, mem) = bare_vcpu(&vm, size, libc::MAP_NORESERVE, &code);
     match vcpu.run().unwrap() {
         VcpuExit::IoOut(0x501, _) => {}
         other => panic!("unexpected exit {other:?}"),
@@ -200,42 +215,9 @@ fn bare_exit_round_trips(n: usize) -> Stats {
     let kvm = Kvm::new().unwrap();
     let vm = kvm.create_vm().unwrap();
     let size = 1 << 20;
-    // SAFETY: a fresh private anonymous mapping, unmapped after the VM is dropped.
-    let mem = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(mem, libc::MAP_FAILED);
     // l: mov dx, 0x80; out dx, al; jmp l
     let code = [0xba, 0x80, 0x00, 0xee, 0xeb, 0xfa];
-    // SAFETY: the code fits in the mapping at 0x1000.
-    unsafe {
-        std::ptr::copy_nonoverlapping(code.as_ptr(), (mem as *mut u8).add(0x1000), code.len())
-    };
-    let region = kvm_userspace_memory_region {
-        slot: 0,
-        flags: 0,
-        guest_phys_addr: 0,
-        memory_size: size as u64,
-        userspace_addr: mem as u64,
-    };
-    // SAFETY: the mapping outlives the VM.
-    unsafe { vm.set_user_memory_region(region).unwrap() };
-    let mut vcpu = vm.create_vcpu(0).unwrap();
-    let mut sregs = vcpu.get_sregs().unwrap();
-    sregs.cs.base = 0;
-    sregs.cs.selector = 0;
-    vcpu.set_sregs(&sregs).unwrap();
-    let mut regs = vcpu.get_regs().unwrap();
-    regs.rip = 0x1000;
-    regs.rflags = 2;
-    vcpu.set_regs(&regs).unwrap();
+    let (mut vcpu, mem) = bare_vcpu(&vm, size, 0, &code);
     let mut s = Stats::new();
     for _ in 0..n {
         let t = Instant::now();

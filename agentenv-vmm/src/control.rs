@@ -22,6 +22,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::sync::{lock, wait_timeout};
+
 /// Longest request line the server reads; a longer one is refused.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
@@ -142,11 +144,11 @@ struct InFlight {
 
 impl InFlight {
     fn add(&self) {
-        *self.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *lock(&self.count) += 1;
     }
 
     fn done(&self) {
-        let mut c = self.count.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&self.count);
         *c = c.saturating_sub(1);
         self.cv.notify_all();
     }
@@ -196,22 +198,13 @@ impl ControlServer {
     /// the answer to `stop` reaches its client before the process exits.
     pub fn drain(&self, timeout: Duration) {
         let deadline = std::time::Instant::now() + timeout;
-        let mut c = self
-            .in_flight
-            .count
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut c = lock(&self.in_flight.count);
         while *c > 0 {
             let now = std::time::Instant::now();
             if now >= deadline {
                 return;
             }
-            c = self
-                .in_flight
-                .cv
-                .wait_timeout(c, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            c = wait_timeout(&self.in_flight.cv, c, deadline - now).0;
         }
     }
 

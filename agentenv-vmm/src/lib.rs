@@ -17,20 +17,25 @@
 //! * [`control`]: the control protocol of a VMM process (JSON lines over a unix socket)
 //!   and the node's client of it.
 //! * [`seccomp`]: the VMM process's system call filter.
-//! * [`vm`]: the VM lifecycle (start, pause, resume, snapshot, stop).
+//! * [`vm`]: the VM lifecycle (start, pause, resume, snapshot, stop): building, the vCPU
+//!   threads, device management and persistence, each in its own room.
+//! * [`exit`]: why a VM ended, recorded by the devices and vCPUs, awaited by the VM.
 //! * [`watchdog`]: the vCPU watchdog, which stops a VM whose vCPU the host's hypervisor
 //!   does not give back (kicked and not back from `KVM_RUN`, or stuck on a hypercall).
 //! * [`snapshot`]: the snapshot format.
+//! * [`sync`]: the one lock helper (a lock whose holder panicked is taken anyway).
 
 pub mod arch;
 pub mod config;
 pub mod control;
 pub mod devices;
+pub mod exit;
 pub mod hypervisor;
 pub mod loader;
 pub mod memory;
 pub mod seccomp;
 pub mod snapshot;
+pub mod sync;
 pub mod vm;
 pub mod watchdog;
 

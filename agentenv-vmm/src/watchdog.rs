@@ -26,7 +26,7 @@
 //!    was kicked (by the watchdog, or by `pause`/`stop`) is stuck in the host. Staying in
 //!    `KVM_RUN` for long is not (a busy guest computes without exits, an idle one halts in
 //!    the in-kernel irqchip); not coming back from a kick is. The VM ends with
-//!    [`ExitReason::Error`](crate::vm::ExitReason) naming the vCPU, and the stuck thread
+//!    [`ExitReason::Error`](crate::exit::ExitReason) naming the vCPU, and the stuck thread
 //!    is abandoned: it keeps its references to the VM's memory and file descriptors, and
 //!    `stop` returns without joining it.
 //! 2. **Stuck on a hypercall.** The watchdog's kick also asks the vCPU thread to look at
@@ -50,6 +50,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::hypervisor::Regs;
+use crate::sync::{lock, wait_timeout};
 
 /// Samples with unchanged registers on a hypercall before rule 2 stops the VM.
 pub const MIN_STALL_SAMPLES: u32 = 3;
@@ -170,7 +171,7 @@ impl Watchdog {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     /// vCPU `idx` enters `KVM_RUN` (called on its thread, right before).
@@ -260,11 +261,7 @@ impl Watchdog {
             );
             if found.kick.is_empty() && found.stuck.is_empty() {
                 let wait = found.next.saturating_duration_since(now);
-                st = self
-                    .cv
-                    .wait_timeout(st, wait)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                st = wait_timeout(&self.cv, st, wait).0;
                 continue;
             }
             for &i in &found.kick {

@@ -98,13 +98,7 @@ const N_PAGES: u64 = 8;
 /// Raises READY, waits for GO, writes `N_PAGES` pages at `PAGES`, raises READY2, spins.
 fn dirtying_guest(dir: &Path) -> VmConfig {
     let mut a = asm64();
-    a.mov(rdi, READY).unwrap();
-    a.mov(qword_ptr(rdi), 1).unwrap();
-    a.mov(rsi, GO).unwrap();
-    let mut wait = a.create_label();
-    a.set_label(&mut wait).unwrap();
-    a.cmp(qword_ptr(rsi), 0).unwrap();
-    a.je(wait).unwrap();
+    signal_and_wait(&mut a, READY, GO);
     a.mov(rdi, PAGES).unwrap();
     a.mov(ecx, N_PAGES as u32).unwrap();
     let mut l = a.create_label();

@@ -124,35 +124,8 @@ fn blk_guest(checkpoint: bool) -> CodeAssembler {
     a.test(dword_ptr(rbx + 0x70), 0x40).unwrap(); // DEVICE_NEEDS_RESET
     a.jnz(fail[7]).unwrap();
 
-    // Interrupts: IDT gate for VECTOR, IOAPIC pin 5 → VECTOR on APIC 0, LAPIC enabled.
-    a.lea(rax, ptr(handler)).unwrap();
-    a.mov(rdi, IDT + VECTOR * 16).unwrap();
-    a.mov(word_ptr(rdi), ax).unwrap();
-    a.mov(word_ptr(rdi + 2), 0x08).unwrap();
-    a.mov(word_ptr(rdi + 4), 0x8e00).unwrap();
-    a.shr(rax, 16).unwrap();
-    a.mov(word_ptr(rdi + 6), ax).unwrap();
-    a.shr(rax, 16).unwrap();
-    a.mov(dword_ptr(rdi + 8), eax).unwrap();
-    a.mov(dword_ptr(rdi + 12), 0).unwrap();
-    a.mov(rdi, IDTR).unwrap();
-    a.mov(word_ptr(rdi), ((VECTOR + 1) * 16 - 1) as u32)
-        .unwrap();
-    a.mov(rax, IDT).unwrap();
-    a.mov(qword_ptr(rdi + 2), rax).unwrap();
-    a.lidt(ptr(rdi)).unwrap();
-    a.mov(rdi, 0xfec0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi), 0x10 + 2 * 5).unwrap();
-    a.mov(dword_ptr(rdi + 0x10), VECTOR as u32).unwrap();
-    a.mov(dword_ptr(rdi), 0x10 + 2 * 5 + 1).unwrap();
-    a.mov(dword_ptr(rdi + 0x10), 0).unwrap();
-    a.mov(rdi, 0xfee0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
-    // Mask the legacy PIC, as an OS using the IOAPIC does: the BSP's LINT0 accepts
-    // ExtINT, and the irqfd raises PIC line 5 too.
-    a.mov(al, 0xff).unwrap();
-    a.out(0x21, al).unwrap();
-    a.out(0xa1, al).unwrap();
+    // Interrupts: IOAPIC pin 5 → VECTOR → `handler`.
+    route_irq(&mut a, handler, IDT, IDTR, VECTOR, 5);
 
     // Request 1: write PATTERN × 64 to sector 1.
     a.mov(rdi, WDATA).unwrap();
@@ -171,13 +144,7 @@ fn blk_guest(checkpoint: bool) -> CodeAssembler {
     submit_and_wait(&mut a, 0, &mut fail);
 
     if checkpoint {
-        a.mov(rdi, READY).unwrap();
-        a.mov(qword_ptr(rdi), 1).unwrap();
-        a.mov(rsi, GO).unwrap();
-        let mut wait = a.create_label();
-        a.set_label(&mut wait).unwrap();
-        a.cmp(qword_ptr(rsi), 0).unwrap();
-        a.je(wait).unwrap();
+        signal_and_wait(&mut a, READY, GO);
     }
 
     // Request 2: read sectors 1 and 2.
@@ -205,19 +172,7 @@ fn blk_guest(checkpoint: bool) -> CodeAssembler {
     }
 
     // The interrupt handler: record and acknowledge InterruptStatus, EOI.
-    a.set_label(&mut handler).unwrap();
-    a.push(rax).unwrap();
-    a.push(rbx).unwrap();
-    a.mov(rbx, MMIO).unwrap();
-    a.mov(eax, dword_ptr(rbx + 0x60)).unwrap();
-    a.mov(dword_ptr(rbx + 0x64), eax).unwrap();
-    a.mov(rbx, IRQ_SEEN).unwrap();
-    a.or(dword_ptr(rbx), eax).unwrap();
-    a.mov(rbx, 0xfee0_00b0u64).unwrap();
-    a.mov(dword_ptr(rbx), 0).unwrap();
-    a.pop(rbx).unwrap();
-    a.pop(rax).unwrap();
-    a.iretq().unwrap();
+    virtio_irq_handler(&mut a, &mut handler, MMIO, IRQ_SEEN, |_| {});
     a
 }
 

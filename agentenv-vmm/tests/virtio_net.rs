@@ -218,36 +218,8 @@ fn net_guest(mode: Mode) -> CodeAssembler {
     let fail: Vec<CodeLabel> = (0..16).map(|_| a.create_label()).collect();
     let mut handler = a.create_label();
 
-    // Interrupts first, so no edge on pin 5 is lost: IDT gate for VECTOR, IOAPIC pin 5 →
-    // VECTOR on APIC 0 (edge, unmasked), LAPIC software-enabled, legacy PIC masked (the
-    // irqfd raises PIC line 5 as well, and the BSP's LINT0 takes ExtINT).
-    a.lea(rax, ptr(handler)).unwrap();
-    a.mov(rdi, IDT + VECTOR * 16).unwrap();
-    a.mov(word_ptr(rdi), ax).unwrap();
-    a.mov(word_ptr(rdi + 2), 0x08).unwrap();
-    a.mov(word_ptr(rdi + 4), 0x8e00).unwrap();
-    a.shr(rax, 16).unwrap();
-    a.mov(word_ptr(rdi + 6), ax).unwrap();
-    a.shr(rax, 16).unwrap();
-    a.mov(dword_ptr(rdi + 8), eax).unwrap();
-    a.mov(dword_ptr(rdi + 12), 0).unwrap();
-    a.mov(rdi, IDTR).unwrap();
-    a.mov(word_ptr(rdi), ((VECTOR + 1) * 16 - 1) as u32)
-        .unwrap();
-    a.mov(rax, IDT).unwrap();
-    a.mov(qword_ptr(rdi + 2), rax).unwrap();
-    a.lidt(ptr(rdi)).unwrap();
-    a.mov(rdi, 0xfec0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi), (0x10 + 2 * IRQ_PIN) as u32).unwrap();
-    a.mov(dword_ptr(rdi + 0x10), VECTOR as u32).unwrap();
-    a.mov(dword_ptr(rdi), (0x10 + 2 * IRQ_PIN + 1) as u32)
-        .unwrap();
-    a.mov(dword_ptr(rdi + 0x10), 0).unwrap();
-    a.mov(rdi, 0xfee0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
-    a.mov(al, 0xff).unwrap();
-    a.out(0x21, al).unwrap();
-    a.out(0xa1, al).unwrap();
+    // Interrupts first, so no edge on pin 5 is lost.
+    route_irq(&mut a, handler, IDT, IDTR, VECTOR, IRQ_PIN);
 
     // Identify the device: virtio-mmio version 2, a network card.
     a.mov(rbx, MMIO).unwrap();
@@ -371,23 +343,12 @@ fn net_guest(mode: Mode) -> CodeAssembler {
 
     // The interrupt handler: record and acknowledge InterruptStatus, record the receive
     // ring's used index, EOI.
-    a.set_label(&mut handler).unwrap();
-    a.push(rax).unwrap();
-    a.push(rbx).unwrap();
-    a.mov(rbx, MMIO).unwrap();
-    a.mov(eax, dword_ptr(rbx + 0x60)).unwrap();
-    a.mov(dword_ptr(rbx + 0x64), eax).unwrap();
-    a.mov(rbx, IRQ_SEEN).unwrap();
-    a.or(dword_ptr(rbx), eax).unwrap();
-    a.mov(rbx, RX_USED).unwrap();
-    a.mov(ax, word_ptr(rbx + 2)).unwrap();
-    a.mov(rbx, RX_USED_AT_IRQ).unwrap();
-    a.mov(word_ptr(rbx), ax).unwrap();
-    a.mov(rbx, 0xfee0_00b0u64).unwrap();
-    a.mov(dword_ptr(rbx), 0).unwrap();
-    a.pop(rbx).unwrap();
-    a.pop(rax).unwrap();
-    a.iretq().unwrap();
+    virtio_irq_handler(&mut a, &mut handler, MMIO, IRQ_SEEN, |a| {
+        a.mov(rbx, RX_USED).unwrap();
+        a.mov(ax, word_ptr(rbx + 2)).unwrap();
+        a.mov(rbx, RX_USED_AT_IRQ).unwrap();
+        a.mov(word_ptr(rbx), ax).unwrap();
+    });
     a
 }
 
@@ -599,6 +560,22 @@ fn rx_used(vm: &Vm, n: u64) -> (u32, u32) {
     )
 }
 
+/// Runs the guest to its end and checks that it reported success and read the configured
+/// MAC from the config space.
+fn expect_guest_ok(vm: &Vm, dir: &std::path::Path, started: Instant) {
+    let (r, log) = run_to_end(vm, dir);
+    let took = started.elapsed();
+    assert_eq!(
+        r,
+        Some(ExitReason::Done(0)),
+        "serial: {log:?}, device: {:?}",
+        net_counters(vm)
+    );
+    assert_eq!(log, "virtio-net ok\n");
+    println!("guest run: {took:?}");
+    assert_eq!(read_guest(vm, MAC_OUT, 6), GUEST_MAC);
+}
+
 /// Waits for the guest to end; returns its exit and serial output.
 fn run_to_end(vm: &Vm, dir: &std::path::Path) -> (Option<ExitReason>, String) {
     let r = vm.wait_timeout(Duration::from_secs(30));
@@ -644,19 +621,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
 
         let started = Instant::now();
         vm.start().unwrap();
-        let (r, log) = run_to_end(&vm, dir.path());
-        let took = started.elapsed();
-        assert_eq!(
-            r,
-            Some(ExitReason::Done(0)),
-            "serial: {log:?}, device: {:?}",
-            net_counters(&vm)
-        );
-        assert_eq!(log, "virtio-net ok\n");
-        println!("guest run: {took:?}");
-
-        // The guest read the configured MAC from the config space.
-        assert_eq!(read_guest(&vm, MAC_OUT, 6), GUEST_MAC);
+        expect_guest_ok(&vm, dir.path(), started);
 
         // On the tap: the guest's request exactly as built here, then the kernel's reply.
         let request = arp_request();
@@ -720,18 +685,7 @@ fn frame_written_to_the_tap_lands_in_the_guests_receive_buffer() {
         assert!(ready, "the guest never got ready");
         let frame = host_frame();
         send_frame(&sock, &frame);
-        let (r, log) = run_to_end(&vm, dir.path());
-        let took = started.elapsed();
-        assert_eq!(
-            r,
-            Some(ExitReason::Done(0)),
-            "serial: {log:?}, device: {:?}",
-            net_counters(&vm)
-        );
-        assert_eq!(log, "virtio-net ok\n");
-        println!("guest run: {took:?}");
-
-        assert_eq!(read_guest(&vm, MAC_OUT, 6), GUEST_MAC);
+        expect_guest_ok(&vm, dir.path(), started);
         let (id, len) = rx_used(&vm, 0);
         assert_eq!(id, 0, "buffer 0 is used first");
         assert_eq!(len as usize, VNET_HDR_LEN + frame.len());

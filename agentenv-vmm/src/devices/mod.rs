@@ -6,6 +6,8 @@ pub mod virtio;
 use std::io;
 use std::sync::{Arc, Mutex};
 
+use crate::sync::lock;
+
 /// A device on the port I/O bus or the MMIO bus. `offset` is relative to the start of
 /// the range the device was inserted at. A device never panics on a bad access: it
 /// ignores a write it cannot take and answers a read it cannot serve with zeros
@@ -99,7 +101,7 @@ impl Bus {
     pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
         match self.resolve(addr) {
             Some((dev, off)) => {
-                lock_device(dev).read(off, data);
+                lock(dev).read(off, data);
                 true
             }
             None => false,
@@ -110,18 +112,12 @@ impl Bus {
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.resolve(addr) {
             Some((dev, off)) => {
-                lock_device(dev).write(off, data);
+                lock(dev).write(off, data);
                 true
             }
             None => false,
         }
     }
-}
-
-/// Locks a device; a device whose lock was poisoned by a panic keeps serving (its state is
-/// plain data).
-pub fn lock_device(dev: &SharedDevice) -> std::sync::MutexGuard<'_, dyn BusDevice + 'static> {
-    dev.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -37,7 +37,6 @@ use crate::devices::legacy::SerialSnapshot;
 use crate::devices::virtio::mmio::MmioTransportState;
 use crate::hypervisor::{VcpuState, VmState};
 use crate::memory::{GuestMemoryMmap, PAGE_SIZE};
-use crate::vm::SnapshotKind;
 
 /// The state file of a snapshot directory.
 pub const STATE_FILE: &str = "vmstate";
@@ -50,6 +49,15 @@ pub const FORMAT_VERSION: u32 = 1;
 
 const PREFIX_LEN: usize = 8 + 4 + 8;
 const DIGEST_LEN: usize = 32;
+
+/// A full snapshot holds every page; a diff snapshot holds the pages written since the
+/// previous snapshot of this VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotKind {
+    Full,
+    Diff,
+}
 
 /// Why a snapshot could not be written or used.
 #[derive(Debug, thiserror::Error)]

@@ -152,6 +152,84 @@ pub fn done(a: &mut CodeAssembler, status: u32) {
     a.jmp(l).unwrap();
 }
 
+/// Guest code that sends IOAPIC pin `pin` to `handler`: an IDT at `idt` (its descriptor at
+/// `idtr`) whose gate `vector` enters `handler`, the pin routed to `vector` on APIC 0 (edge,
+/// unmasked), the LAPIC software-enabled, and the legacy PIC masked, as an OS using the
+/// IOAPIC does (the BSP's LINT0 takes ExtINT, and an irqfd raises the PIC line too).
+pub fn route_irq(
+    a: &mut CodeAssembler,
+    handler: CodeLabel,
+    idt: u64,
+    idtr: u64,
+    vector: u64,
+    pin: u64,
+) {
+    a.lea(rax, ptr(handler)).unwrap();
+    a.mov(rdi, idt + vector * 16).unwrap();
+    a.mov(word_ptr(rdi), ax).unwrap();
+    a.mov(word_ptr(rdi + 2), 0x08).unwrap();
+    a.mov(word_ptr(rdi + 4), 0x8e00).unwrap();
+    a.shr(rax, 16).unwrap();
+    a.mov(word_ptr(rdi + 6), ax).unwrap();
+    a.shr(rax, 16).unwrap();
+    a.mov(dword_ptr(rdi + 8), eax).unwrap();
+    a.mov(dword_ptr(rdi + 12), 0).unwrap();
+    a.mov(rdi, idtr).unwrap();
+    a.mov(word_ptr(rdi), ((vector + 1) * 16 - 1) as u32)
+        .unwrap();
+    a.mov(rax, idt).unwrap();
+    a.mov(qword_ptr(rdi + 2), rax).unwrap();
+    a.lidt(ptr(rdi)).unwrap();
+    a.mov(rdi, 0xfec0_0000u64).unwrap();
+    a.mov(dword_ptr(rdi), (0x10 + 2 * pin) as u32).unwrap();
+    a.mov(dword_ptr(rdi + 0x10), vector as u32).unwrap();
+    a.mov(dword_ptr(rdi), (0x10 + 2 * pin + 1) as u32).unwrap();
+    a.mov(dword_ptr(rdi + 0x10), 0).unwrap();
+    a.mov(rdi, 0xfee0_0000u64).unwrap();
+    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
+    a.mov(al, 0xff).unwrap();
+    a.out(0x21, al).unwrap();
+    a.out(0xa1, al).unwrap();
+}
+
+/// Guest code of a virtio-mmio interrupt handler at `handler`: acknowledges the
+/// `InterruptStatus` of the device at `mmio`, ORs it into the u32 at `seen`, runs `extra`
+/// (`rax` and `rbx` are free), sends the LAPIC its EOI and returns.
+pub fn virtio_irq_handler(
+    a: &mut CodeAssembler,
+    handler: &mut CodeLabel,
+    mmio: u64,
+    seen: u64,
+    extra: impl FnOnce(&mut CodeAssembler),
+) {
+    a.set_label(handler).unwrap();
+    a.push(rax).unwrap();
+    a.push(rbx).unwrap();
+    a.mov(rbx, mmio).unwrap();
+    a.mov(eax, dword_ptr(rbx + 0x60)).unwrap();
+    a.mov(dword_ptr(rbx + 0x64), eax).unwrap();
+    a.mov(rbx, seen).unwrap();
+    a.or(dword_ptr(rbx), eax).unwrap();
+    extra(a);
+    a.mov(rbx, 0xfee0_00b0u64).unwrap();
+    a.mov(dword_ptr(rbx), 0).unwrap();
+    a.pop(rbx).unwrap();
+    a.pop(rax).unwrap();
+    a.iretq().unwrap();
+}
+
+/// Guest code that sets the u64 at `ready` to 1 and waits until the host sets the one at
+/// `go` (uses `rdi` and `rsi`).
+pub fn signal_and_wait(a: &mut CodeAssembler, ready: u64, go: u64) {
+    a.mov(rdi, ready).unwrap();
+    a.mov(qword_ptr(rdi), 1).unwrap();
+    a.mov(rsi, go).unwrap();
+    let mut wait = a.create_label();
+    a.set_label(&mut wait).unwrap();
+    a.cmp(qword_ptr(rsi), 0).unwrap();
+    a.je(wait).unwrap();
+}
+
 /// Polls `cond` until it holds or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

@@ -15,7 +15,8 @@ use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::BusDevice;
-use crate::vm::{ExitReason, ExitState};
+use crate::exit::{ExitReason, ExitState};
+use crate::sync::lock;
 
 /// COM1.
 pub const SERIAL_PORT: u64 = 0x3f8;
@@ -28,6 +29,32 @@ pub const I8042_PORT_LEN: u64 = 5;
 /// The debug-exit port.
 pub const DEBUG_EXIT_PORT: u64 = 0x501;
 pub const DEBUG_EXIT_PORT_LEN: u64 = 4;
+
+/// A device of byte-wide registers on `LEN` consecutive ports (the UART, the i8042). Only
+/// one-byte accesses inside its ports reach a register; any other read sees a floating
+/// bus (all ones) and any other write is ignored.
+trait ByteRegisters: Send {
+    const LEN: u64;
+    fn read_register(&mut self, reg: u8) -> u8;
+    fn write_register(&mut self, reg: u8, value: u8);
+}
+
+impl<D: ByteRegisters> BusDevice for D {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        match data {
+            [b] if offset < D::LEN => *b = self.read_register(offset as u8),
+            _ => data.fill(0xff),
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if let [b] = data {
+            if offset < D::LEN {
+                self.write_register(offset as u8, *b);
+            }
+        }
+    }
+}
 
 /// An [`EventFd`] as a vm-superio interrupt trigger (an irqfd in a VM).
 pub struct EventFdTrigger(pub EventFd);
@@ -51,10 +78,10 @@ impl SerialOut {
 
 impl Write for SerialOut {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).write(buf)
+        lock(&self.0).write(buf)
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).flush()
+        lock(&self.0).flush()
     }
 }
 
@@ -71,6 +98,26 @@ pub struct SerialSnapshot {
     pub modem_status: u8,
     pub scratch: u8,
     pub in_buffer: Vec<u8>,
+}
+
+/// Builds a `$to` from `$from`: vm-superio's `SerialState` and [`SerialSnapshot`] hold the
+/// same registers under the same names.
+macro_rules! copy_serial_registers {
+    ($from:expr => $to:path) => {{
+        let s = $from;
+        $to {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }};
 }
 
 /// The 8250 UART: what the guest writes goes to `out`.
@@ -92,35 +139,12 @@ impl SerialDevice {
 
     /// The registers, for a snapshot.
     pub fn save_state(&self) -> SerialSnapshot {
-        let s = self.serial.state();
-        SerialSnapshot {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer,
-        }
+        copy_serial_registers!(self.serial.state() => SerialSnapshot)
     }
 
     /// Puts the registers of a snapshot back.
     pub fn restore_state(&mut self, s: &SerialSnapshot) -> Result<(), String> {
-        let state = vm_superio::serial::SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        };
+        let state = copy_serial_registers!(s.clone() => vm_superio::serial::SerialState);
         let irq = self.irq.try_clone().map_err(|e| e.to_string())?;
         self.serial = Serial::from_state(
             &state,
@@ -133,23 +157,19 @@ impl SerialDevice {
     }
 }
 
-impl BusDevice for SerialDevice {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
-        if data.len() == 1 && offset < SERIAL_PORT_LEN {
-            data[0] = self.serial.read(offset as u8);
-        } else {
-            data.fill(0xff);
-        }
+impl ByteRegisters for SerialDevice {
+    const LEN: u64 = SERIAL_PORT_LEN;
+
+    fn read_register(&mut self, reg: u8) -> u8 {
+        self.serial.read(reg)
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
-        if data.len() == 1 && offset < SERIAL_PORT_LEN {
-            if let Err(e) = self.serial.write(offset as u8, data[0]) {
-                tracing::warn!("serial console write failed: {e:?}");
-            }
-            if offset == 0 && data[0] == b'\n' {
-                let _ = self.serial.writer_mut().flush();
-            }
+    fn write_register(&mut self, reg: u8, value: u8) {
+        if let Err(e) = self.serial.write(reg, value) {
+            tracing::warn!("serial console write failed: {e:?}");
+        }
+        if reg == 0 && value == b'\n' {
+            let _ = self.serial.writer_mut().flush();
         }
     }
 }
@@ -185,19 +205,15 @@ impl I8042 {
     }
 }
 
-impl BusDevice for I8042 {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
-        if data.len() == 1 && offset < I8042_PORT_LEN {
-            data[0] = self.dev.read(offset as u8);
-        } else {
-            data.fill(0xff);
-        }
+impl ByteRegisters for I8042 {
+    const LEN: u64 = I8042_PORT_LEN;
+
+    fn read_register(&mut self, reg: u8) -> u8 {
+        self.dev.read(reg)
     }
 
-    fn write(&mut self, offset: u64, data: &[u8]) {
-        if data.len() == 1 && offset < I8042_PORT_LEN {
-            let _ = self.dev.write(offset as u8, data[0]);
-        }
+    fn write_register(&mut self, reg: u8, value: u8) {
+        let _ = self.dev.write(reg, value);
     }
 }
 

@@ -29,10 +29,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
+use super::persist::{Persist, StateError};
 use super::queue_util::{Desc, add_used, collect_chain, notify_used};
-use super::worker::{Worker, WorkerCtl, WorkerHandler};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
+use super::worker::{Worker, WorkerCtl, WorkerHandler, stop_worker};
+use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive};
 use crate::memory::GuestMemoryMmap;
+use crate::sync::lock;
 
 /// Feature: the device has a statistics queue.
 pub const VIRTIO_BALLOON_F_STATS_VQ: u32 = 1;
@@ -237,7 +239,7 @@ impl Balloon {
 
     /// The latest statistics and the balloon's sizes.
     pub fn stats(&self) -> BalloonStats {
-        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut s = lock(&self.stats).clone();
         s.target_pages = self.num_pages;
         s.actual_pages = self.actual;
         s.target_mib = (u64::from(self.num_pages) / PAGES_PER_MIB) as u32;
@@ -478,7 +480,7 @@ impl BalloonWorker {
                         }
                     }
                     let mut parsed = BalloonStats::parse(&bytes);
-                    let mut shared = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut shared = lock(&self.stats);
                     parsed.updates = shared.updates + 1;
                     *shared = parsed;
                     drop(shared);
@@ -602,22 +604,14 @@ impl VirtioDevice for Balloon {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
-            return Err(ActivateError::Other("the balloon is already active".into()));
-        }
+        check_inactive(&self.worker, "the balloon")?;
+        ctx.check_queue_count(self.queue_sizes.len())?;
         let ActivateContext {
             mem,
             interrupt,
             queues,
             queue_events,
         } = ctx;
-        let want = self.queue_sizes.len();
-        if queues.len() != want || queue_events.len() != want {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want,
-            });
-        }
         if !queues[INFLATE].ready() || !queues[DEFLATE].ready() {
             return Err(ActivateError::Other(
                 "the inflate and deflate queues must both be set up".into(),
@@ -675,59 +669,50 @@ impl VirtioDevice for Balloon {
 
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
         self.interrupt = None;
-        let worker = self.worker.take()?;
-        match worker.stop() {
-            Ok(h) => {
-                self.stats_head = h.stats_head;
-                Some((h.queues, h.events))
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "virtio-balloon: stopping the worker failed");
-                None
-            }
-        }
+        let h = stop_worker(&mut self.worker)?;
+        self.stats_head = h.stats_head;
+        Some((h.queues, h.events))
     }
 
     fn metrics(&self) -> serde_json::Value {
         serde_json::to_value(Self::metrics(self)).unwrap_or_default()
     }
+}
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({
-            "version": 1,
-            "num_pages": self.num_pages,
-            "actual": self.actual,
-            "stats_head": self.stats_head,
-            "stats": *self.stats.lock().unwrap_or_else(|e| e.into_inner()),
-        })
+/// The balloon's saved state: its sizes, the statistics buffer it holds and the last
+/// statistics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BalloonState {
+    pub num_pages: u32,
+    pub actual: u32,
+    pub stats_head: Option<u16>,
+    pub stats: BalloonStats,
+}
+
+impl Persist for Balloon {
+    type State = BalloonState;
+    const STATE_VERSION: u32 = 1;
+    const NAME: &'static str = "virtio-balloon";
+
+    fn save(&self) -> BalloonState {
+        BalloonState {
+            num_pages: self.num_pages,
+            actual: self.actual,
+            stats_head: self.stats_head,
+            stats: lock(&self.stats).clone(),
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        #[derive(Deserialize)]
-        struct Saved {
-            version: u32,
-            num_pages: u32,
-            actual: u32,
-            stats_head: Option<u16>,
-            stats: BalloonStats,
-        }
-        let s: Saved = serde_json::from_value(state.clone())
-            .map_err(|e| format!("virtio-balloon state is malformed: {e}"))?;
-        if s.version != 1 {
-            return Err(format!(
-                "virtio-balloon state version {} is not supported (expected 1)",
-                s.version
-            ));
-        }
+    fn restore(&mut self, s: BalloonState) -> Result<(), StateError> {
         if s.stats_head.is_some_and(|h| h >= QUEUE_SIZE) {
-            return Err(
+            return Err(StateError::Invalid(
                 "virtio-balloon state holds a statistics buffer index past the queue".into(),
-            );
+            ));
         }
         self.num_pages = s.num_pages;
         self.actual = s.actual;
         self.stats_head = s.stats_head;
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = s.stats;
+        *lock(&self.stats) = s.stats;
         Ok(())
     }
 }
@@ -954,11 +939,11 @@ mod tests {
         rig.kicks[STATS].write(1).unwrap();
         wait_for("statistics", || rig.dev.stats().updates == 1);
         let (queues, events) = rig.dev.deactivate().unwrap();
-        let state = rig.dev.save_state();
-        assert_eq!(state["stats_head"], serde_json::json!(0));
+        let state = rig.dev.save();
+        assert_eq!(state.stats_head, Some(0));
 
         let mut fresh = Balloon::new(0, false, 3600).unwrap();
-        fresh.restore_state(&state).unwrap();
+        fresh.restore(state).unwrap();
         assert_eq!(fresh.target_mib(), 8);
         assert_eq!(fresh.stats().total_memory, Some(42));
         fresh.set_acked_features(fresh.avail_features());

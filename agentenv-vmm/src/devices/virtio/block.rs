@@ -28,17 +28,18 @@ use virtio_bindings::virtio_blk::{
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{DescriptorChain, Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{
     Bytes, GuestAddress, ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile,
 };
-use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::queue_util::{Desc, check_in_memory, drain_queue, in_memory, notify_used, walk_chain};
-use super::worker::{Worker, WorkerCtl, WorkerHandler};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
+use super::persist::{Persist, StateError};
+use super::queue_util::{Desc, check_in_memory, in_memory, walk_chain};
+use super::single_queue::{RequestWorker, ServeRequest};
+use super::worker::{Worker, stop_worker};
+use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive};
 use crate::memory::GuestMemoryMmap;
 
 /// Bytes per sector, the unit of the request header and of `capacity`.
@@ -104,7 +105,7 @@ pub struct Block {
     capacity: u64,
     acked_features: u64,
     counters: Arc<Counters>,
-    worker: Option<Worker<BlockWorker>>,
+    worker: Option<Worker<RequestWorker<BlockRequests>>>,
 }
 
 impl Block {
@@ -192,49 +193,14 @@ struct PositionedFile<'a> {
     offset: u64,
 }
 
-impl ReadVolatile for PositionedFile<'_> {
-    fn read_volatile<B: BitmapSlice>(
+impl PositionedFile<'_> {
+    /// Runs one `pread`/`pwrite` (`io`, given the descriptor and the offset) and moves the
+    /// offset past the bytes it moved.
+    fn transfer(
         &mut self,
-        buf: &mut VolatileSlice<B>,
+        io: impl FnOnce(libc::c_int, libc::off_t) -> libc::ssize_t,
     ) -> Result<usize, VolatileMemoryError> {
-        let guard = buf.ptr_guard_mut();
-        // SAFETY: the file descriptor is open for the lifetime of `self.file`; `guard` points
-        // at `buf.len()` bytes of mapped guest memory that stay valid while the guard lives.
-        let n = unsafe {
-            libc::pread(
-                self.file.as_raw_fd(),
-                guard.as_ptr().cast(),
-                buf.len(),
-                self.offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            // A partial write into guest memory cannot be ruled out.
-            buf.bitmap().mark_dirty(0, buf.len());
-            return Err(VolatileMemoryError::IOError(std::io::Error::last_os_error()));
-        }
-        let n = n as usize;
-        buf.bitmap().mark_dirty(0, n);
-        self.offset += n as u64;
-        Ok(n)
-    }
-}
-
-impl WriteVolatile for PositionedFile<'_> {
-    fn write_volatile<B: BitmapSlice>(
-        &mut self,
-        buf: &VolatileSlice<B>,
-    ) -> Result<usize, VolatileMemoryError> {
-        let guard = buf.ptr_guard();
-        // SAFETY: as above; the kernel only reads `buf.len()` bytes from `guard`.
-        let n = unsafe {
-            libc::pwrite(
-                self.file.as_raw_fd(),
-                guard.as_ptr().cast(),
-                buf.len(),
-                self.offset as libc::off_t,
-            )
-        };
+        let n = io(self.file.as_raw_fd(), self.offset as libc::off_t);
         if n < 0 {
             return Err(VolatileMemoryError::IOError(std::io::Error::last_os_error()));
         }
@@ -243,11 +209,35 @@ impl WriteVolatile for PositionedFile<'_> {
     }
 }
 
-struct BlockWorker {
-    queue: Queue,
-    event: EventFd,
-    mem: GuestMemoryMmap,
-    interrupt: Arc<VirtioInterrupt>,
+impl ReadVolatile for PositionedFile<'_> {
+    fn read_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &mut VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let (guard, len) = (buf.ptr_guard_mut(), buf.len());
+        // SAFETY: the file descriptor is open for the lifetime of `self.file`; `guard` points
+        // at `len` bytes of mapped guest memory that stay valid while the guard lives.
+        let read =
+            self.transfer(|fd, off| unsafe { libc::pread(fd, guard.as_ptr().cast(), len, off) });
+        // After a failure, a partial write into guest memory cannot be ruled out.
+        buf.bitmap().mark_dirty(0, *read.as_ref().unwrap_or(&len));
+        read
+    }
+}
+
+impl WriteVolatile for PositionedFile<'_> {
+    fn write_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let (guard, len) = (buf.ptr_guard(), buf.len());
+        // SAFETY: as above; the kernel only reads `len` bytes from `guard`.
+        self.transfer(|fd, off| unsafe { libc::pwrite(fd, guard.as_ptr().cast(), len, off) })
+    }
+}
+
+/// What the worker needs to serve requests.
+struct BlockRequests {
     file: Arc<File>,
     read_only: bool,
     capacity: u64,
@@ -268,19 +258,21 @@ fn ioerr(why: impl Into<String>) -> Failure {
     }
 }
 
-impl BlockWorker {
-    fn process_queue(&mut self) {
-        let mem = &self.mem;
-        let (file, serial, counters) = (&self.file, &self.serial, &self.counters);
-        let (read_only, capacity) = (self.read_only, self.capacity);
-        let used_any = drain_queue(&mut self.queue, mem, |chain| {
-            Self::handle(chain, mem, file, read_only, capacity, serial, counters)
-        });
-        if used_any {
-            notify_used(&mut self.queue, mem, &self.interrupt);
-        }
+impl ServeRequest for BlockRequests {
+    fn serve(&mut self, chain: DescriptorChain<&GuestMemoryMmap>, mem: &GuestMemoryMmap) -> u32 {
+        Self::handle(
+            chain,
+            mem,
+            &self.file,
+            self.read_only,
+            self.capacity,
+            &self.serial,
+            &self.counters,
+        )
     }
+}
 
+impl BlockRequests {
     /// Serves one request and returns the bytes written into device-writable buffers.
     fn handle(
         chain: DescriptorChain<&GuestMemoryMmap>,
@@ -444,17 +436,6 @@ impl BlockWorker {
     }
 }
 
-impl WorkerHandler for BlockWorker {
-    fn on_start(&mut self, _ctl: &WorkerCtl) {
-        self.process_queue();
-    }
-
-    fn handle_event(&mut self, _ctl: &WorkerCtl, _token: u64, _events: EventSet) {
-        let _ = self.event.read();
-        self.process_queue();
-    }
-}
-
 impl VirtioDevice for Block {
     fn device_type(&self) -> u32 {
         VIRTIO_ID_BLOCK
@@ -503,96 +484,66 @@ impl VirtioDevice for Block {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
-            return Err(ActivateError::Other(format!(
-                "drive {} is already active",
-                self.id
-            )));
-        }
-        let ActivateContext {
-            mem,
-            interrupt,
-            mut queues,
-            mut queue_events,
-        } = ctx;
-        if queues.len() != 1 || queue_events.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want: 1,
-            });
-        }
-        let queue = queues.remove(0);
-        if !queue.ready() {
-            return Err(ActivateError::Other(
-                "the request queue was not set up".into(),
-            ));
-        }
-        let event = queue_events.remove(0);
-        let fd = event.as_raw_fd();
-        let handler = BlockWorker {
-            queue,
-            event,
-            mem,
-            interrupt,
+        check_inactive(&self.worker, format_args!("drive {}", self.id))?;
+        let queue = ctx.into_single_queue()?;
+        let requests = BlockRequests {
             file: self.file.clone(),
             read_only: self.read_only,
             capacity: self.capacity,
             serial: self.serial(),
             counters: self.counters.clone(),
         };
-        let name = format!("virtio-blk-{}", self.id);
         // Thread names are limited to 15 bytes by the kernel; std truncates silently.
-        let worker = Worker::spawn(&name, handler, &[(fd, 0)])
-            .map_err(|e| ActivateError::Other(e.to_string()))?;
-        self.worker = Some(worker);
+        let name = format!("virtio-blk-{}", self.id);
+        self.worker = Some(RequestWorker::spawn(&name, queue, requests)?);
         Ok(())
     }
 
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
-        let worker = self.worker.take()?;
-        match worker.stop() {
-            Ok(h) => Some((vec![h.queue], vec![h.event])),
-            Err(e) => {
-                tracing::error!(drive = %self.id, error = %e, "virtio-blk: stopping the worker failed");
-                None
-            }
-        }
+        stop_worker(&mut self.worker).map(RequestWorker::into_queues)
     }
 
     fn metrics(&self) -> serde_json::Value {
         serde_json::to_value(Self::metrics(self)).unwrap_or_default()
     }
+}
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({
-            "version": 1,
-            "id": self.id,
-            "path": self.path,
-            "read_only": self.read_only,
-            "capacity": self.capacity,
-        })
+/// A drive's saved state: what it was, so a restore over another image is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    pub id: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// In sectors.
+    pub capacity: u64,
+}
+
+impl Persist for Block {
+    type State = BlockState;
+    const STATE_VERSION: u32 = 1;
+    const NAME: &'static str = "virtio-blk";
+
+    fn save(&self) -> BlockState {
+        BlockState {
+            id: self.id.clone(),
+            path: self.path.clone(),
+            read_only: self.read_only,
+            capacity: self.capacity,
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        if state.get("version").and_then(|v| v.as_u64()) != Some(1) {
-            return Err(format!(
-                "virtio-blk state version {:?} is not supported (expected 1)",
-                state.get("version")
-            ));
+    fn restore(&mut self, state: BlockState) -> Result<(), StateError> {
+        if state.capacity != self.capacity {
+            return Err(StateError::Invalid(format!(
+                "drive {}: the snapshot saw {} sectors, the image now has {}; restore with the same image",
+                self.id, state.capacity, self.capacity
+            )));
         }
-        let capacity = state.get("capacity").and_then(|v| v.as_u64());
-        if capacity != Some(self.capacity) {
-            return Err(format!(
-                "drive {}: the snapshot saw {capacity:?} sectors, the image now has {}; restore with the same image",
-                self.id, self.capacity
-            ));
-        }
-        let ro = state.get("read_only").and_then(|v| v.as_bool());
-        if ro != Some(self.read_only) {
-            return Err(format!(
-                "drive {}: the snapshot's read_only was {ro:?}, the drive is now {}",
-                self.id, self.read_only
-            ));
+        if state.read_only != self.read_only {
+            return Err(StateError::Invalid(format!(
+                "drive {}: the snapshot's read_only was {}, the drive is now {}",
+                self.id, state.read_only, self.read_only
+            )));
         }
         Ok(())
     }
@@ -601,11 +552,13 @@ impl VirtioDevice for Block {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::VirtioInterrupt;
     use crate::devices::virtio::testing::{
         BadChain, Driver, guest_memory, is_dirty, rd, wait_for, wr,
     };
     use std::io::Write;
     use std::os::unix::fs::FileExt;
+    use virtio_queue::QueueT;
 
     const MEM: usize = 0x40_0000;
     const SECTORS: u64 = 64;
@@ -1001,15 +954,12 @@ mod tests {
     fn blk_restore_refuses_another_image_size() {
         let img = image();
         let dev = Block::new("d", img.path(), false).unwrap();
-        let mut state = dev.save_state();
+        let mut state = dev.save();
         let mut dev2 = Block::new("d", img.path(), false).unwrap();
-        dev2.restore_state(&state).unwrap();
-        state["capacity"] = serde_json::json!(SECTORS + 1);
-        assert!(
-            dev2.restore_state(&state)
-                .unwrap_err()
-                .contains("same image")
-        );
+        dev2.restore(state.clone()).unwrap();
+        state.capacity = SECTORS + 1;
+        let e = dev2.restore(state).unwrap_err();
+        assert!(e.to_string().contains("same image"), "{e}");
     }
 
     #[test]

@@ -16,20 +16,25 @@ pub mod balloon;
 pub mod block;
 pub mod mmio;
 pub mod net;
+pub mod persist;
 pub mod queue_util;
 pub mod rng;
+pub mod single_queue;
 pub mod tap;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod vsock;
 pub mod worker;
 
+use std::fmt::Display;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
+use self::persist::SavedState;
+use self::worker::{Worker, WorkerHandler};
 use super::InterruptLine;
 use crate::memory::GuestMemoryMmap;
 
@@ -106,6 +111,31 @@ pub struct ActivateContext {
     pub queue_events: Vec<EventFd>,
 }
 
+impl ActivateContext {
+    /// Checks that the driver set up `want` queues, each with its notification event.
+    pub fn check_queue_count(&self, want: usize) -> Result<(), ActivateError> {
+        if self.queues.len() != want || self.queue_events.len() != want {
+            return Err(ActivateError::QueueCount {
+                got: self.queues.len(),
+                want,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Refuses to activate a device whose worker still runs; `device` names it in the error
+/// ("drive vda", "the balloon").
+pub fn check_inactive<H: WorkerHandler>(
+    worker: &Option<Worker<H>>,
+    device: impl Display,
+) -> Result<(), ActivateError> {
+    match worker {
+        Some(_) => Err(ActivateError::Other(format!("{device} is already active"))),
+        None => Ok(()),
+    }
+}
+
 /// Why a device could not be activated.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {
@@ -117,8 +147,9 @@ pub enum ActivateError {
     Other(String),
 }
 
-/// A virtio device, independent of its transport.
-pub trait VirtioDevice: Send {
+/// A virtio device, independent of its transport. Its state goes into snapshots through
+/// [`SavedState`], which a device has by implementing [`persist::Persist`].
+pub trait VirtioDevice: SavedState + Send {
     /// The virtio device id (`VIRTIO_ID_BLOCK` = 2, net = 1, rng = 4, balloon = 5, vsock = 19).
     fn device_type(&self) -> u32;
 
@@ -144,14 +175,6 @@ pub trait VirtioDevice: Send {
     /// Stops processing and hands back the queues and their events, so that the
     /// transport can snapshot them and activate again (or reset). `None` when not active.
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)>;
-
-    /// The device-specific state for a snapshot (configuration, backend position, acked
-    /// features are saved by the transport).
-    fn save_state(&self) -> serde_json::Value;
-
-    /// Restores what [`VirtioDevice::save_state`] produced, before the transport
-    /// re-activates the device.
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
 
     /// The device's counters for the VM's metrics (`null` for a device that keeps none).
     fn metrics(&self) -> serde_json::Value {

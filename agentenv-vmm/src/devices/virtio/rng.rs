@@ -1,7 +1,6 @@
 //! virtio-rng (entropy device): fills the driver's device-writable buffers from the host
 //! kernel's CSPRNG (`getrandom(2)`), at most [`MAX_BYTES_PER_REQUEST`] per request.
 
-use std::os::unix::io::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -9,14 +8,15 @@ use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::Bytes;
-use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::queue_util::{collect_chain, drain_queue, notify_used};
-use super::worker::{Worker, WorkerCtl, WorkerHandler};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
+use super::persist::{Persist, StateError};
+use super::queue_util::collect_chain;
+use super::single_queue::{RequestWorker, ServeRequest};
+use super::worker::{Worker, stop_worker};
+use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive};
 use crate::memory::GuestMemoryMmap;
 
 /// Entries of the request queue.
@@ -46,7 +46,7 @@ struct Counters {
 pub struct Rng {
     acked_features: u64,
     counters: Arc<Counters>,
-    worker: Option<Worker<RngWorker>>,
+    worker: Option<Worker<RequestWorker<RngRequests>>>,
 }
 
 impl Default for Rng {
@@ -98,42 +98,35 @@ fn fill_random(buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-struct RngWorker {
-    queue: Queue,
-    event: EventFd,
-    mem: GuestMemoryMmap,
-    interrupt: Arc<VirtioInterrupt>,
+/// What the worker needs to serve requests.
+struct RngRequests {
     counters: Arc<Counters>,
     buf: Vec<u8>,
 }
 
-impl RngWorker {
-    fn process_queue(&mut self) {
-        let (mem, buf, counters) = (&self.mem, &mut self.buf, &self.counters);
-        let used_any = drain_queue(&mut self.queue, mem, |chain| {
-            let head = chain.head_index();
-            match Self::serve(mem, buf, chain) {
-                Ok(n) => {
-                    counters.requests.fetch_add(1, Ordering::Relaxed);
-                    counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
-                    n as u32
-                }
-                Err(why) => {
-                    counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(head, "virtio-rng: request refused: {why}");
-                    0
-                }
+impl ServeRequest for RngRequests {
+    fn serve(&mut self, chain: DescriptorChain<&GuestMemoryMmap>, mem: &GuestMemoryMmap) -> u32 {
+        let head = chain.head_index();
+        match Self::fill(mem, &mut self.buf, chain) {
+            Ok(n) => {
+                self.counters.requests.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                n as u32
             }
-        });
-        if used_any {
-            notify_used(&mut self.queue, &self.mem, &self.interrupt);
+            Err(why) => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(head, "virtio-rng: request refused: {why}");
+                0
+            }
         }
     }
+}
 
-    fn serve(
+impl RngRequests {
+    fn fill(
         mem: &GuestMemoryMmap,
         buf: &mut Vec<u8>,
-        chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>,
+        chain: DescriptorChain<&GuestMemoryMmap>,
     ) -> Result<usize, String> {
         let descs = collect_chain(chain, mem).map_err(|e| e.to_string())?;
         if descs.iter().any(|d| !d.write) {
@@ -157,18 +150,6 @@ impl RngWorker {
             return Err("the request has no room for entropy".into());
         }
         Ok(written)
-    }
-}
-
-impl WorkerHandler for RngWorker {
-    fn on_start(&mut self, _ctl: &WorkerCtl) {
-        self.process_queue();
-    }
-
-    fn handle_event(&mut self, _ctl: &WorkerCtl, _token: u64, _events: EventSet) {
-        // The counter may be zero if a notification raced with the start; nothing to do then.
-        let _ = self.event.read();
-        self.process_queue();
     }
 }
 
@@ -197,78 +178,49 @@ impl VirtioDevice for Rng {
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
-            return Err(ActivateError::Other(
-                "the entropy device is already active".into(),
-            ));
-        }
-        let ActivateContext {
-            mem,
-            interrupt,
-            mut queues,
-            mut queue_events,
-        } = ctx;
-        if queues.len() != 1 || queue_events.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want: 1,
-            });
-        }
-        let queue = queues.remove(0);
-        if !queue.ready() {
-            return Err(ActivateError::Other(
-                "the request queue was not set up".into(),
-            ));
-        }
-        let event = queue_events.remove(0);
-        let fd = event.as_raw_fd();
-        let handler = RngWorker {
-            queue,
-            event,
-            mem,
-            interrupt,
+        check_inactive(&self.worker, "the entropy device")?;
+        let queue = ctx.into_single_queue()?;
+        let requests = RngRequests {
             counters: self.counters.clone(),
             buf: Vec::new(),
         };
-        let worker = Worker::spawn("virtio-rng", handler, &[(fd, 0)])
-            .map_err(|e| ActivateError::Other(e.to_string()))?;
-        self.worker = Some(worker);
+        self.worker = Some(RequestWorker::spawn("virtio-rng", queue, requests)?);
         Ok(())
     }
 
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
-        let worker = self.worker.take()?;
-        match worker.stop() {
-            Ok(h) => Some((vec![h.queue], vec![h.event])),
-            Err(e) => {
-                tracing::error!(error = %e, "virtio-rng: stopping the worker failed");
-                None
-            }
-        }
+        stop_worker(&mut self.worker).map(RequestWorker::into_queues)
     }
 
     fn metrics(&self) -> serde_json::Value {
         serde_json::to_value(Self::metrics(self)).unwrap_or_default()
     }
+}
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({ "version": 1 })
+/// The entropy device keeps no state of its own; the version alone is saved.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {}
+
+impl Persist for Rng {
+    type State = RngState;
+    const STATE_VERSION: u32 = 1;
+    const NAME: &'static str = "virtio-rng";
+
+    fn save(&self) -> RngState {
+        RngState {}
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        match state.get("version").and_then(|v| v.as_u64()) {
-            Some(1) => Ok(()),
-            other => Err(format!(
-                "virtio-rng state version {other:?} is not supported (expected 1)"
-            )),
-        }
+    fn restore(&mut self, _state: RngState) -> Result<(), StateError> {
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::VirtioInterrupt;
     use crate::devices::virtio::testing::{BadChain, Driver, guest_memory, is_dirty, rd, wr};
+    use virtio_queue::QueueT;
     use vm_memory::GuestAddress;
 
     const MEM: usize = 0x40_0000;

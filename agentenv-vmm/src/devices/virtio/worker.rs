@@ -178,6 +178,21 @@ impl<H: WorkerHandler> Drop for Worker<H> {
     }
 }
 
+/// Stops the worker in `slot` (a device's worker, `None` while the device is not active)
+/// and hands its handler back. A worker that does not stop cleanly is logged and gives
+/// `None`: its queues are lost and the transport keeps the configuration it had.
+pub fn stop_worker<H: WorkerHandler>(slot: &mut Option<Worker<H>>) -> Option<H> {
+    let worker = slot.take()?;
+    let name = worker.name.clone();
+    match worker.stop() {
+        Ok(handler) => Some(handler),
+        Err(e) => {
+            tracing::error!(worker = %name, error = %e, "virtio: stopping the device's worker failed");
+            None
+        }
+    }
+}
+
 fn run<H: WorkerHandler>(
     name: String,
     ctl: WorkerCtl,

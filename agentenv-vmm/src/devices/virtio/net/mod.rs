@@ -40,9 +40,10 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use self::chain::{Direction, check_chain, return_unused};
+use super::persist::{Persist, StateError};
 use super::tap::{Tap, TapError, VNET_HDR_LEN};
-use super::worker::{Worker, WorkerCtl, WorkerHandler};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt};
+use super::worker::{Worker, WorkerCtl, WorkerHandler, stop_worker};
+use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive};
 use crate::memory::GuestMemoryMmap;
 
 /// virtio device id of a network card.
@@ -167,13 +168,11 @@ impl NetMetrics {
 }
 
 /// The device state kept in snapshots.
-#[derive(Debug, Serialize, Deserialize)]
-struct NetState {
-    version: u32,
-    mac: String,
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetState {
+    /// The guest's MAC address, `aa:bb:cc:dd:ee:ff`.
+    pub mac: String,
 }
-
-const STATE_VERSION: u32 = 1;
 
 /// A frame read from the tap and not yet placed in a guest buffer.
 struct RxFrame {
@@ -540,18 +539,8 @@ impl VirtioDevice for Net {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
-            return Err(ActivateError::Other(format!(
-                "net device {:?} is already active",
-                self.id
-            )));
-        }
-        if ctx.queues.len() != 2 || ctx.queue_events.len() != 2 {
-            return Err(ActivateError::QueueCount {
-                got: ctx.queues.len(),
-                want: 2,
-            });
-        }
+        check_inactive(&self.worker, format_args!("net device {:?}", self.id))?;
+        ctx.check_queue_count(2)?;
         self.tap
             .set_offload(self.tap_offload_flags())
             .map_err(|e| ActivateError::Other(e.to_string()))?;
@@ -582,38 +571,26 @@ impl VirtioDevice for Net {
     }
 
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
-        let worker = self.worker.take()?;
-        match worker.stop() {
-            Ok(core) => {
-                self.rx_frame = Some(core.rx_frame);
-                Some((vec![core.rx, core.tx], core.queue_events))
-            }
-            Err(e) => {
-                tracing::error!(id = %self.id, error = %e, "virtio-net: stopping the worker failed");
-                None
-            }
-        }
+        let core = stop_worker(&mut self.worker)?;
+        self.rx_frame = Some(core.rx_frame);
+        Some((vec![core.rx, core.tx], core.queue_events))
     }
+}
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::to_value(NetState {
-            version: STATE_VERSION,
+impl Persist for Net {
+    type State = NetState;
+    const STATE_VERSION: u32 = 1;
+    const NAME: &'static str = "virtio-net";
+
+    fn save(&self) -> NetState {
+        NetState {
             mac: format_mac(&self.mac),
-        })
-        .unwrap_or(serde_json::Value::Null)
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state: NetState = serde_json::from_value(state.clone())
-            .map_err(|e| format!("net device {:?}: bad saved state: {e}", self.id))?;
-        if state.version != STATE_VERSION {
-            return Err(format!(
-                "net device {:?}: saved state version {} is not supported (this VMM reads {STATE_VERSION})",
-                self.id, state.version
-            ));
-        }
+    fn restore(&mut self, state: NetState) -> Result<(), StateError> {
         // The guest driver already knows the MAC it read before the snapshot.
-        self.mac = parse_mac(&state.mac).map_err(|e| e.to_string())?;
+        self.mac = parse_mac(&state.mac).map_err(|e| StateError::Invalid(e.to_string()))?;
         Ok(())
     }
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use super::test_util::{Driver, Irq, VRING_DESC_F_NEXT, activate_ctx, guest_memory};
 use super::*;
 use crate::devices::virtio::VirtioDevice;
+use crate::devices::virtio::persist::SavedState;
 
 const GUEST_MAC: [u8; 6] = [0x06, 0x00, 0xac, 0x10, 0x00, 0x02];
 const TAP_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
@@ -586,7 +587,7 @@ fn config_space_holds_the_mac_and_state_round_trips() {
         assert_ne!(f & (1 << VIRTIO_F_VERSION_1), 0);
         assert_ne!(f & (1 << VIRTIO_NET_F_MAC), 0);
         assert_eq!(f & (1 << 15), 0, "MRG_RXBUF is not offered");
-        let state = net.save_state();
+        let state = net.save_state().unwrap();
         // A single-queue tap has one reader: a second device is refused, naming the tap.
         let err = Net::new("eth1", TAP, [2, 2, 2, 2, 2, 2])
             .err()
@@ -601,6 +602,7 @@ fn config_space_holds_the_mac_and_state_round_trips() {
                 .restore_state(&serde_json::json!({"version": 99, "mac": "x"}))
                 .is_err()
         );
+        assert!(again.restore(NetState { mac: "x".into() }).is_err());
     });
 }
 

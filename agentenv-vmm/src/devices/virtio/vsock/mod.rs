@@ -46,8 +46,9 @@ pub use self::muxer::{
     CLOSE_TIMEOUT, CONN_BUF_ALLOC, MAX_CONNECTIONS, MAX_PENDING_RX, MAX_PKT_DATA,
 };
 use self::muxer::{MuxerState, TOKEN_EVENT, TOKEN_RX, TOKEN_TX, VsockCore};
-use super::worker::Worker;
-use super::{ActivateContext, ActivateError, VirtioDevice};
+use super::persist::{Persist, StateError};
+use super::worker::{Worker, stop_worker};
+use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive};
 
 /// virtio device id of a socket device.
 pub const VIRTIO_ID_VSOCK: u32 = 19;
@@ -151,13 +152,12 @@ impl VsockMetrics {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct VsockState {
-    version: u32,
-    guest_cid: u64,
+/// The device state kept in snapshots (connections are not kept: see the module
+/// documentation).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VsockState {
+    pub guest_cid: u64,
 }
-
-const STATE_VERSION: u32 = 1;
 
 /// The virtio-vsock device.
 pub struct Vsock {
@@ -265,17 +265,8 @@ impl VirtioDevice for Vsock {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
-            return Err(ActivateError::Other(
-                "the vsock device is already active".into(),
-            ));
-        }
-        if ctx.queues.len() != 3 || ctx.queue_events.len() != 3 {
-            return Err(ActivateError::QueueCount {
-                got: ctx.queues.len(),
-                want: 3,
-            });
-        }
+        check_inactive(&self.worker, "the vsock device")?;
+        ctx.check_queue_count(3)?;
         let timer = TimerFd::new()
             .map_err(|e| ActivateError::Backend(io::Error::from_raw_os_error(e.errno())))?;
         let state = self
@@ -307,44 +298,34 @@ impl VirtioDevice for Vsock {
     }
 
     fn deactivate(&mut self) -> Option<(Vec<Queue>, Vec<EventFd>)> {
-        let worker = self.worker.take()?;
-        match worker.stop() {
-            Ok(core) => {
-                self.state = Some(core.state);
-                Some((core.queues, core.queue_events))
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "vsock: stopping the worker failed");
-                None
-            }
-        }
+        let core = stop_worker(&mut self.worker)?;
+        self.state = Some(core.state);
+        Some((core.queues, core.queue_events))
     }
+}
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::to_value(VsockState {
-            version: STATE_VERSION,
+impl Persist for Vsock {
+    type State = VsockState;
+    const STATE_VERSION: u32 = 1;
+    const NAME: &'static str = "vsock";
+
+    fn save(&self) -> VsockState {
+        VsockState {
             guest_cid: self.guest_cid,
-        })
-        .unwrap_or(serde_json::Value::Null)
+        }
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let saved: VsockState = serde_json::from_value(state.clone())
-            .map_err(|e| format!("vsock: bad saved state: {e}"))?;
-        if saved.version != STATE_VERSION {
-            return Err(format!(
-                "vsock: saved state version {} is not supported (this VMM reads {STATE_VERSION})",
-                saved.version
-            ));
-        }
+    fn restore(&mut self, saved: VsockState) -> Result<(), StateError> {
         if saved.guest_cid != self.guest_cid {
-            return Err(format!(
+            return Err(StateError::Invalid(format!(
                 "vsock: the snapshot's guest_cid is {}, the configuration says {}: they must match",
                 saved.guest_cid, self.guest_cid
-            ));
+            )));
         }
         let Some(muxer) = self.state.as_mut() else {
-            return Err("vsock: restore_state called on an active device".into());
+            return Err(StateError::Invalid(
+                "vsock: restore_state called on an active device".into(),
+            ));
         };
         // Connections do not survive a snapshot: the guest is told to drop its sockets.
         muxer.clear_connections();

@@ -13,6 +13,7 @@ use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::net::test_util::{
     Driver, Irq, VRING_DESC_F_NEXT, WAIT, activate_ctx, guest_memory,
 };
+use crate::devices::virtio::persist::SavedState;
 use crate::memory::GuestMemoryMmap;
 
 const CID: u64 = 3;
@@ -504,7 +505,7 @@ fn restored_device_tells_the_guest_its_transport_was_reset() {
     let (dir, mem) = setup();
     let path = tmp_socket(&dir);
     let dev = Vsock::new(CID, &path).unwrap();
-    let state = dev.save_state();
+    let state = dev.save_state().unwrap();
     drop(dev);
     assert!(!path.exists(), "the socket is removed with the device");
 
