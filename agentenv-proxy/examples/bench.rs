@@ -416,8 +416,8 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
         .build()
         .expect("scheduler");
     let service = scheduler.service();
-    service
-        .heartbeat(tonic::Request::new(pb::HeartbeatRequest {
+    let heartbeat = || {
+        tonic::Request::new(pb::HeartbeatRequest {
             node_id: "node-bench".into(),
             service_instance_id: "bench".into(),
             snapshot: Some(pb::NodeSnapshot {
@@ -426,27 +426,16 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
             }),
             sandbox_ids: vec!["sbx-bench".into()],
             ..Default::default()
-        }))
-        .await
-        .expect("heartbeat");
+        })
+    };
+    service.heartbeat(heartbeat()).await.expect("heartbeat");
     // Bindings are refreshed by heartbeats; keep one going for long runs.
     let hb = service.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));
         loop {
             tick.tick().await;
-            let _ = hb
-                .heartbeat(tonic::Request::new(pb::HeartbeatRequest {
-                    node_id: "node-bench".into(),
-                    service_instance_id: "bench".into(),
-                    snapshot: Some(pb::NodeSnapshot {
-                        status: pb::NodeStatus::Ready as i32,
-                        ..Default::default()
-                    }),
-                    sandbox_ids: vec!["sbx-bench".into()],
-                    ..Default::default()
-                }))
-                .await;
+            let _ = hb.heartbeat(heartbeat()).await;
         }
     });
     let gateway = Gateway::new(

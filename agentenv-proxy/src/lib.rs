@@ -7,6 +7,8 @@
 //! ordinary proxied requests), or mount [`Gateway::service`] in another
 //! hyper server next to other routes.
 
+#![forbid(unsafe_code)]
+
 pub mod body;
 pub mod client;
 pub mod cluster_list;

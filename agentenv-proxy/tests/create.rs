@@ -173,11 +173,7 @@ async fn path_routed_fork_records_every_child() {
     let forked = r#"{"sandboxes":[{"sandboxID":"child-1"},{"sandboxID":"child-2"}]}"#;
     let (node_a, _) = FakeNode::echo().await;
     let (node_b, log_b) = FakeNode::canned(StatusCode::OK, &[], forked).await;
-    let c = Cluster::ready(
-        &[("node-a", &node_a.endpoint), ("node-b", &node_b.endpoint)],
-        options(),
-    )
-    .await;
+    let c = Cluster::two_nodes(&node_a, &node_b).await;
     c.heartbeat("node-b", &["parent"]).await;
     let (status, _, body) = send(post(&c.url("/sandboxes/parent/fork"), r#"{"count":2}"#)).await;
     assert_eq!(status, StatusCode::OK);

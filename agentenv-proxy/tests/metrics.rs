@@ -146,11 +146,7 @@ async fn requests_are_labelled_by_route_source_and_status() {
 
 #[tokio::test]
 async fn scheduler_errors_and_closed_clients_have_their_own_labels() {
-    let node = FakeNode::start(|_req| async {
-        std::future::pending::<()>().await;
-        unreachable!()
-    })
-    .await;
+    let node = FakeNode::hanging().await;
     let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
     let (status, _, _) = get(&c.url("/sandboxes/unknown")).await;
     assert_eq!(status, StatusCode::NOT_FOUND);

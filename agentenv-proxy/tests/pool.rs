@@ -1,18 +1,20 @@
 //! The upstream connection pool against a real HTTP/1.1 server on loopback
 //! that counts the connections it accepted and saw closed.
 
+mod common;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use agentenv_proxy::body::{BoxError, GatewayBody, boxed, empty, full};
+use agentenv_proxy::body::{GatewayBody, empty, full};
 use agentenv_proxy::pool::{PoolConfig, UpstreamPool};
 use bytes::Bytes;
+use common::{eventually, stalled_body};
 use http::{Request, Response};
-use http_body::Frame;
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, broadcast};
@@ -49,15 +51,7 @@ impl Upstream {
                         let g = g.clone();
                         async move {
                             let body: GatewayBody = match req.uri().path() {
-                                "/stream" => {
-                                    let first = futures::stream::iter([Ok::<_, BoxError>(
-                                        Frame::data(Bytes::from_static(b"first")),
-                                    )]);
-                                    boxed(StreamBody::new(futures::StreamExt::chain(
-                                        first,
-                                        futures::stream::pending(),
-                                    )))
-                                }
+                                "/stream" => stalled_body(Some("first")),
                                 "/gated" => {
                                     g.acquire().await.unwrap().forget();
                                     full("opened")
@@ -98,14 +92,6 @@ impl Upstream {
         Request::get(format!("http://{}{path}", self.addr))
             .body(empty())
             .unwrap()
-    }
-}
-
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

@@ -137,8 +137,7 @@ async fn an_upload_cut_short_is_a_clean_failure_upstream_and_down() {
         }
     })
     .await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     const N: usize = 10;
     for i in 0..N {
         let mut s = TcpStream::connect(c.addr).await.unwrap();
@@ -184,8 +183,7 @@ async fn many_clients_vanishing_mid_stream_release_everything() {
         }
     })
     .await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     const N: usize = 40;
     let mut tasks = Vec::new();
     for _ in 0..N {
@@ -249,8 +247,7 @@ async fn many_aborted_websockets_release_their_relays() {
             .unwrap()
     })
     .await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let mut sockets = Vec::new();
     for _ in 0..20 {
         let mut request = format!("ws://{}/ws", c.addr).into_client_request().unwrap();
@@ -287,8 +284,7 @@ async fn graceful_shutdown_finishes_in_flight_requests_and_stops_accepting() {
         }
     })
     .await;
-    let mut c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let mut c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let url = c.url("/sandboxes/sbx-1");
     let in_flight = tokio::spawn(async move { get(&url).await });
     eventually("the request to be in flight", || {

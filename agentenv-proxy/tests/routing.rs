@@ -6,7 +6,6 @@ mod common;
 use std::time::Duration;
 
 use agentenv_proxy::{Gateway, GatewayError, GatewayOptions, InProcessScheduler};
-use bytes::Bytes;
 use common::*;
 use http::{Request, StatusCode};
 use http_body_util::Full;
@@ -120,8 +119,7 @@ async fn local_health_is_204_and_metrics_is_404_without_a_key() {
 #[tokio::test]
 async fn data_plane_proxy_requests_skip_the_api_key_and_leave_tokens_to_the_node() {
     let (node, log) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let tokens: [Option<(&str, &str)>; 4] = [
         None,
         Some(("e2b-traffic-access-token", "wrong")),
@@ -189,8 +187,7 @@ async fn explicit_proxy_path_without_both_headers_is_400_and_never_scheduled() {
 #[tokio::test]
 async fn header_routed_requests_go_under_proxy_and_proxy_paths_are_not_doubled() {
     let (node, _) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     for (path, want) in [
         ("/files?path=/tmp", "/proxy/files?path=/tmp"),
         ("/proxy/x", "/proxy/x"),
@@ -217,11 +214,7 @@ async fn header_routed_requests_go_under_proxy_and_proxy_paths_are_not_doubled()
 async fn control_plane_path_id_wins_over_header_id_and_is_forwarded_unprefixed() {
     let (node_a, log_a) = FakeNode::start_logging(StatusCode::CREATED).await;
     let (node_b, log_b) = FakeNode::start_logging(StatusCode::CREATED).await;
-    let c = Cluster::ready(
-        &[("node-a", &node_a.endpoint), ("node-b", &node_b.endpoint)],
-        options(),
-    )
-    .await;
+    let c = Cluster::two_nodes(&node_a, &node_b).await;
     c.heartbeat("node-a", &["sbx-path"]).await;
     c.heartbeat("node-b", &["sbx-header"]).await;
     let (status, _, _) = send(
@@ -248,11 +241,7 @@ async fn control_plane_path_id_wins_over_header_id_and_is_forwarded_unprefixed()
 async fn v2_connect_is_routed_by_path_id() {
     let (node_a, log_a) = FakeNode::start_logging(StatusCode::OK).await;
     let (node_b, _) = FakeNode::start_logging(StatusCode::OK).await;
-    let c = Cluster::ready(
-        &[("node-a", &node_a.endpoint), ("node-b", &node_b.endpoint)],
-        options(),
-    )
-    .await;
+    let c = Cluster::two_nodes(&node_a, &node_b).await;
     c.heartbeat("node-b", &[]).await;
     c.heartbeat("node-a", &["sbx-v2"]).await;
     let (status, _, _) = send(
@@ -271,11 +260,7 @@ async fn v2_connect_is_routed_by_path_id() {
 async fn any_sandbox_subpath_without_headers_is_routed_by_its_id_not_scheduled() {
     let (node_a, log_a) = FakeNode::echo().await;
     let (node_b, log_b) = FakeNode::echo().await;
-    let c = Cluster::ready(
-        &[("node-a", &node_a.endpoint), ("node-b", &node_b.endpoint)],
-        options(),
-    )
-    .await;
+    let c = Cluster::two_nodes(&node_a, &node_b).await;
     c.heartbeat("node-b", &["sbx-b"]).await;
     for _ in 0..3 {
         let (status, _, body) = get(&c.url("/sandboxes/sbx-b/files")).await;
@@ -299,8 +284,7 @@ async fn unknown_sandbox_is_404_from_the_scheduler() {
 #[tokio::test]
 async fn forwarded_headers_replace_client_values_and_keep_host() {
     let (node, _) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let (status, _, body) = send(
         req("PUT", &c.url("/sandboxes/sbx-1/network?x=1"))
             .header("host", "api.example.test:8080")
@@ -339,8 +323,7 @@ async fn forwarded_headers_replace_client_values_and_keep_host() {
 #[tokio::test]
 async fn escaped_segments_reach_the_node_unchanged() {
     let (node, _) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let (status, _, body) = send(
         req(
             "GET",
@@ -367,8 +350,7 @@ async fn escaped_segments_reach_the_node_unchanged() {
 #[tokio::test]
 async fn health_and_metrics_with_routing_headers_are_proxied_to_the_sandbox() {
     let (node, _) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     for path in ["/health", "/metrics"] {
         let (status, _, body) = send(
             req("GET", &c.url(path))
@@ -400,11 +382,7 @@ async fn health_and_metrics_with_routing_headers_are_proxied_to_the_sandbox() {
 async fn host_routes_set_routing_headers_and_override_client_ones() {
     let (node_a, _) = FakeNode::echo().await;
     let (node_b, log_b) = FakeNode::echo().await;
-    let c = Cluster::ready(
-        &[("node-a", &node_a.endpoint), ("node-b", &node_b.endpoint)],
-        options(),
-    )
-    .await;
+    let c = Cluster::two_nodes(&node_a, &node_b).await;
     c.heartbeat("node-a", &["decoy"]).await;
     c.heartbeat("node-b", &["sbx-host"]).await;
     let host = format!("40988-sbx-host.{DOMAIN}");
@@ -539,51 +517,33 @@ async fn a_dead_node_is_502_upstream_unavailable() {
     );
 }
 
-#[tokio::test]
-async fn a_slow_node_is_504_upstream_timeout() {
-    let node = FakeNode::start(|_req| async {
-        std::future::pending::<()>().await;
-        unreachable!()
-    })
-    .await;
+/// A gateway with a 300 ms request timeout in front of `node` answers a
+/// request for its sandbox with 504 `upstream timeout`.
+async fn assert_upstream_timeout(node: FakeNode) {
     let opts = GatewayOptions {
         request_timeout: Duration::from_millis(300),
         ..options()
     };
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, opts).await;
     let (status, _, body) = get(&c.url("/sandboxes/sbx-1")).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(message(&body), "upstream timeout");
 }
 
 #[tokio::test]
+async fn a_slow_node_is_504_upstream_timeout() {
+    assert_upstream_timeout(FakeNode::hanging().await).await;
+}
+
+#[tokio::test]
 async fn a_body_that_stalls_past_the_timeout_is_cut_off() {
-    let node = FakeNode::start(|_req| async {
-        let (tx, rx) = futures::channel::mpsc::channel::<
-            Result<http_body::Frame<Bytes>, agentenv_proxy::body::BoxError>,
-        >(1);
-        let mut tx = tx;
-        use futures::SinkExt;
-        tx.send(Ok(http_body::Frame::data(Bytes::from_static(b"first"))))
-            .await
-            .unwrap();
-        tokio::spawn(async move {
-            // Keep the stream open without sending more.
-            std::future::pending::<()>().await;
-            drop(tx);
-        });
-        http::Response::new(agentenv_proxy::body::boxed(
-            http_body_util::StreamBody::new(rx),
-        ))
-    })
-    .await;
+    let node =
+        FakeNode::start(|_req| async { http::Response::new(stalled_body(Some("first"))) }).await;
     let opts = GatewayOptions {
         request_timeout: Duration::from_millis(300),
         ..options()
     };
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, opts).await;
     let resp = client()
         .request(
             req("GET", &c.url("/sandboxes/sbx-1"))
@@ -613,8 +573,7 @@ async fn invalid_percent_encoding_is_400() {
 #[tokio::test]
 async fn per_thread_serving_routes_on_every_thread_and_drains_on_shutdown() {
     let (node, log) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let handle = c
         .gateway
@@ -649,28 +608,8 @@ async fn per_thread_serving_routes_on_every_thread_and_drains_on_shutdown() {
 
 #[tokio::test]
 async fn headers_without_any_body_before_the_timeout_give_504() {
-    let node = FakeNode::start(|_req| async {
-        let (tx, rx) = futures::channel::mpsc::channel::<
-            Result<http_body::Frame<Bytes>, agentenv_proxy::body::BoxError>,
-        >(1);
-        tokio::spawn(async move {
-            std::future::pending::<()>().await;
-            drop(tx);
-        });
-        http::Response::new(agentenv_proxy::body::boxed(
-            http_body_util::StreamBody::new(rx),
-        ))
-    })
-    .await;
-    let opts = GatewayOptions {
-        request_timeout: Duration::from_millis(300),
-        ..options()
-    };
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
-    let (status, _, body) = get(&c.url("/sandboxes/sbx-1")).await;
-    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
-    assert_eq!(message(&body), "upstream timeout");
+    let node = FakeNode::start(|_req| async { http::Response::new(stalled_body(None)) }).await;
+    assert_upstream_timeout(node).await;
 }
 
 #[tokio::test]
@@ -680,8 +619,7 @@ async fn without_debug_mode_no_node_header_is_added() {
         debug_mode: false,
         ..options()
     };
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, opts).await;
     let (status, headers, _) = get(&c.url("/sandboxes/sbx-1")).await;
     assert_eq!(status, StatusCode::OK);
     assert!(headers.get("x-agentenv-node-id").is_none());
@@ -690,8 +628,7 @@ async fn without_debug_mode_no_node_header_is_added() {
 #[tokio::test]
 async fn non_utf8_escapes_are_forwarded_byte_for_byte() {
     let (node, _) = FakeNode::echo().await;
-    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
-    c.heartbeat("node-a", &["sbx-1"]).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let (status, _, body) = send(
         req("GET", &c.url("/files/%ff%fe.bin"))
             .header("e2b-sandbox-id", "sbx-1")

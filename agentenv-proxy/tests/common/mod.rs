@@ -13,13 +13,14 @@ use std::time::Duration;
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
 use agentenv_core::proto::scheduler_v1 as pb;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
-use agentenv_proxy::body::{GatewayBody, full};
+use agentenv_proxy::body::{BoxError, GatewayBody, boxed, full};
 use agentenv_proxy::{Gateway, GatewayOptions, InProcessScheduler, SchedulerClient};
 use agentenv_sched::{Scheduler, SchedulerService};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body::Frame;
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -91,19 +92,20 @@ impl FakeNode {
         }
     }
 
-    /// A node that answers every request with a JSON echo of what it got,
-    /// and logs it.
-    pub async fn echo() -> (Self, Log) {
+    /// A node that logs each request and answers it with `answer`.
+    pub async fn logging<F>(answer: F) -> (Self, Log)
+    where
+        F: Fn(&Seen) -> Response<GatewayBody> + Send + Sync + 'static,
+    {
         let log: Log = Arc::default();
         let l = log.clone();
+        let answer = Arc::new(answer);
         let node = Self::start(move |req| {
-            let l = l.clone();
+            let (l, answer) = (l.clone(), answer.clone());
             async move {
                 let seen = read_seen(req).await;
-                l.lock().push(seen.clone());
-                let mut resp = Response::new(full(echo_json(&seen)));
-                resp.headers_mut()
-                    .insert("content-type", "application/json".parse().unwrap());
+                let resp = answer(&seen);
+                l.lock().push(seen);
                 resp
             }
         })
@@ -111,22 +113,26 @@ impl FakeNode {
         (node, log)
     }
 
+    /// A node that answers every request with a JSON echo of what it got,
+    /// and logs it.
+    pub async fn echo() -> (Self, Log) {
+        Self::logging(|seen| {
+            let mut resp = Response::new(full(echo_json(seen)));
+            resp.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            resp
+        })
+        .await
+    }
+
     /// A node that logs each request and answers `status` with the echo.
     pub async fn start_logging(status: StatusCode) -> (Self, Log) {
-        let log: Log = Arc::default();
-        let l = log.clone();
-        let node = Self::start(move |req| {
-            let l = l.clone();
-            async move {
-                let seen = read_seen(req).await;
-                l.lock().push(seen.clone());
-                let mut resp = Response::new(full(echo_json(&seen)));
-                *resp.status_mut() = status;
-                resp
-            }
+        Self::logging(move |seen| {
+            let mut resp = Response::new(full(echo_json(seen)));
+            *resp.status_mut() = status;
+            resp
         })
-        .await;
-        (node, log)
+        .await
     }
 
     /// A node that logs each request and answers with a fixed response.
@@ -135,33 +141,25 @@ impl FakeNode {
         headers: &[(&str, &str)],
         body: impl Into<Bytes>,
     ) -> (Self, Log) {
-        let log: Log = Arc::default();
-        let l = log.clone();
-        let headers: Vec<(String, String)> = headers
+        let headers: Vec<(http::HeaderName, http::HeaderValue)> = headers
             .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .map(|(k, v)| (k.parse().unwrap(), v.parse().unwrap()))
             .collect();
         let body: Bytes = body.into();
-        let node = Self::start(move |req| {
-            let l = l.clone();
-            let headers = headers.clone();
-            let body = body.clone();
-            async move {
-                let seen = read_seen(req).await;
-                l.lock().push(seen);
-                let mut resp = Response::new(full(body));
-                *resp.status_mut() = status;
-                for (k, v) in headers {
-                    resp.headers_mut().insert(
-                        http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                        v.parse().unwrap(),
-                    );
-                }
-                resp
+        Self::logging(move |_| {
+            let mut resp = Response::new(full(body.clone()));
+            *resp.status_mut() = status;
+            for (k, v) in &headers {
+                resp.headers_mut().insert(k.clone(), v.clone());
             }
+            resp
         })
-        .await;
-        (node, log)
+        .await
+    }
+
+    /// A node that accepts requests and never answers them.
+    pub async fn hanging() -> Self {
+        Self::start(|_req| std::future::pending()).await
     }
 
     /// Stops accepting connections (the port then refuses).
@@ -177,6 +175,16 @@ impl Drop for FakeNode {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// A response body that sends `first` (if any), then neither sends more
+/// nor ends.
+pub fn stalled_body(first: Option<&'static str>) -> GatewayBody {
+    let first = first.map(|b| Ok::<_, BoxError>(Frame::data(Bytes::from_static(b.as_bytes()))));
+    boxed(StreamBody::new(futures::StreamExt::chain(
+        futures::stream::iter(first),
+        futures::stream::pending(),
+    )))
 }
 
 pub async fn read_seen(req: Request<Incoming>) -> Seen {
@@ -336,6 +344,20 @@ impl Cluster {
         for (id, _) in nodes {
             c.heartbeat(id, &[]).await;
         }
+        c
+    }
+
+    /// A gateway in front of two nodes, `node-a` and `node-b`.
+    pub async fn two_nodes(node_a: &FakeNode, node_b: &FakeNode) -> Self {
+        let nodes = [("node-a", &*node_a.endpoint), ("node-b", &*node_b.endpoint)];
+        Self::ready(&nodes, options()).await
+    }
+
+    /// A gateway in front of one node, `node-a` at `endpoint`, that holds
+    /// sandbox `sbx-1`.
+    pub async fn with_sandbox(endpoint: &str, opts: GatewayOptions) -> Self {
+        let c = Self::ready(&[("node-a", endpoint)], opts).await;
+        c.heartbeat("node-a", &["sbx-1"]).await;
         c
     }
 

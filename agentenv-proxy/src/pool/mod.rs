@@ -1,13 +1,12 @@
-//! The upstream connection pool: HTTP/1.1 keep-alive connections to runtime
-//! nodes, made with `TCP_NODELAY` and kept idle per node authority.
+//! The upstream connection pool of both lanes: keep-alive HTTP/1.1
+//! connections to runtime nodes, made with `TCP_NODELAY` and kept idle per
+//! node authority.
 //!
-//! Idle connections live in shards, one per thread that uses the pool (a
-//! thread picks its shard once), so a request takes and returns connections
-//! under a lock no other thread touches; only when its own shard has none
-//! does it look into the others', without waiting on their locks. Each shard keeps, per authority, a
-//! stack of idle connections: the most recently used one is reused first,
-//! and the oldest ones are the first to go when the stack is full or they
-//! stayed idle longer than the idle timeout.
+//! The hyper lane ([`UpstreamPool::send`]) keeps hyper connection handles;
+//! the gateway's fast lane keeps raw connections (a TCP stream and its read
+//! buffer, `RawConn`). Both live in the same kind of idle stacks (`idle`:
+//! per-thread shards, most recently used first), bounded alike,
+//! closed alike after the idle timeout by one sweeping task per pool.
 //!
 //! `https://` nodes are reached over TLS (rustls) and verified against the
 //! bundled Mozilla roots, or the roots of a configuration given to the pool.
@@ -18,9 +17,11 @@
 //! node closed is dropped when it is next looked at, and a request that a
 //! reused connection could not even start sending is sent again on another.
 
-use std::collections::HashMap;
+mod idle;
+mod raw;
+
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -32,7 +33,6 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
-use parking_lot::Mutex;
 use rustls::ClientConfig;
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -40,6 +40,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
+use self::idle::{IdleSet, Reusable};
+pub(crate) use self::raw::RawConn;
 use crate::body::GatewayBody;
 
 /// How the pool keeps connections.
@@ -125,8 +127,8 @@ pub enum PoolError {
     },
 }
 
-/// Keep-alive HTTP/1.1 connections to upstream nodes. Cheap to clone; clones
-/// share the connections.
+/// Keep-alive HTTP/1.1 connections to upstream nodes, for both lanes.
+/// Cheap to clone; clones share the connections.
 #[derive(Clone)]
 pub struct UpstreamPool {
     inner: Arc<PoolInner>,
@@ -134,37 +136,29 @@ pub struct UpstreamPool {
 
 struct PoolInner {
     cfg: PoolConfig,
-    shards: Box<[Mutex<Shard>]>,
+    /// The hyper lane's connections to `http://` nodes.
+    plain: IdleSet<SendRequest<GatewayBody>>,
+    /// The hyper lane's connections to `https://` nodes.
+    tls: IdleSet<SendRequest<GatewayBody>>,
+    /// The fast lane's connections (`http://` nodes only).
+    raw: IdleSet<RawConn>,
     reaper_started: AtomicBool,
 }
 
-/// Where connections go: the authority, and whether over TLS.
-#[derive(Clone, PartialEq, Eq, Hash)]
+/// Where a hyper-lane connection goes: the authority, and whether over TLS.
 struct Key {
     tls: bool,
     authority: Authority,
 }
 
-#[derive(Default)]
-struct Shard {
-    /// Keyed by node authorities from the scheduler's configuration, not by
-    /// client input: a fast hash is enough.
-    idle: HashMap<Key, Vec<IdleConn>, rustc_hash::FxBuildHasher>,
-}
-
-struct IdleConn {
-    sender: SendRequest<GatewayBody>,
-    since: Instant,
-}
-
-/// Where a thread keeps its idle connections: threads are numbered on first
-/// use and take shard `number % shards`.
-fn thread_number() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static NUMBER: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+impl Reusable for SendRequest<GatewayBody> {
+    fn is_ready(&self) -> bool {
+        SendRequest::is_ready(self)
     }
-    NUMBER.with(|n| *n)
+
+    fn is_closed(&self) -> bool {
+        SendRequest::is_closed(self)
+    }
 }
 
 impl UpstreamPool {
@@ -176,10 +170,13 @@ impl UpstreamPool {
 
     /// A pool with `shards` shards (at least one).
     pub fn with_shards(cfg: PoolConfig, shards: usize) -> Self {
+        let (timeout, max) = (cfg.idle_timeout, cfg.max_idle_per_authority);
         Self {
             inner: Arc::new(PoolInner {
+                plain: IdleSet::new(shards, timeout, max),
+                tls: IdleSet::new(shards, timeout, max),
+                raw: IdleSet::new(shards, timeout, max),
                 cfg,
-                shards: (0..shards.max(1)).map(|_| Mutex::default()).collect(),
                 reaper_started: AtomicBool::new(false),
             }),
         }
@@ -190,29 +187,14 @@ impl UpstreamPool {
         &self.inner.cfg
     }
 
-    /// Idle connections to `authority` (plain and TLS) across all shards,
-    /// closed ones that were not looked at yet included.
+    /// Idle connections to `authority` (plain and TLS, of both lanes)
+    /// across all shards, closed ones that were not looked at yet included.
     pub fn idle_count(&self, authority: &str) -> usize {
         let Ok(authority) = authority.parse::<Authority>() else {
             return 0;
         };
-        self.inner
-            .shards
-            .iter()
-            .map(|s| {
-                let shard = s.lock();
-                [false, true]
-                    .into_iter()
-                    .map(|tls| {
-                        let key = Key {
-                            tls,
-                            authority: authority.clone(),
-                        };
-                        shard.idle.get(&key).map_or(0, Vec::len)
-                    })
-                    .sum::<usize>()
-            })
-            .sum()
+        let inner = &self.inner;
+        inner.plain.count(&authority) + inner.tls.count(&authority) + inner.raw.count(&authority)
     }
 
     /// Sends `req` (an absolute `http://` URI) to its authority over a pooled
@@ -246,7 +228,11 @@ impl UpstreamPool {
             req.headers_mut().insert(header::HOST, v);
         }
 
-        while let Some(mut sender) = self.checkout(&key) {
+        while let Some(mut sender) = self
+            .inner
+            .http(key.tls)
+            .checkout(&key.authority, Instant::now())
+        {
             match sender.try_send_request(req).await {
                 Ok(resp) => return Ok(self.wrap(resp, sender, key)),
                 Err(mut e) => match e.take_message() {
@@ -277,59 +263,10 @@ impl UpstreamPool {
         }
     }
 
-    /// The most recently used idle connection that can take a request now:
-    /// from this thread's shard, else (without waiting on a lock) from
-    /// another thread's.
-    fn checkout(&self, key: &Key) -> Option<SendRequest<GatewayBody>> {
-        let now = Instant::now();
-        let shards = &self.inner.shards;
-        let own = thread_number() % shards.len();
-        if let Some(sender) = self.take_idle(&mut shards[own].lock(), key, now) {
-            return Some(sender);
-        }
-        (1..shards.len())
-            .map(|i| &shards[(own + i) % shards.len()])
-            .find_map(|shard| self.take_idle(&mut *shard.try_lock()?, key, now))
-    }
-
-    fn take_idle(
-        &self,
-        shard: &mut Shard,
-        key: &Key,
-        now: Instant,
-    ) -> Option<SendRequest<GatewayBody>> {
-        let stack = shard.idle.get_mut(key)?;
-        while let Some(conn) = stack.pop() {
-            if now.saturating_duration_since(conn.since) >= self.inner.cfg.idle_timeout {
-                // Everything below is older still.
-                stack.clear();
-                break;
-            }
-            if conn.sender.is_ready() {
-                return Some(conn.sender);
-            }
-            // Closed by the node, or not (yet) able to take a request:
-            // dropping the sender closes the connection once it is idle.
-        }
-        None
-    }
-
     async fn connect(&self, key: &Key) -> Result<SendRequest<GatewayBody>, PoolError> {
         let authority = &key.authority;
-        let host = authority.host();
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host);
-        let port = authority
-            .port_u16()
-            .unwrap_or(if key.tls { 443 } else { 80 });
-        let stream = match tokio::time::timeout(
-            self.inner.cfg.connect_timeout,
-            TcpStream::connect((host, port)),
-        )
-        .await
-        {
+        let timeout = self.inner.cfg.connect_timeout;
+        let stream = match dial(authority, key.tls, timeout).await {
             Ok(Ok(s)) => s,
             Ok(Err(source)) => {
                 return Err(PoolError::Connect {
@@ -339,17 +276,14 @@ impl UpstreamPool {
             }
             Err(_) => return Err(PoolError::ConnectTimeout(authority.clone())),
         };
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(error = %e, "setting TCP_NODELAY on an upstream connection failed");
-        }
         if !key.tls {
             return handshake(stream, authority).await;
         }
-        let name = ServerName::try_from(host.to_string())
+        let name = ServerName::try_from(host(authority).to_string())
             .map_err(|_| PoolError::ServerName(authority.clone()))?;
         let tls = self.inner.cfg.tls.clone().unwrap_or_else(default_tls);
         let stream = match tokio::time::timeout(
-            self.inner.cfg.connect_timeout,
+            timeout,
             TlsConnector::from(tls).connect(name, stream),
         )
         .await
@@ -386,28 +320,32 @@ impl UpstreamPool {
         }
         resp.map(|inner| PooledBody { inner, slot })
     }
+}
 
-    fn start_reaper(inner: &Arc<PoolInner>) {
-        // A body may be dropped outside any runtime: the reaper then starts
-        // with a later release.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if inner.reaper_started.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let period = (inner.cfg.idle_timeout / 2).max(Duration::from_millis(100));
-        let weak = Arc::downgrade(inner);
-        runtime.spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let Some(inner) = weak.upgrade() else { return };
-                inner.evict_stale(Instant::now());
-            }
-        });
+/// The host of `authority`, without the brackets of an IPv6 address.
+fn host(authority: &Authority) -> &str {
+    let host = authority.host();
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+/// A TCP connection to `authority` (port 80, or 443 for TLS, when it names
+/// none) with `TCP_NODELAY`; `Err` when `timeout` passed first.
+async fn dial(
+    authority: &Authority,
+    tls: bool,
+    timeout: Duration,
+) -> Result<std::io::Result<TcpStream>, tokio::time::error::Elapsed> {
+    let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let connected =
+        tokio::time::timeout(timeout, TcpStream::connect((host(authority), port))).await;
+    if let Ok(Ok(stream)) = &connected
+        && let Err(e) = stream.set_nodelay(true)
+    {
+        tracing::debug!(error = %e, "setting TCP_NODELAY on an upstream connection failed");
     }
+    connected
 }
 
 /// HTTP/1.1 over `io`; the connection is driven by a task of its own.
@@ -432,17 +370,44 @@ where
 }
 
 impl PoolInner {
-    /// Closes idle connections that expired or that the node closed.
+    /// The hyper lane's idle connections, plain or TLS.
+    fn http(&self, tls: bool) -> &IdleSet<SendRequest<GatewayBody>> {
+        if tls { &self.tls } else { &self.plain }
+    }
+
+    /// Closes idle connections, of both lanes, that expired or that the
+    /// node closed.
     fn evict_stale(&self, now: Instant) {
-        for shard in self.shards.iter() {
-            shard.lock().idle.retain(|_, stack| {
-                stack.retain(|c| {
-                    now.saturating_duration_since(c.since) < self.cfg.idle_timeout
-                        && !c.sender.is_closed()
-                });
-                !stack.is_empty()
-            });
+        self.plain.evict_stale(now);
+        self.tls.evict_stale(now);
+        self.raw.evict_stale(now);
+    }
+
+    /// Starts the task that closes expired idle connections, once there
+    /// are idle connections to close.
+    fn start_reaper(self: &Arc<Self>) {
+        if self.reaper_started.load(Ordering::Relaxed) {
+            return;
         }
+        // A body may be dropped outside any runtime: the reaper then starts
+        // with a later release.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.reaper_started.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let period = (self.cfg.idle_timeout / 2).max(Duration::from_millis(100));
+        let weak = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                inner.evict_stale(Instant::now());
+            }
+        });
     }
 }
 
@@ -458,26 +423,9 @@ impl Slot {
         let Some(inner) = self.pool.upgrade() else {
             return;
         };
-        if self.sender.is_closed() {
-            return;
-        }
-        let conn = IdleConn {
-            sender: self.sender,
-            since: Instant::now(),
-        };
-        let shard = &inner.shards[thread_number() % inner.shards.len()];
-        {
-            let mut shard = shard.lock();
-            let stack = shard.idle.entry(self.key).or_default();
-            if stack.len() >= inner.cfg.max_idle_per_authority {
-                // Full: the oldest idle connection makes room.
-                stack.remove(0);
-            }
-            stack.push(conn);
-        }
-        if !inner.reaper_started.load(Ordering::Relaxed) {
-            UpstreamPool::start_reaper(&inner);
-        }
+        let idle = inner.http(self.key.tls);
+        idle.release(&self.key.authority, self.sender, Instant::now());
+        inner.start_reaper();
     }
 }
 

@@ -1,0 +1,89 @@
+//! The HTTP/1.1 fast lane of [`Gateway::serve`](super::Gateway::serve).
+//!
+//! hyper turns every message into a `Request` or `Response` (a `HeaderMap`
+//! of owned names and values) and serializes it again on the other side;
+//! for an ordinary proxied request that is most of the gateway's work. Here
+//! the request head is parsed in place (httparse), routed by the same
+//! [`Router::decide`] as the hyper path, and written to the node byte for
+//! byte with the hop-by-hop and forwarding headers rewritten; the response
+//! head is rewritten the same way and the bodies are relayed by their
+//! framing (`Content-Length`, chunked, or until the node closes).
+//!
+//! A request qualifies when it is HTTP/1.1 in origin form, has no body or a
+//! `Content-Length` one, is not an upgrade, a stream (gRPC, Connect
+//! streams, SSE, `Te`), an `Expect`, a create, fork or list, and goes by
+//! its sandbox id to a plain `http://` node. The first request that does
+//! not qualify hands the connection, with the bytes already read, to hyper
+//! for the rest of its life; so do HTTP/2 connections and malformed heads.
+//!
+//! Its rooms, as Pingora splits its HTTP/1 code: `downstream` (the client
+//! connection: reading requests, one request end to end, the gateway's own
+//! answers, the handover to hyper), `upstream` (the node connection:
+//! writing the request, reading the answer, the stale-connection retry),
+//! `head` (parsing and rewriting request and response heads), `framing`
+//! (relaying bodies by their framing, the chunk scanner). What it uses of
+//! the gateway is [`FastLane`]; node connections come from the pool both
+//! lanes share.
+
+mod downstream;
+mod framing;
+mod head;
+mod upstream;
+
+use std::time::Duration;
+
+use agentenv_core::proto::scheduler_v1 as pb;
+use bytes::BytesMut;
+use http::HeaderValue;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tonic::Status;
+
+use crate::client::SchedulerClient;
+use crate::metrics::GatewayMetrics;
+use crate::pool::UpstreamPool;
+use crate::server::route::Router;
+use crate::server::timed_rpc;
+
+/// What the fast lane uses of the gateway, borrowed for one client
+/// connection.
+pub(super) struct FastLane<'g> {
+    /// Host routes, the API key and the routing decision.
+    pub(super) router: &'g Router,
+    /// Where sandboxes are looked up.
+    pub(super) scheduler: &'g dyn SchedulerClient,
+    pub(super) metrics: &'g GatewayMetrics,
+    /// Node connections (the pool both lanes share).
+    pub(super) pool: &'g UpstreamPool,
+    /// Bounds the lookup and the whole exchange with the node.
+    pub(super) request_timeout: Duration,
+    /// Adds `x-agentenv-node-id` to responses.
+    pub(super) debug_mode: bool,
+}
+
+impl FastLane<'_> {
+    /// The node that holds sandbox `id`, by `deadline`.
+    async fn lookup_node(&self, id: &str, deadline: Instant) -> Result<pb::Node, Status> {
+        timed_rpc(
+            self.metrics,
+            "LookupNode",
+            deadline,
+            self.scheduler.lookup_node(id),
+        )
+        .await
+    }
+}
+
+/// A client connection and the buffers reused by its requests.
+struct Client {
+    stream: TcpStream,
+    /// Bytes read and not yet consumed.
+    buf: BytesMut,
+    /// The head being written (upstream request, then client response).
+    out: Vec<u8>,
+    /// The upstream request target and line.
+    target: String,
+    line: Vec<u8>,
+    /// `X-Forwarded-For` of this connection.
+    xff: HeaderValue,
+}
