@@ -8,23 +8,22 @@
 //! and answers as hyper's handler ([`crate::files`]). Everything else (any
 //! other first request, HTTP/2, and whatever follows such an upload on the
 //! connection) is served by hyper, the bytes already read replayed first
-//! ([`Rewind`]).
+//! ([`crate::rewind`]).
 
 use std::io;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, Uri, header};
 use http_body_util::BodyExt;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::connect::RespBody;
-use crate::files::{RawUpload, UploadHead, upload_response};
-use crate::server::AgentState;
+use crate::files::{RawUpload, UploadHead, is_gzip, multipart_boundary, upload_response};
+use crate::rewind::Rewind;
 use crate::splice::ReceiveError;
+use crate::state::AgentState;
 
 /// A client must send a request head within this time (here for the first
 /// request, in hyper for the others).
@@ -135,8 +134,8 @@ fn raw_upload(req: &httparse::Request<'_, '_>) -> Option<Upload> {
         );
     }
     if headers.contains_key(header::TRANSFER_ENCODING)
-        || crate::files::is_gzip(&headers)
-        || crate::files::multipart_boundary(&headers).is_some()
+        || is_gzip(&headers)
+        || multipart_boundary(&headers).is_some()
     {
         return None;
     }
@@ -288,70 +287,6 @@ async fn write_response(
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(&body);
     stream.write_all(&out).await
-}
-
-/// A connection some of whose bytes were read already: reads return those
-/// first.
-pub(crate) struct Rewind {
-    pending: Bytes,
-    io: TcpStream,
-}
-
-impl Rewind {
-    fn new(io: TcpStream, pending: Bytes) -> Rewind {
-        Rewind { pending, io }
-    }
-}
-
-impl AsyncRead for Rewind {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if self.pending.is_empty() {
-            return Pin::new(&mut self.io).poll_read(cx, buf);
-        }
-        let n = self.pending.len().min(buf.remaining());
-        buf.put_slice(&self.pending[..n]);
-        if n == self.pending.len() {
-            // Lets the read buffer go.
-            self.pending = Bytes::new();
-        } else {
-            let _ = self.pending.split_to(n);
-        }
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl AsyncWrite for Rewind {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
 }
 
 #[cfg(test)]

@@ -17,8 +17,12 @@ use tokio::io::AsyncRead;
 use tokio_util::io::{ReaderStream, StreamReader};
 
 use crate::connect::RespBody;
+use crate::fileio::{WriteError, read_stream, unique_u64, write_stream};
 use crate::filesystem::{chown_to, make_dirs};
-use crate::server::{AgentState, json_error};
+use crate::paths::resolve;
+use crate::query::query_param;
+use crate::responses::{json, json_error};
+use crate::state::AgentState;
 use crate::users::User;
 
 /// Read size for downloads.
@@ -78,36 +82,23 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> FilesError + '_ {
     }
 }
 
-/// Decodes `%XX` and `+` in a query component.
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok();
-                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
-                    Some(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+/// A fresh hidden name beside `path` for the file that replaces it once
+/// complete: `.<name>.<what>-<16 hex digits>`.
+fn temp_sibling(path: &Path, what: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.{what}-{:016x}", unique_u64()))
 }
 
-/// One query parameter, percent-decoded.
-pub fn query_param(query: Option<&str>, key: &str) -> Option<String> {
-    query?.split('&').find_map(|kv| {
-        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-        (percent_decode(k) == key).then(|| percent_decode(v))
+/// `{"path", "name", "type": "file"}`: how the answers to uploads and
+/// compose describe a file written.
+fn written_file(path: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "path": path.display().to_string(),
+        "name": path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        "type": "file",
     })
 }
 
@@ -164,7 +155,7 @@ async fn download_inner(
     let raw = query_param(query, "path")
         .filter(|p| !p.is_empty())
         .ok_or(FilesError::MissingPath)?;
-    let path = crate::paths::resolve(&raw, &user.home);
+    let path = resolve(&raw, &user.home);
     let md = tokio::fs::metadata(&path).await.map_err(io_err(&path))?;
     if md.is_dir() {
         return Err(FilesError::IsDirectory(path.display().to_string()));
@@ -177,14 +168,14 @@ async fn download_inner(
         .unwrap_or_default();
     let mut resp = if gzip {
         let enc = async_compression::tokio::bufread::GzipEncoder::new(StreamReader::new(
-            crate::fileio::read_stream(file),
+            read_stream(file),
         ));
         let mut r = Response::new(reader_body(enc));
         r.headers_mut()
             .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
         r
     } else {
-        let body = StreamBody::new(crate::fileio::read_stream(file).map_ok(Frame::data));
+        let body = StreamBody::new(read_stream(file).map_ok(Frame::data));
         let mut r = Response::new(body.boxed_unsync());
         // Pseudo files (/proc, /sys) report size 0 but have content: those
         // go chunked.
@@ -265,12 +256,7 @@ impl TempUpload {
         if existing.as_ref().is_some_and(|m| m.is_dir()) {
             return Err(FilesError::IsDirectory(path.display().to_string()));
         }
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let suffix = crate::fileio::unique_u64();
-        let tmp = path.with_file_name(format!(".{name}.upload-{suffix:016x}"));
+        let tmp = temp_sibling(path, "upload");
         let file = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
         let upload = TempUpload {
             path: path.to_path_buf(),
@@ -306,10 +292,10 @@ impl TempUpload {
         S: Stream<Item = Result<Bytes, E>> + Unpin,
         E: std::fmt::Display + std::fmt::Debug,
     {
-        match crate::fileio::write_stream(file, body).await {
+        match write_stream(file, body).await {
             Ok(_) => Ok(()),
-            Err(crate::fileio::WriteError::Io(e)) => Err(self.write_error(e)),
-            Err(crate::fileio::WriteError::Source(e)) => Err(FilesError::Body(e.to_string())),
+            Err(WriteError::Io(e)) => Err(self.write_error(e)),
+            Err(WriteError::Source(e)) => Err(FilesError::Body(e.to_string())),
         }
     }
 
@@ -401,7 +387,7 @@ impl RawUpload {
         size: Option<u64>,
     ) -> Result<(RawUpload, std::fs::File), FilesError> {
         let raw = head.target.as_deref().ok_or(FilesError::MissingPath)?;
-        let path = crate::paths::resolve(raw, &head.user.home);
+        let path = resolve(raw, &head.user.home);
         let (temp, file) = TempUpload::create(&path, &head.user, size)?;
         Ok((RawUpload { head, temp }, file))
     }
@@ -424,24 +410,8 @@ impl RawUpload {
 pub(crate) fn upload_response(result: Result<Vec<PathBuf>, FilesError>) -> Response<RespBody> {
     match result {
         Ok(written) => {
-            let list: Vec<_> = written
-                .iter()
-                .map(|p| {
-                    serde_json::json!({
-                        "path": p.display().to_string(),
-                        "name": p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-                        "type": "file",
-                    })
-                })
-                .collect();
-            let mut r = Response::new(crate::connect::full(
-                serde_json::to_vec(&list).unwrap_or_default(),
-            ));
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            r
+            let list: Vec<_> = written.iter().map(|p| written_file(p)).collect();
+            json(&list)
         }
         Err(e) => e.into_response(),
     }
@@ -477,7 +447,7 @@ async fn upload_inner(
                 (None, Some(f)) if !f.is_empty() => f.to_string(),
                 _ => return Err(FilesError::MissingPath),
             };
-            let path = crate::paths::resolve(&raw, &head.user.home);
+            let path = resolve(&raw, &head.user.home);
             let (temp, file) = TempUpload::create(&path, &head.user, None)?;
             temp.write(file, field).await?;
             temp.commit(&head.user)?;
@@ -521,21 +491,7 @@ struct ComposeBody {
 /// in-kernel copies) into `destination`, then deletes the sources.
 pub async fn compose(state: &AgentState, req: Request<Incoming>) -> Response<RespBody> {
     match compose_inner(state, req).await {
-        Ok(path) => {
-            let info = serde_json::json!({
-                "path": path.display().to_string(),
-                "name": path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
-                "type": "file",
-            });
-            let mut r = Response::new(crate::connect::full(
-                serde_json::to_vec(&info).unwrap_or_default(),
-            ));
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            r
-        }
+        Ok(path) => json(&written_file(&path)),
         Err(e) => e.into_response(),
     }
 }
@@ -565,9 +521,9 @@ async fn compose_inner(state: &AgentState, req: Request<Incoming>) -> Result<Pat
     let sources: Vec<PathBuf> = parsed
         .source_paths
         .iter()
-        .map(|p| crate::paths::resolve(p, &user.home))
+        .map(|p| resolve(p, &user.home))
         .collect();
-    let dest = crate::paths::resolve(&parsed.destination, &user.home);
+    let dest = resolve(&parsed.destination, &user.home);
     tokio::task::spawn_blocking(move || -> Result<PathBuf, FilesError> {
         for s in &sources {
             let md = std::fs::metadata(s).map_err(io_err(s))?;
@@ -578,13 +534,7 @@ async fn compose_inner(state: &AgentState, req: Request<Incoming>) -> Result<Pat
         if let Some(parent) = dest.parent() {
             make_dirs(parent, &user).map_err(io_err(parent))?;
         }
-        let tmp = dest.with_file_name(format!(
-            ".{}.compose-{:016x}",
-            dest.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            crate::fileio::unique_u64()
-        ));
+        let tmp = temp_sibling(&dest, "compose");
         let result = (|| {
             let mut out = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
             for s in &sources {
@@ -613,16 +563,6 @@ async fn compose_inner(state: &AgentState, req: Request<Incoming>) -> Result<Pat
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn query_params_are_percent_decoded() {
-        let q = Some("path=%2Ftmp%2Fa%20b.txt&username=user&x=1+2");
-        assert_eq!(query_param(q, "path").as_deref(), Some("/tmp/a b.txt"));
-        assert_eq!(query_param(q, "username").as_deref(), Some("user"));
-        assert_eq!(query_param(q, "x").as_deref(), Some("1 2"));
-        assert_eq!(query_param(q, "missing"), None);
-        assert_eq!(percent_decode("%zz%4"), "%zz%4");
-    }
 
     #[test]
     fn gzip_acceptance() {

@@ -8,7 +8,7 @@
 //!   codecs ([`connect`], [`process`], [`filesystem`]);
 //! * plain HTTP: `GET /health`, `POST /init`, `GET /envs`, `GET /metrics`,
 //!   `GET`/`POST /files`, `POST /files/compose`
-//!   ([`server`], [`files`]);
+//!   ([`server`], [`files`]), with the shared state in [`state`];
 //! * a Connect client with the binary codec for the node and the CLI
 //!   ([`client`]);
 //! * an init mode for running as PID 1 of a sandbox ([`pid1`]).
@@ -57,6 +57,18 @@
 //! constant time) — `/init` itself included — or, for `/files`, a signed URL
 //! (`signature=v1_…`, optional `signature_expiration`) as the E2B SDKs make.
 
+// The modules form layers, each importing only those below it:
+//
+//   server            routing, /init, /envs, /health, /metrics, serving
+//   fastpath          the zero-copy upload path in front of hyper
+//   process, filesystem, files   the handlers
+//   state             AgentState and what hangs off it (process table,
+//                     watchers, access checks)
+//   responses, connect, pty, signal, query, paths, users, fileio, splice,
+//   rewind, metrics, wkt          leaves
+//
+// The client (`client`, with `rawfile`) sits beside the server and shares
+// only the leaves (`connect`, `fileio`, `query`, `splice`) with it.
 pub mod client;
 pub mod connect;
 mod fastpath;
@@ -67,9 +79,15 @@ pub mod metrics;
 pub mod paths;
 pub mod pid1;
 pub mod process;
+mod pty;
+mod query;
 mod rawfile;
+mod responses;
+pub mod rewind;
 pub mod server;
+mod signal;
 mod splice;
+pub mod state;
 pub mod users;
 pub mod wkt;
 

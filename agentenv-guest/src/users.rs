@@ -59,15 +59,17 @@ struct PasswdLine<'a> {
     shell: &'a str,
 }
 
+/// The `:`-separated fields of each line of `text` that is not a comment
+/// and has at least `min` fields.
+fn records(text: &str, min: usize) -> impl Iterator<Item = Vec<&str>> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split(':').collect::<Vec<_>>())
+        .filter(move |f| f.len() >= min)
+}
+
 fn passwd_lines(text: &str) -> impl Iterator<Item = PasswdLine<'_>> {
-    text.lines().filter_map(|l| {
-        if l.starts_with('#') {
-            return None;
-        }
-        let f: Vec<&str> = l.split(':').collect();
-        if f.len() < 7 {
-            return None;
-        }
+    records(text, 7).filter_map(|f| {
         Some(PasswdLine {
             name: f[0],
             uid: f[2].parse().ok()?,
@@ -80,14 +82,7 @@ fn passwd_lines(text: &str) -> impl Iterator<Item = PasswdLine<'_>> {
 
 /// `(name, gid, members)` of each group line.
 fn group_lines(text: &str) -> impl Iterator<Item = (&str, u32, Vec<&str>)> {
-    text.lines().filter_map(|l| {
-        if l.starts_with('#') {
-            return None;
-        }
-        let f: Vec<&str> = l.split(':').collect();
-        if f.len() < 4 {
-            return None;
-        }
+    records(text, 4).filter_map(|f| {
         let members = f[3].split(',').filter(|m| !m.is_empty()).collect();
         Some((f[0], f[2].parse().ok()?, members))
     })
