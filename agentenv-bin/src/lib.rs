@@ -1,6 +1,9 @@
-//! Pieces shared by the AgentENV binaries: Go-style flags and signal handling.
+//! Pieces shared by the AgentENV binaries: Go-style flags and signal handling, the
+//! `aenv` command line ([`cli`]), `agentenv up` ([`up`]) and the one small HTTP client of
+//! `agentenv up` and the cross-process tests ([`http_client`]).
 
 pub mod cli;
+pub mod http_client;
 pub mod up;
 
 /// Rewrites Go-style single-dash long flags (`-config x`, `-query-only`) to
@@ -48,6 +51,24 @@ where
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The control-plane config of the scheduler or the gateway: loaded from `path` (with
+/// the environment's overrides), logging started as it says, its warnings logged.
+pub fn load_control_plane(
+    path: Option<&std::path::Path>,
+    options: agentenv_core::config::LoadOptions,
+) -> anyhow::Result<agentenv_core::config::Config> {
+    use anyhow::Context;
+    let loaded =
+        agentenv_core::config::Config::load(path, options).context("load config failed")?;
+    let config = loaded.config;
+    agentenv_core::logging::init(&config.log_level, &config.log_format)
+        .map_err(anyhow::Error::msg)?;
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(config)
 }
 
 /// Resolves when the process receives SIGINT or SIGTERM.

@@ -8,7 +8,7 @@ mod cli_common;
 use std::time::Duration;
 
 use agentenv_tests::{API_KEY, Cluster, api, skip_reason};
-use cli_common::{Aenv, Tmux, sha256_file, stderr, stdout, wait_file, write_random};
+use cli_common::{Aenv, Tmux, sha256_file, stderr, stdout, wait_exit, wait_file, write_random};
 
 fn wait_two_nodes(cluster: &Cluster) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -50,15 +50,7 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     let a = Aenv::new();
 
     // -- auth: not authenticated, bad key, unreachable, then a good key.
-    let o = a.run(&["ls"]);
-    assert_eq!(o.status.code(), Some(1));
-    assert_eq!(
-        stderr(&o).trim(),
-        format!(
-            "Error: not authenticated — run `aenv auth` first (expected credentials at {})",
-            a.credentials_path().display()
-        )
-    );
+    a.assert_not_authenticated(&["ls"]);
     let o = a.run_with_input(&["auth", "--url", &gw, "--api-key-stdin"], "wrong-key\n");
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(
@@ -326,13 +318,7 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     );
     // Completion offers running sandboxes for exec and paused ones for resume.
     let complete = |words: &[&str]| {
-        let mut c = a.cmd(&["--", "aenv"]);
-        c.args(words)
-            .env("COMPLETE", "bash")
-            .env("_CLAP_COMPLETE_INDEX", words.len().to_string());
-        let o = c.output().unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        stdout(&o)
+        a.complete(words)
             .lines()
             .filter(|w| !w.starts_with('-'))
             .map(str::to_string)
@@ -457,29 +443,38 @@ fn aenv_commands_against_gateway_and_two_nodes() {
     }
 }
 
-/// A local Ctrl-C (SIGINT to `aenv exec`) stops the remote command; exit code 130.
-fn exec_ctrl_c(a: &Aenv, id: &str) {
+type StdoutLines = std::io::Lines<std::io::BufReader<std::process::ChildStdout>>;
+
+/// `aenv exec <id> <command…>` started with stdout piped, once it printed `first` as its
+/// first line; and the rest of its stdout.
+fn exec_printing(
+    a: &Aenv,
+    id: &str,
+    command: &[&str],
+    first: &str,
+) -> (std::process::Child, StdoutLines) {
     use std::io::BufRead;
     let mut child = a
-        .cmd(&["exec", id, "sh", "-c", "echo started; exec sleep 300"])
+        .cmd(&[&["exec", id][..], command].concat())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("spawn aenv exec");
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(lines.next().unwrap().unwrap(), "started");
+    assert_eq!(lines.next().unwrap().unwrap(), first);
+    (child, lines)
+}
+
+/// A local Ctrl-C (SIGINT to `aenv exec`) stops the remote command; exit code 130.
+fn exec_ctrl_c(a: &Aenv, id: &str) {
+    let cmd = ["sh", "-c", "echo started; exec sleep 300"];
+    let (mut child, _lines) = exec_printing(a, id, &cmd, "started");
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "aenv exec ignored Ctrl-C"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(20),
+        "aenv exec ignored Ctrl-C",
+    );
     assert_eq!(status.code(), Some(130));
     let ps = a.ok(&["exec", id, "ps", "-eo", "args"]);
     assert!(
@@ -491,26 +486,14 @@ fn exec_ctrl_c(a: &Aenv, id: &str) {
 /// A reader that goes away (`aenv exec … yes | head -1`) stops the remote command and
 /// exits 141 like SIGPIPE would.
 fn exec_closed_stdout(a: &Aenv, id: &str) {
-    use std::io::BufRead;
-    let mut child = a
-        .cmd(&["exec", id, "yes", "closed-pipe"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn aenv exec");
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(lines.next().unwrap().unwrap(), "closed-pipe");
+    let cmd = ["yes", "closed-pipe"];
+    let (mut child, lines) = exec_printing(a, id, &cmd, "closed-pipe");
     drop(lines);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "aenv exec kept writing to a closed pipe"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit(
+        &mut child,
+        Duration::from_secs(20),
+        "aenv exec kept writing to a closed pipe",
+    );
     assert_eq!(status.code(), Some(141));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while a

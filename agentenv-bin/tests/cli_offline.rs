@@ -84,15 +84,7 @@ fn completion_scripts_call_back_into_aenv_which_completes_commands_and_flags() {
     );
 
     // What the scripts run: `COMPLETE=bash aenv -- aenv <words>`.
-    let complete = |words: &[&str]| {
-        let mut c = a.cmd(&["--", "aenv"]);
-        c.args(words)
-            .env("COMPLETE", "bash")
-            .env("_CLAP_COMPLETE_INDEX", words.len().to_string());
-        let o = c.output().unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
-        stdout(&o)
-    };
+    let complete = |words: &[&str]| a.complete(words);
     let subs = complete(&["d"]);
     assert!(
         subs.lines().any(|l| l == "download") && subs.lines().any(|l| l == "delete"),
@@ -113,15 +105,7 @@ fn commands_without_credentials_say_to_run_auth() {
         &["rm", "x"],
         &["upload", "x", "/etc/hosts", "/tmp/"],
     ] {
-        let o = a.run(args);
-        assert_eq!(o.status.code(), Some(1));
-        assert_eq!(
-            stderr(&o).trim(),
-            format!(
-                "Error: not authenticated — run `aenv auth` first (expected credentials at {})",
-                a.credentials_path().display()
-            )
-        );
+        let o = a.assert_not_authenticated(args);
         assert!(stdout(&o).is_empty());
     }
 }

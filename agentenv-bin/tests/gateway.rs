@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use agentenv_bin::http_client::request;
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
 use agentenv_core::proto::scheduler_v1::*;
 use bytes::Bytes;
@@ -110,24 +111,21 @@ async fn http(
     key: Option<&str>,
     body: &str,
 ) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let key = key
-        .map(|k| format!("x-api-key: {k}\r\n"))
-        .unwrap_or_default();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: gw\r\n{key}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    let status = out[9..12].parse().unwrap();
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
+    let mut headers = vec![("host", "gw"), ("content-type", "application/json")];
+    if let Some(k) = key {
+        headers.push(("x-api-key", k));
+    }
+    let r = request(
+        addr.parse().unwrap(),
+        method,
+        path,
+        &headers,
+        body.as_bytes(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    (r.status, r.text())
 }
 
 #[tokio::test]
@@ -174,15 +172,12 @@ async fn gateway_binary_routes_creates_and_sandbox_requests_through_the_schedule
         "no key: 401 with an empty body"
     );
 
+    let create = || {
+        let body = r#"{"templateID":"base"}"#;
+        http(&http_addr, "POST", "/sandboxes", Some(KEY), body)
+    };
     // No heartbeat yet: nothing is healthy.
-    let (status, body) = http(
-        &http_addr,
-        "POST",
-        "/sandboxes",
-        Some(KEY),
-        r#"{"templateID":"base"}"#,
-    )
-    .await;
+    let (status, body) = create().await;
     assert_eq!(status, 503, "{body}");
     let err: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(err["code"], 503);
@@ -207,14 +202,7 @@ async fn gateway_binary_routes_creates_and_sandbox_requests_through_the_schedule
         })
         .await
         .unwrap();
-    let (status, body) = http(
-        &http_addr,
-        "POST",
-        "/sandboxes",
-        Some(KEY),
-        r#"{"templateID":"base"}"#,
-    )
-    .await;
+    let (status, body) = create().await;
     assert_eq!(status, 201, "{body}");
     assert!(body.contains("sbx-from-node"));
     // The gateway recorded the assignment: the sandbox is routed by id.

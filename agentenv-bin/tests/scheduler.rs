@@ -218,14 +218,10 @@ async fn binary_serves_scheduler_health_and_metrics_then_stops_on_sigterm() {
 }
 
 async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
+    let addr = addr.parse().unwrap();
+    let r =
+        agentenv_bin::http_client::request(addr, "GET", path, &[], b"", Duration::from_secs(30));
+    r.await.unwrap().text()
 }
 
 /// Runs the binary on a config that must be refused; returns its stderr.

@@ -491,7 +491,11 @@ pub fn wait_observed(scheduler: &str, ids: &[String]) {
     });
 }
 
-/// A blocking HTTP/1.1 request (no keep-alive); returns status, headers and body.
+/// How long [`http`] waits for an answer.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A blocking HTTP/1.1 request (no keep-alive, see `agentenv_bin::http_client`); returns
+/// status, lower-cased headers and body. Panics when there is no answer.
 pub fn http(
     addr: SocketAddr,
     method: &str,
@@ -499,56 +503,17 @@ pub fn http(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, Vec<(String, String)>, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_nodelay(true).ok();
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).expect("write");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let mut lines = head.lines();
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let hdrs: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let chunked = hdrs
-        .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-    let body = if chunked {
-        dechunk(rest)
-    } else {
-        rest.to_string()
-    };
-    (status, hdrs, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+    let r = agentenv_bin::http_client::blocking_request(
+        addr,
+        method,
+        path,
+        headers,
+        body.as_bytes(),
+        HTTP_TIMEOUT,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let text = r.text();
+    (r.status, r.headers, text)
 }
 
 /// A control-plane call with the cluster's API key; the body parsed as JSON (null if empty).

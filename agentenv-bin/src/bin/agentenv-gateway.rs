@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use agentenv_core::config::{Config, LoadOptions, Service, resolve_listen_addr};
+use agentenv_core::config::{LoadOptions, Service, resolve_listen_addr};
 use agentenv_proxy::{Gateway, GatewayOptions, GrpcSchedulerClient};
 use anyhow::Context;
 use clap::Parser;
@@ -31,20 +31,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let loaded = Config::load(
+    let config = agentenv_bin::load_control_plane(
         args.config.as_deref(),
         LoadOptions {
             service: Service::Gateway,
             query_only: false,
         },
-    )
-    .context("load config failed")?;
-    let config = loaded.config;
-    agentenv_core::logging::init(&config.log_level, &config.log_format)
-        .map_err(anyhow::Error::msg)?;
-    for w in &loaded.warnings {
-        tracing::warn!("{w}");
-    }
+    )?;
     let api_key = agentenv_core::api_key::load().context("load API key failed")?;
     let g = config.gateway;
     let http_addr = resolve_listen_addr(&g.http_listen_addr)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use agentenv_core::config::{Config, LoadOptions, Service, resolve_listen_addr};
+use agentenv_core::config::{LoadOptions, Service, resolve_listen_addr};
 use agentenv_sched::Scheduler;
 use anyhow::Context;
 use clap::Parser;
@@ -36,20 +36,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let loaded = Config::load(
+    let config = agentenv_bin::load_control_plane(
         args.config.as_deref(),
         LoadOptions {
             service: Service::Scheduler,
             query_only: args.query_only,
         },
-    )
-    .context("load config failed")?;
-    let config = loaded.config;
-    agentenv_core::logging::init(&config.log_level, &config.log_format)
-        .map_err(anyhow::Error::msg)?;
-    for w in &loaded.warnings {
-        tracing::warn!("{w}");
-    }
+    )?;
     let s = config.scheduler;
     let grpc_addr = resolve_listen_addr(&s.grpc_listen_addr).map_err(anyhow::Error::msg)?;
     let metrics_addr = resolve_listen_addr(&s.metrics_listen_addr).map_err(anyhow::Error::msg)?;

@@ -1,7 +1,6 @@
 //! The control-plane REST client (`X-API-Key`, JSON) and the data-plane client for one
 //! sandbox's agent, routed through the same base URL by headers.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use agentenv_guest::client::GuestClient;
@@ -11,9 +10,12 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use super::credentials::Credentials;
+use super::model::{ListedSandbox, NewSandbox, Refresh, Sandbox, SandboxDetail, Timeout};
+use crate::http_client::{connector, error_chain};
 
 /// The port of the in-sandbox agent.
 pub const AGENT_PORT: u16 = 49983;
@@ -55,59 +57,40 @@ pub enum ApiError {
     BadResponse { path: String, reason: String },
 }
 
-/// A listed sandbox (`GET /v2/sandboxes`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ListedSandbox {
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: String,
-    #[serde(rename = "templateID", default)]
-    pub template_id: Option<String>,
-    #[serde(default)]
-    pub alias: Option<String>,
-    #[serde(default)]
-    pub state: Option<String>,
-    #[serde(default)]
-    pub cpu_count: Option<u64>,
-    #[serde(rename = "memoryMB", default)]
-    pub memory_mb: Option<u64>,
-    #[serde(rename = "diskSizeMB", default)]
-    pub disk_size_mb: Option<u64>,
-    #[serde(default)]
-    pub started_at: Option<String>,
-    #[serde(default)]
-    pub end_at: Option<String>,
-    #[serde(default)]
-    pub metadata: Option<BTreeMap<String, String>>,
-}
-
-/// `GET /sandboxes/{id}` (the fields the CLI uses).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SandboxDetail {
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: String,
-    #[serde(default)]
-    pub state: Option<String>,
-    #[serde(default)]
-    pub envd_access_token: Option<String>,
-}
-
-/// A created or connected sandbox.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Sandbox {
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: String,
-    #[serde(default)]
-    pub envd_access_token: Option<String>,
-}
-
 /// A control-plane response: status, headers, body.
 struct Reply {
     status: StatusCode,
     headers: http::HeaderMap,
     body: Bytes,
+}
+
+impl Reply {
+    /// The body as `T`; an empty body reads as JSON `null`.
+    fn json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
+        let body: &[u8] = if self.body.is_empty() {
+            b"null"
+        } else {
+            &self.body
+        };
+        serde_json::from_slice(body).map_err(|e| ApiError::BadResponse {
+            path: path.to_string(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The `x-next-token` header of a list page, when there are more pages.
+    fn next_token(&self) -> Option<String> {
+        self.headers
+            .get("x-next-token")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map(str::to_string)
+    }
+}
+
+/// A request body as JSON.
+fn encode(body: &impl Serialize) -> Vec<u8> {
+    serde_json::to_vec(body).unwrap_or_default()
 }
 
 /// The client of one server (gateway or node).
@@ -134,10 +117,7 @@ impl Api {
                 reason: "only http://host:port URLs are supported".into(),
             });
         }
-        let mut conn = HttpConnector::new();
-        conn.set_nodelay(true);
-        conn.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let http = Client::builder(TokioExecutor::new()).build(conn);
+        let http = Client::builder(TokioExecutor::new()).build(connector(Some(CONNECT_TIMEOUT)));
         Ok(Api {
             base,
             key: creds.api_key.clone(),
@@ -154,7 +134,7 @@ impl Api {
         &self,
         method: Method,
         path: &str,
-        body: Option<&serde_json::Value>,
+        body: Option<Vec<u8>>,
     ) -> Result<Reply, ApiError> {
         let url = format!("{}{}", self.base, path);
         let mut b = Request::builder()
@@ -168,7 +148,7 @@ impl Api {
         let bytes = match body {
             Some(v) => {
                 b = b.header(header::CONTENT_TYPE, "application/json");
-                Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+                Bytes::from(v)
             }
             None => Bytes::new(),
         };
@@ -214,7 +194,7 @@ impl Api {
         &self,
         method: Method,
         path: &str,
-        body: Option<&serde_json::Value>,
+        body: Option<Vec<u8>>,
         sandbox: Option<&str>,
     ) -> Result<Reply, ApiError> {
         if sandbox.is_some_and(|id| id.trim().is_empty()) {
@@ -231,7 +211,7 @@ impl Api {
             }
             StatusCode::NOT_FOUND if message.starts_with("route not found") => {
                 ApiError::Unsupported {
-                    what: describe(&method, path),
+                    what: describe(path).into(),
                     method: method.to_string(),
                     path: path.to_string(),
                     message,
@@ -247,13 +227,6 @@ impl Api {
         })
     }
 
-    fn json<T: serde::de::DeserializeOwned>(path: &str, r: &Reply) -> Result<T, ApiError> {
-        serde_json::from_slice(&r.body).map_err(|e| ApiError::BadResponse {
-            path: path.to_string(),
-            reason: e.to_string(),
-        })
-    }
-
     /// Checks the URL and key with an authenticated call (`GET /v2/sandboxes?limit=1`).
     pub async fn verify(&self) -> Result<(), ApiError> {
         self.ok(Method::GET, "/v2/sandboxes?limit=1", None, None)
@@ -261,41 +234,74 @@ impl Api {
             .map(|_| ())
     }
 
-    /// Every sandbox, following `x-next-token` across pages.
-    pub async fn list_all(
+    /// A call whose answer is `T` as JSON (an empty answer reads as `null`).
+    pub async fn send<T: DeserializeOwned>(
         &self,
+        method: Method,
+        path: &str,
+        body: Option<&impl Serialize>,
+    ) -> Result<T, ApiError> {
+        self.ok(method, path, body.map(encode), None)
+            .await?
+            .json(path)
+    }
+
+    /// `GET path` answered by `T` as JSON.
+    pub async fn get_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
+        self.send(Method::GET, path, None::<&()>).await
+    }
+
+    /// Every item of a list at `path?query`, following `x-next-token` across pages.
+    pub async fn all_pages<T: DeserializeOwned>(
+        &self,
+        path: &str,
         query: &[(String, String)],
-        page_size: u32,
-    ) -> Result<Vec<ListedSandbox>, ApiError> {
+    ) -> Result<Vec<T>, ApiError> {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let mut q: Vec<(String, String)> = query.to_vec();
-            q.push(("limit".into(), page_size.to_string()));
-            if let Some(t) = &token {
-                q.push(("nextToken".into(), t.clone()));
+            let mut q = query.to_vec();
+            if let Some(t) = token {
+                q.push(("nextToken".into(), t));
             }
-            let path = format!("/v2/sandboxes?{}", encode_query(&q));
-            let r = self.ok(Method::GET, &path, None, None).await?;
-            let page: Vec<ListedSandbox> = Self::json(&path, &r)?;
-            out.extend(page);
-            token = r
-                .headers
-                .get("x-next-token")
-                .and_then(|v| v.to_str().ok())
-                .filter(|v| !v.is_empty())
-                .map(str::to_string);
+            let page_path = format!("{path}?{}", encode_query(&q));
+            let r = self.ok(Method::GET, &page_path, None, None).await?;
+            out.extend(r.json::<Vec<T>>(&page_path)?);
+            token = r.next_token();
             if token.is_none() {
                 return Ok(out);
             }
         }
     }
 
+    /// Every sandbox matching `query`, `page_size` a request.
+    pub async fn list_all(
+        &self,
+        query: &[(String, String)],
+        page_size: u32,
+    ) -> Result<Vec<ListedSandbox>, ApiError> {
+        let mut q = query.to_vec();
+        q.push(("limit".into(), page_size.to_string()));
+        self.all_pages("/v2/sandboxes", &q).await
+    }
+
+    /// A call on sandbox `id` at `/sandboxes/{id}{rest}`; the answer and the path.
+    async fn on_sandbox(
+        &self,
+        method: Method,
+        id: &str,
+        rest: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(Reply, String), ApiError> {
+        let path = format!("/sandboxes/{}{rest}", seg(id));
+        let r = self.ok(method, &path, body, Some(id)).await?;
+        Ok((r, path))
+    }
+
     /// `GET /sandboxes/{id}`.
     pub async fn get(&self, id: &str) -> Result<SandboxDetail, ApiError> {
-        let path = format!("/sandboxes/{}", seg(id));
-        let r = self.ok(Method::GET, &path, None, Some(id)).await?;
-        Self::json(&path, &r)
+        let (r, path) = self.on_sandbox(Method::GET, id, "", None).await?;
+        r.json(&path)
     }
 
     /// `GET /sandboxes/{id}`, `None` when it does not exist.
@@ -307,77 +313,53 @@ impl Api {
         }
     }
 
-    /// `POST /sandboxes`.
-    pub async fn create(&self, body: &serde_json::Value) -> Result<Sandbox, ApiError> {
-        let r = self
-            .ok(Method::POST, "/sandboxes", Some(body), None)
-            .await?;
-        Self::json("/sandboxes", &r)
+    /// `POST /sandboxes`, or `POST /sandboxes-cold` for `body.image`.
+    pub async fn create(&self, body: &NewSandbox) -> Result<Sandbox, ApiError> {
+        let path = if body.image.is_some() {
+            "/sandboxes-cold"
+        } else {
+            "/sandboxes"
+        };
+        self.send(Method::POST, path, Some(body)).await
     }
 
     /// `POST /sandboxes/{id}/connect` (resumes a paused sandbox).
     pub async fn connect(&self, id: &str, timeout: u64) -> Result<Sandbox, ApiError> {
-        let path = format!("/sandboxes/{}/connect", seg(id));
-        let body = serde_json::json!({ "timeout": timeout });
-        let r = self.ok(Method::POST, &path, Some(&body), Some(id)).await?;
-        Self::json(&path, &r)
+        let body = encode(&Timeout { timeout });
+        let (r, path) = self
+            .on_sandbox(Method::POST, id, "/connect", Some(body))
+            .await?;
+        r.json(&path)
     }
 
     /// `POST /sandboxes/{id}/pause`.
     pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
-        let path = format!("/sandboxes/{}/pause", seg(id));
-        self.ok(Method::POST, &path, None, Some(id))
+        self.on_sandbox(Method::POST, id, "/pause", None)
             .await
-            .map(|_| ())
+            .map(drop)
     }
 
     /// `POST /sandboxes/{id}/timeout`.
     pub async fn set_timeout(&self, id: &str, secs: u64) -> Result<(), ApiError> {
-        let path = format!("/sandboxes/{}/timeout", seg(id));
-        let body = serde_json::json!({ "timeout": secs });
-        self.ok(Method::POST, &path, Some(&body), Some(id))
+        let body = encode(&Timeout { timeout: secs });
+        self.on_sandbox(Method::POST, id, "/timeout", Some(body))
             .await
-            .map(|_| ())
+            .map(drop)
     }
 
     /// `POST /sandboxes/{id}/refreshes`.
     pub async fn refresh(&self, id: &str, secs: u64) -> Result<(), ApiError> {
-        let path = format!("/sandboxes/{}/refreshes", seg(id));
-        let body = serde_json::json!({ "duration": secs });
-        self.ok(Method::POST, &path, Some(&body), Some(id))
+        let body = encode(&Refresh { duration: secs });
+        self.on_sandbox(Method::POST, id, "/refreshes", Some(body))
             .await
-            .map(|_| ())
+            .map(drop)
     }
 
     /// `DELETE /sandboxes/{id}`.
     pub async fn delete(&self, id: &str) -> Result<(), ApiError> {
-        let path = format!("/sandboxes/{}", seg(id));
-        self.ok(Method::DELETE, &path, None, Some(id))
+        self.on_sandbox(Method::DELETE, id, "", None)
             .await
-            .map(|_| ())
-    }
-
-    /// A generic JSON call for the template and snapshot commands; returns the body
-    /// (null when empty) and the `x-next-token` header.
-    pub async fn json_call(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> Result<(serde_json::Value, Option<String>), ApiError> {
-        let r = self.ok(method, path, body, None).await?;
-        let v = if r.body.is_empty() {
-            serde_json::Value::Null
-        } else {
-            Self::json(path, &r)?
-        };
-        let next = r
-            .headers
-            .get("x-next-token")
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty())
-            .map(str::to_string);
-        Ok((v, next))
+            .map(drop)
     }
 
     /// A data-plane client for the agent of sandbox `id`, through the same base URL.
@@ -401,17 +383,16 @@ impl Api {
     }
 }
 
-fn describe(method: &Method, path: &str) -> String {
+/// What a call is about, for the message of a route the server does not have.
+fn describe(path: &str) -> &'static str {
     let p = path.split('?').next().unwrap_or(path);
-    let what = if p.contains("snapshots") {
+    if p.contains("snapshots") {
         "snapshots"
     } else if p.contains("templates") {
         "templates"
     } else {
         "this call"
-    };
-    let _ = method;
-    what.to_string()
+    }
 }
 
 /// The message of an error body: JSON `.message`, else the trimmed text.
@@ -426,20 +407,6 @@ pub fn error_message(body: &[u8]) -> String {
         .chars()
         .take(512)
         .collect()
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 /// Percent-encodes one path segment.

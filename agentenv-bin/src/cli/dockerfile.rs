@@ -1,6 +1,8 @@
 //! A Dockerfile turned into a template build request for `aenv build`: the base image,
 //! the build steps (RUN, ENV, ARG, WORKDIR, USER) and the start command.
 
+use super::model::BuildStep;
+
 /// Errors of reading a Dockerfile.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DockerfileError {
@@ -18,7 +20,7 @@ pub enum DockerfileError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     pub from_image: Option<String>,
-    pub steps: Vec<serde_json::Value>,
+    pub steps: Vec<BuildStep>,
     pub start_cmd: Option<String>,
     pub warnings: Vec<String>,
 }
@@ -133,8 +135,11 @@ fn words(s: &str) -> Vec<String> {
     out
 }
 
-fn step(kind: &str, args: Vec<String>) -> serde_json::Value {
-    serde_json::json!({ "type": kind, "args": args })
+fn step(kind: &str, args: Vec<String>) -> BuildStep {
+    BuildStep {
+        kind: kind.to_string(),
+        args,
+    }
 }
 
 /// Reads a Dockerfile.

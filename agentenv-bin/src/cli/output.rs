@@ -5,7 +5,7 @@ use std::io::{IsTerminal, Write};
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::api::ListedSandbox;
+use super::model::{Listed, ListedSandbox, SnapshotInfo, TemplateInfo};
 
 /// How a list is printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,8 +55,10 @@ fn opt<T: ToString>(v: &Option<T>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
+/// Pretty JSON on stdout, object keys sorted.
 fn write_json(v: &impl serde::Serialize) -> std::io::Result<()> {
-    let mut s = serde_json::to_string_pretty(v).map_err(std::io::Error::other)?;
+    let v = serde_json::to_value(v).map_err(std::io::Error::other)?;
+    let mut s = serde_json::to_string_pretty(&v).map_err(std::io::Error::other)?;
     s.push('\n');
     write_stdout(&s)
 }
@@ -72,18 +74,7 @@ fn write_stdout(s: &str) -> std::io::Result<()> {
 /// `aenv ls`.
 pub fn sandboxes(items: &[ListedSandbox], f: Format) -> std::io::Result<()> {
     if f == Format::Json {
-        let rows: Vec<serde_json::Value> = items
-            .iter()
-            .map(|s| {
-                serde_json::json!({
-                    "sandboxID": s.sandbox_id, "templateID": s.template_id, "alias": s.alias,
-                    "state": s.state, "cpuCount": s.cpu_count, "memoryMB": s.memory_mb,
-                    "diskSizeMB": s.disk_size_mb, "startedAt": s.started_at, "endAt": s.end_at,
-                    "metadata": s.metadata,
-                })
-            })
-            .collect();
-        return write_json(&rows);
+        return write_json(&items);
     }
     let rows: Vec<Vec<String>> = items
         .iter()
@@ -113,36 +104,27 @@ pub fn sandboxes(items: &[ListedSandbox], f: Format) -> std::io::Result<()> {
     ))
 }
 
-fn s(v: &serde_json::Value) -> String {
-    match v {
-        serde_json::Value::Null => "-".into(),
-        serde_json::Value::String(x) => x.clone(),
-        x => x.to_string(),
-    }
+/// The items as the server sent them.
+fn raw<T>(items: &[Listed<T>]) -> Vec<&serde_json::Value> {
+    items.iter().map(|l| &l.raw).collect()
 }
 
 /// `aenv template ls`.
-pub fn templates(v: &serde_json::Value, f: Format) -> std::io::Result<()> {
-    let items = v.as_array().cloned().unwrap_or_default();
+pub fn templates(items: &[Listed<TemplateInfo>], f: Format) -> std::io::Result<()> {
     if f == Format::Json {
-        return write_json(&items);
+        return write_json(&raw(items));
     }
     let rows: Vec<Vec<String>> = items
         .iter()
-        .map(|t| {
-            let name = t["names"]
-                .get(0)
-                .or(t["aliases"].get(0))
-                .map(s)
-                .unwrap_or_else(|| "-".into());
+        .map(|Listed { item: t, .. }| {
             vec![
-                name,
-                s(&t["templateID"]),
-                s(&t["buildStatus"]),
-                s(&t["cpuCount"]),
-                s(&t["memoryMB"]),
-                s(&t["diskSizeMB"]),
-                s(&t["updatedAt"]),
+                opt(&t.names.first().or(t.aliases.first())),
+                opt(&t.template_id),
+                opt(&t.build_status),
+                opt(&t.cpu_count),
+                opt(&t.memory_mb),
+                opt(&t.disk_size_mb),
+                opt(&t.updated_at),
             ]
         })
         .collect();
@@ -161,18 +143,14 @@ pub fn templates(v: &serde_json::Value, f: Format) -> std::io::Result<()> {
 }
 
 /// `aenv snapshot ls`.
-pub fn snapshots(items: &[serde_json::Value], f: Format) -> std::io::Result<()> {
+pub fn snapshots(items: &[Listed<SnapshotInfo>], f: Format) -> std::io::Result<()> {
     if f == Format::Json {
-        return write_json(&items);
+        return write_json(&raw(items));
     }
     let rows: Vec<Vec<String>> = items
         .iter()
-        .map(|t| {
-            let names: Vec<String> = t["names"]
-                .as_array()
-                .map(|a| a.iter().map(s).collect())
-                .unwrap_or_default();
-            vec![s(&t["snapshotID"]), names.join(","), s(&t["imageRef"])]
+        .map(|Listed { item: t, .. }| {
+            vec![opt(&t.snapshot_id), t.names.join(","), opt(&t.image_ref)]
         })
         .collect();
     write_stdout(&table(&["SNAPSHOT ID", "NAMES", "IMAGE REF"], &rows))

@@ -11,9 +11,10 @@ use agentenv_guest::proto::process as pr;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
+use super::DEFAULT_TIMEOUT_SECS;
 use super::api::{Api, ApiError};
+use super::process::{Gone, exit_code, gone, selector};
 use super::term::{self, RawGuard, TermError};
-use super::{DEFAULT_TIMEOUT_SECS, exit_code};
 
 /// Exit code when the session ends because the sandbox went away.
 pub const GONE_EXIT: i32 = 130;
@@ -137,11 +138,8 @@ pub async fn attach(api: &Api, id: &str) -> Result<i32, ShellError> {
             }
         }
     };
-    let selector = || pr::ProcessSelector {
-        selector: Some(pr::process_selector::Selector::Pid(pid)),
-    };
     let guard = RawGuard::enter()?;
-    let ending = session(api, id, &agent, stream, selector()).await;
+    let ending = session(api, id, &agent, stream, selector(pid)).await;
     drop(guard);
     let code = match ending {
         Ending::Exited(c) => {
@@ -202,13 +200,12 @@ fn stdin_reader() -> mpsc::Receiver<Vec<u8>> {
     rx
 }
 
-async fn gone(api: &Api, id: &str) -> Option<Ending> {
-    match api.get_opt(id).await {
-        Ok(None) => Some(Ending::Deleted),
-        Ok(Some(d)) if d.state.as_deref() == Some("paused") => Some(Ending::Paused),
-        Ok(Some(_)) => None,
-        Err(_) => None,
-    }
+/// How the session ends when the sandbox went away.
+async fn ended(api: &Api, id: &str) -> Option<Ending> {
+    gone(api, id).await.map(|g| match g {
+        Gone::Deleted => Ending::Deleted,
+        Gone::Paused => Ending::Paused,
+    })
 }
 
 async fn session(
@@ -250,7 +247,7 @@ async fn session(
                 Some(Err(_)) | None => {
                     // The output stream broke: the sandbox went away, or the connection
                     // did; re-attach to the same process when the sandbox is still there.
-                    if let Some(e) = gone(api, id).await {
+                    if let Some(e) = ended(api, id).await {
                         return e;
                     }
                     reconnects += 1;
@@ -263,7 +260,7 @@ async fn session(
                             stream = s.map(|r| r.map(|m| m.event)).boxed();
                         }
                         Err(_) => {
-                            if let Some(e) = gone(api, id).await {
+                            if let Some(e) = ended(api, id).await {
                                 return e;
                             }
                             return Ending::Lost;
@@ -300,7 +297,7 @@ async fn session(
                 }
             }
             _ = watchdog.tick() => {
-                if let Some(e) = gone(api, id).await {
+                if let Some(e) = ended(api, id).await {
                     return e;
                 }
             }

@@ -69,8 +69,34 @@ impl Aenv {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// What the completion scripts run, `COMPLETE=bash aenv -- aenv <words>` (the last
+    /// word is completed); returns the candidates, one a line.
+    pub fn complete(&self, words: &[&str]) -> String {
+        let mut c = self.cmd(&["--", "aenv"]);
+        c.args(words)
+            .env("COMPLETE", "bash")
+            .env("_CLAP_COMPLETE_INDEX", words.len().to_string());
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    }
+
     pub fn credentials_path(&self) -> PathBuf {
         self.config.path().join("aenv/credentials")
+    }
+
+    /// Asserts that `aenv args…` failed (exit 1) for want of credentials, saying so.
+    pub fn assert_not_authenticated(&self, args: &[&str]) -> Output {
+        let o = self.run(args);
+        assert_eq!(o.status.code(), Some(1));
+        assert_eq!(
+            stderr(&o).trim(),
+            format!(
+                "Error: not authenticated — run `aenv auth` first (expected credentials at {})",
+                self.credentials_path().display()
+            )
+        );
+        o
     }
 }
 
@@ -230,6 +256,22 @@ impl Tmux {
 impl Drop for Tmux {
     fn drop(&mut self) {
         let _ = self.tmux().arg("kill-server").status();
+    }
+}
+
+/// Waits for `child` to exit within `limit`; fails with `what` otherwise.
+pub fn wait_exit(
+    child: &mut std::process::Child,
+    limit: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -1,0 +1,317 @@
+//! What `agentenv up` decides before it starts anything: the options checked, the API
+//! key, the addresses, the state directory, the control-plane config file the scheduler
+//! and the gateway read, and the environment of each node.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use tokio::process::Command;
+
+use super::{UpError, UpOptions};
+
+/// Maps an I/O error on `path` to [`UpError::Fs`] saying what was being done.
+pub(crate) fn fs_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> UpError + 'a {
+    move |source| UpError::Fs {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Refuses what cannot work before anything starts: not root, a node count out of
+/// range, a bad interface prefix, a missing binary.
+pub(crate) fn check(opts: &UpOptions) -> Result<(), UpError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(UpError::NotRoot);
+    }
+    if !(1..=16).contains(&opts.nodes) {
+        return Err(UpError::NodeCount(opts.nodes));
+    }
+    let p = &opts.iface_prefix;
+    if p.is_empty() || p.len() > 5 || !p.bytes().all(|b| b.is_ascii_lowercase()) {
+        return Err(UpError::IfacePrefix(p.clone()));
+    }
+    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
+        let path = opts.bin_dir.join(b);
+        if !path.is_file() {
+            return Err(UpError::MissingBinary { path });
+        }
+    }
+    Ok(())
+}
+
+/// A fresh API key: 32 random bytes in hex.
+pub fn generate_api_key() -> Result<String, UpError> {
+    let mut buf = [0u8; 32];
+    let path = Path::new("/dev/urandom");
+    let mut f = std::fs::File::open(path).map_err(fs_err("reading", path))?;
+    std::io::Read::read_exact(&mut f, &mut buf).map_err(fs_err("reading", path))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The API key of the options, else a fresh one; checked either way.
+pub(crate) fn api_key(opts: &UpOptions) -> Result<String, UpError> {
+    let key = match &opts.api_key {
+        Some(k) => k.clone(),
+        None => generate_api_key()?,
+    };
+    agentenv_core::api_key::validate(&key, "--api-key")?;
+    Ok(key)
+}
+
+/// Binds `addr` and lets it go again: the address is free (port 0 becomes a free port).
+pub(crate) fn free_addr(addr: SocketAddr) -> Result<SocketAddr, UpError> {
+    TcpListener::bind(addr)
+        .and_then(|l| l.local_addr())
+        .map_err(|source| UpError::Listen { addr, source })
+}
+
+/// The nodes' names (`node-a`, `node-b`, …) and free loopback API addresses.
+pub(crate) fn node_addrs(nodes: u8) -> Result<Vec<(String, SocketAddr)>, UpError> {
+    (0..nodes)
+        .map(|i| {
+            let addr = free_addr(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+            Ok((format!("node-{}", node_letter(i)), addr))
+        })
+        .collect()
+}
+
+/// The letter of node `i` (`a` for the first).
+pub(crate) fn node_letter(i: u8) -> char {
+    (b'a' + i) as char
+}
+
+/// The interface prefixes of the nodes: `<iface_prefix><a+i>`.
+pub fn node_iface_prefixes(iface_prefix: &str, nodes: u8) -> Vec<String> {
+    (0..nodes)
+        .map(|i| format!("{iface_prefix}{}", node_letter(i)))
+        .collect()
+}
+
+/// The static guest agent: the given path, else `AENV_GUEST_BINARY_PATH`, else the
+/// static build next to the binaries' target directory, else `agentenv-guest` beside them.
+pub fn find_guest(opts: &UpOptions) -> Result<PathBuf, UpError> {
+    let mut looked = Vec::new();
+    let mut candidates = Vec::new();
+    if let Some(p) = &opts.guest_binary {
+        candidates.push(p.clone());
+    } else {
+        if let Some(p) = std::env::var_os("AENV_GUEST_BINARY_PATH") {
+            candidates.push(PathBuf::from(p));
+        }
+        if let Some(target) = opts.bin_dir.parent() {
+            for t in ["x86_64-unknown-linux-gnu", "x86_64-unknown-linux-musl"] {
+                candidates.push(target.join(t).join("release/agentenv-guest"));
+            }
+        }
+        candidates.push(opts.bin_dir.join("agentenv-guest"));
+    }
+    for c in candidates {
+        if c.is_file() {
+            return Ok(c);
+        }
+        looked.push(c.display().to_string());
+    }
+    Err(UpError::MissingGuest {
+        looked: looked.join(", "),
+    })
+}
+
+/// The state directory: the given one, else a temporary one (removed when the returned
+/// guard drops), with its `logs`, `run` and `snapshot-store`; and the template cache.
+pub(crate) fn state_dir(opts: &UpOptions) -> Result<(Option<tempfile::TempDir>, PathBuf), UpError> {
+    let (temp, data_dir) = match &opts.data_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(fs_err("creating", d))?;
+            (None, d.clone())
+        }
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("agentenv-up-")
+                .tempdir()
+                .map_err(fs_err(
+                    "creating a temporary directory in",
+                    &std::env::temp_dir(),
+                ))?;
+            let p = t.path().to_path_buf();
+            (Some(t), p)
+        }
+    };
+    // `snapshot-store`: the storage every node shares (snapshots taken on one node
+    // start on any other).
+    for sub in ["logs", "run", "snapshot-store"] {
+        let p = data_dir.join(sub);
+        std::fs::create_dir_all(&p).map_err(fs_err("creating", &p))?;
+    }
+    std::fs::create_dir_all(&opts.template_dir).map_err(fs_err("creating", &opts.template_dir))?;
+    Ok((temp, data_dir))
+}
+
+/// The control-plane config file of the scheduler and the gateway (the keys of
+/// `agentenv_core::config`).
+#[derive(Debug, Serialize)]
+struct ControlPlane {
+    log_level: &'static str,
+    log_format: &'static str,
+    scheduler: SchedulerConfig,
+    gateway: GatewayConfig,
+}
+
+#[derive(Debug, Serialize)]
+struct SchedulerConfig {
+    grpc_listen_addr: &'static str,
+    metrics_listen_addr: &'static str,
+    strategy: &'static str,
+    report_ttl: &'static str,
+    binding_ttl: &'static str,
+    nodes: Vec<NodeEntry>,
+}
+
+#[derive(Debug, Serialize)]
+struct NodeEntry {
+    id: String,
+    endpoint: String,
+}
+
+#[derive(Debug, Serialize)]
+struct GatewayConfig {
+    http_listen_addr: String,
+    metrics_listen_addr: &'static str,
+    scheduler_addr: &'static str,
+    request_timeout: &'static str,
+}
+
+/// Writes `<data_dir>/control-plane.json`: the scheduler with the static node list, the
+/// gateway on `gateway`, everything else on free loopback ports; returns its path.
+pub(crate) fn write_control_plane(
+    data_dir: &Path,
+    nodes: &[(String, SocketAddr)],
+    gateway: SocketAddr,
+) -> Result<PathBuf, UpError> {
+    let config = ControlPlane {
+        log_level: "info",
+        log_format: "json",
+        scheduler: SchedulerConfig {
+            grpc_listen_addr: "127.0.0.1:0",
+            metrics_listen_addr: "127.0.0.1:0",
+            strategy: "round_robin",
+            report_ttl: "10s",
+            binding_ttl: "24h",
+            nodes: nodes
+                .iter()
+                .map(|(id, a)| NodeEntry {
+                    id: id.clone(),
+                    endpoint: format!("http://{a}"),
+                })
+                .collect(),
+        },
+        gateway: GatewayConfig {
+            http_listen_addr: gateway.to_string(),
+            metrics_listen_addr: "127.0.0.1:0",
+            // The scheduler's port is known once it runs: GATEWAY_SCHEDULER_ADDR.
+            scheduler_addr: "127.0.0.1:9090",
+            request_timeout: "600s",
+        },
+    };
+    let path = data_dir.join("control-plane.json");
+    std::fs::write(
+        &path,
+        serde_json::to_vec_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(fs_err("writing", &path))?;
+    Ok(path)
+}
+
+/// What node `i` (`id`, API on `addr`, data in `home`) is started with.
+pub(crate) struct NodeSetup<'a> {
+    pub index: u8,
+    pub id: &'a str,
+    pub addr: SocketAddr,
+    pub home: &'a Path,
+    pub api_key: &'a str,
+    pub guest: &'a Path,
+    pub data_dir: &'a Path,
+    pub scheduler_grpc: &'a str,
+}
+
+impl NodeSetup<'_> {
+    /// The node's address pool: `<pool_prefix>.<i>.0/24`.
+    pub fn pool(&self, opts: &UpOptions) -> String {
+        format!("{}.{}.0/24", opts.pool_prefix, self.index)
+    }
+
+    /// `agentenv-node` with a clean environment (PATH, HOME and TMPDIR kept) and its
+    /// configuration: the jail backend, its own pool, interfaces and cgroup parent, the
+    /// shared templates and snapshot store, heartbeats to the scheduler every second.
+    pub fn command(&self, opts: &UpOptions) -> Command {
+        let mut cmd = Command::new(opts.bin_dir.join("agentenv-node"));
+        cmd.env_clear();
+        for k in ["PATH", "HOME", "TMPDIR"] {
+            if let Some(v) = std::env::var_os(k) {
+                cmd.env(k, v);
+            }
+        }
+        let letter = node_letter(self.index);
+        cmd.env("API_ADDR", self.addr.to_string())
+            .env("AENV_NODE_ID", self.id)
+            .env("AENV_API_KEY", self.api_key)
+            .env(
+                "AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED",
+                format!("seed-{}", self.api_key),
+            )
+            .env("AENV_HOME_PATH", self.home)
+            .env("AENV_RUNTIME_PATH", self.data_dir.join("run"))
+            .env("AENV_BACKEND", "jail")
+            .env("AENV_GUEST_BINARY_PATH", self.guest)
+            .env("AENV_TEMPLATE_PATH", &opts.template_dir)
+            .env("AENV_SNAPSHOT_STORE", self.data_dir.join("snapshot-store"))
+            .env("AENV_JAIL_ADDRESS_POOL", self.pool(opts))
+            .env(
+                "AENV_JAIL_IFACE_PREFIX",
+                format!("{}{letter}", opts.iface_prefix),
+            )
+            .env("AENV_JAIL_CGROUP_PARENT", format!("agentenv-up-{letter}"))
+            .env("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true")
+            .env(
+                "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
+                format!("http://{}", self.scheduler_grpc),
+            )
+            .env("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "1")
+            .env("AENV_LOG_FORMAT", "json");
+        cmd
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_control_plane_file_lists_every_node_and_the_gateway_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = vec![
+            ("node-a".to_string(), "127.0.0.1:7001".parse().unwrap()),
+            ("node-b".to_string(), "127.0.0.1:7002".parse().unwrap()),
+        ];
+        let path =
+            write_control_plane(dir.path(), &nodes, "127.0.0.1:8080".parse().unwrap()).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        assert_eq!(
+            v["scheduler"]["nodes"][1]["endpoint"],
+            "http://127.0.0.1:7002"
+        );
+        assert_eq!(v["scheduler"]["strategy"], "round_robin");
+        assert_eq!(v["gateway"]["http_listen_addr"], "127.0.0.1:8080");
+        assert_eq!(v["log_format"], "json");
+    }
+
+    #[test]
+    fn nodes_are_lettered() {
+        assert_eq!(node_iface_prefixes("up", 3), ["upa", "upb", "upc"]);
+    }
+}
