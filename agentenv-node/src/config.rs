@@ -35,13 +35,59 @@ fn invalid(key: &'static str, value: impl Into<String>, fix: impl Into<String>) 
     }
 }
 
-/// Which backend runs sandboxes.
+/// Which backend runs sandboxes (`AENV_BACKEND`); a running node's backend is `Jail` or
+/// `Microvm`. Written and parsed as `auto`, `jail`, `microvm`, the names
+/// [`SandboxBackend::kind`] gives and snapshots record.
+///
+/// [`SandboxBackend::kind`]: crate::backend::SandboxBackend::kind
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
     /// `microvm` on hardware KVM with a guest kernel and the VMM present, else `jail`.
     Auto,
     Jail,
     Microvm,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Jail => "jail",
+            BackendKind::Microvm => "microvm",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A name that is no backend.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown sandbox backend {0:?}: use auto, jail or microvm")]
+pub struct UnknownBackend(pub String);
+
+impl std::str::FromStr for BackendKind {
+    type Err = UnknownBackend;
+
+    /// The exact name (`jail`, not `Jail`).
+    fn from_str(s: &str) -> Result<Self, UnknownBackend> {
+        match s {
+            "auto" => Ok(BackendKind::Auto),
+            "jail" => Ok(BackendKind::Jail),
+            "microvm" => Ok(BackendKind::Microvm),
+            _ => Err(UnknownBackend(s.to_string())),
+        }
+    }
+}
+
+/// Compares with the name: `kind == "jail"`.
+impl PartialEq<&str> for BackendKind {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
 }
 
 /// The node's configuration.
@@ -322,6 +368,28 @@ fn parse_u64(key: &'static str, v: &str) -> Result<u64, ConfigError> {
         .map_err(|_| invalid(key, v, "use a whole number"))
 }
 
+/// The whole number in environment variable `key`, if set.
+fn env_u64(
+    env: &dyn Fn(&str) -> Option<String>,
+    key: &'static str,
+) -> Result<Option<u64>, ConfigError> {
+    env(key).map(|v| parse_u64(key, &v)).transpose()
+}
+
+/// A pool size: at most [`MAX_NET_POOL_SIZE`], 0 turns the pool off.
+fn pool_size(key: &'static str, n: u64) -> Result<usize, ConfigError> {
+    usize::try_from(n)
+        .ok()
+        .filter(|n| *n <= MAX_NET_POOL_SIZE)
+        .ok_or_else(|| {
+            invalid(
+                key,
+                n.to_string(),
+                "use at most 1024 (0 turns the pool off)",
+            )
+        })
+}
+
 fn hostname() -> String {
     nix::unistd::gethostname()
         .ok()
@@ -388,18 +456,11 @@ impl NodeConfig {
         let backend_s = env("AENV_BACKEND")
             .or(backend_file.name)
             .unwrap_or_else(|| "auto".into());
-        let backend = match backend_s.trim().to_ascii_lowercase().as_str() {
-            "auto" => BackendKind::Auto,
-            "jail" => BackendKind::Jail,
-            "microvm" => BackendKind::Microvm,
-            _ => {
-                return Err(invalid(
-                    "AENV_BACKEND",
-                    backend_s,
-                    "use auto, jail or microvm",
-                ));
-            }
-        };
+        let backend: BackendKind = backend_s
+            .trim()
+            .to_ascii_lowercase()
+            .parse()
+            .map_err(|_| invalid("AENV_BACKEND", &backend_s, "use auto, jail or microvm"))?;
         let guest_binary = env("AENV_GUEST_BINARY_PATH")
             .map(PathBuf::from)
             .or(file.guest_binary_path.map(&rel))
@@ -452,14 +513,12 @@ impl NodeConfig {
                 "heartbeats need AENV_OBSERVABILITY_SCHEDULER_ENDPOINT (e.g. http://10.0.0.5:9090); set it or disable reporting",
             ));
         }
-        let interval_secs = match env("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS") {
-            Some(v) => parse_u64("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", &v)?,
-            None => file
-                .observability
+        let interval_secs = env_u64(&env, "AENV_OBSERVABILITY_REPORT_INTERVAL_SECS")?.unwrap_or(
+            file.observability
                 .scheduler_report
                 .interval_secs
                 .unwrap_or(5),
-        };
+        );
         if interval_secs == 0 {
             return Err(invalid(
                 "AENV_OBSERVABILITY_REPORT_INTERVAL_SECS",
@@ -486,10 +545,8 @@ impl NodeConfig {
             .filter(|d| !d.is_empty())
             .collect();
         let o = file.orchestrator;
-        let evict_ms = match env("AENV_AUTO_EVICT_INTERVAL_MS") {
-            Some(v) => parse_u64("AENV_AUTO_EVICT_INTERVAL_MS", &v)?,
-            None => o.auto_evict_interval_ms.unwrap_or(1000),
-        };
+        let evict_ms = env_u64(&env, "AENV_AUTO_EVICT_INTERVAL_MS")?
+            .unwrap_or(o.auto_evict_interval_ms.unwrap_or(1000));
         if evict_ms == 0 {
             return Err(invalid(
                 "orchestrator.auto_evict_interval_ms",
@@ -497,36 +554,25 @@ impl NodeConfig {
                 "use at least 1",
             ));
         }
-        let jail_net_pool_size = match env("AENV_JAIL_NET_POOL_SIZE") {
-            Some(v) => parse_u64("AENV_JAIL_NET_POOL_SIZE", &v)?,
-            None => file
-                .jail
-                .net_pool_size
-                .unwrap_or(crate::backend::jail::DEFAULT_NET_POOL_SIZE as u64),
-        };
-        let jail_net_pool_size = usize::try_from(jail_net_pool_size)
-            .ok()
-            .filter(|n| *n <= MAX_NET_POOL_SIZE)
-            .ok_or_else(|| {
-                invalid(
-                    "jail.net_pool_size",
-                    jail_net_pool_size.to_string(),
-                    "use at most 1024 (0 turns the pool off)",
-                )
-            })?;
+        let jail_net_pool_size = pool_size(
+            "jail.net_pool_size",
+            env_u64(&env, "AENV_JAIL_NET_POOL_SIZE")?.unwrap_or(
+                file.jail
+                    .net_pool_size
+                    .unwrap_or(crate::backend::jail::DEFAULT_NET_POOL_SIZE as u64),
+            ),
+        )?;
         let jail_id_pool = match env("AENV_JAIL_ID_POOL").or(file.jail.id_pool.clone()) {
             Some(v) => v.parse().map_err(|e: crate::host::ids::IdError| {
                 invalid("jail.id_pool", v.clone(), e.to_string())
             })?,
             None => crate::host::ids::IdPoolRange::default(),
         };
-        let jail_disk_size_mb = match env("AENV_JAIL_DISK_SIZE_MB") {
-            Some(v) => parse_u64("AENV_JAIL_DISK_SIZE_MB", &v)?,
-            None => file
-                .jail
+        let jail_disk_size_mb = env_u64(&env, "AENV_JAIL_DISK_SIZE_MB")?.unwrap_or(
+            file.jail
                 .disk_size_mb
                 .unwrap_or(crate::backend::jail::DEFAULT_DISK_SIZE_MB),
-        };
+        );
         crate::host::disk::check_size(jail_disk_size_mb).map_err(|e| {
             invalid(
                 "jail.disk_size_mb",
@@ -534,23 +580,14 @@ impl NodeConfig {
                 e.to_string(),
             )
         })?;
-        let jail_layer_pool_size = match env("AENV_JAIL_LAYER_POOL_SIZE") {
-            Some(v) => parse_u64("AENV_JAIL_LAYER_POOL_SIZE", &v)?,
-            None => file
-                .jail
-                .layer_pool_size
-                .unwrap_or(crate::backend::jail::DEFAULT_LAYER_POOL_SIZE as u64),
-        };
-        let jail_layer_pool_size = usize::try_from(jail_layer_pool_size)
-            .ok()
-            .filter(|n| *n <= MAX_NET_POOL_SIZE)
-            .ok_or_else(|| {
-                invalid(
-                    "jail.layer_pool_size",
-                    jail_layer_pool_size.to_string(),
-                    "use at most 1024 (0 turns the pool off)",
-                )
-            })?;
+        let jail_layer_pool_size = pool_size(
+            "jail.layer_pool_size",
+            env_u64(&env, "AENV_JAIL_LAYER_POOL_SIZE")?.unwrap_or(
+                file.jail
+                    .layer_pool_size
+                    .unwrap_or(crate::backend::jail::DEFAULT_LAYER_POOL_SIZE as u64),
+            ),
+        )?;
         let default_cpu_count = file.machine.vcpu_count.unwrap_or(2);
         let default_memory_mb = file.machine.mem_size_mib.unwrap_or(512);
         if default_cpu_count == 0 {

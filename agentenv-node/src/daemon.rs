@@ -73,22 +73,14 @@ pub async fn jail_backend(
         j.agent_args = Vec::new();
     }
     j.templates.root = cfg.template_path.clone();
-    j.address_pool = cfg
-        .jail_address_pool
-        .parse::<Ipv4Net>()
-        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
+    j.address_pool = address_pool(cfg)?;
     j.iface_prefix = cfg.jail_iface_prefix.clone();
     j.cgroup_parent = cfg.jail_cgroup_parent.clone();
     j.net_pool_size = cfg.jail_net_pool_size;
     j.id_pool = cfg.jail_id_pool;
     j.disk_size_mb = cfg.jail_disk_size_mb;
     j.layer_pool_size = cfg.jail_layer_pool_size;
-    let b = JailBackend::new(j).await?;
-    let report = b.reconcile(kept).await?;
-    if !report.removed_sandboxes.is_empty() {
-        tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
-    }
-    Ok(b)
+    reconciled(JailBackend::new(j).await?, kept).await
 }
 
 /// Builds the microvm backend of `cfg` (it shares the jail's address pool, interface
@@ -108,14 +100,22 @@ pub async fn microvm_backend(
     );
     m.runtime_dir = cfg.runtime_path.clone();
     m.templates.root = cfg.template_path.clone();
-    m.address_pool = cfg
-        .jail_address_pool
-        .parse::<Ipv4Net>()
-        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
+    m.address_pool = address_pool(cfg)?;
     m.iface_prefix = cfg.jail_iface_prefix.clone();
     m.cgroup_parent = cfg.jail_cgroup_parent.clone();
     m.id_pool = cfg.jail_id_pool;
-    let b = MicrovmBackend::new(m).await?;
+    reconciled(MicrovmBackend::new(m).await?, kept).await
+}
+
+/// The sandbox address pool both backends take from `AENV_JAIL_ADDRESS_POOL`.
+fn address_pool(cfg: &NodeConfig) -> Result<Ipv4Net, DaemonError> {
+    cfg.jail_address_pool
+        .parse::<Ipv4Net>()
+        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))
+}
+
+/// `backend` after removing what an earlier run left behind (except the state in `kept`).
+async fn reconciled<B: SandboxBackend>(b: B, kept: &[KeptState]) -> Result<B, DaemonError> {
     let report = b.reconcile(kept).await?;
     if !report.removed_sandboxes.is_empty() {
         tracing::info!(removed = ?report.removed_sandboxes, "removed sandboxes of an earlier run");
@@ -205,19 +205,14 @@ impl Daemon {
         let kind = match cfg.backend {
             BackendKind::Auto => {
                 let (kind, why) = auto_backend(&cfg);
-                let name = if kind == BackendKind::Microvm {
-                    "microvm"
-                } else {
-                    "jail"
-                };
-                tracing::info!(backend = name, reason = %why, "AENV_BACKEND=auto: using the {name} backend: {why}");
+                tracing::info!(backend = kind.as_str(), reason = %why, "AENV_BACKEND=auto: using the {kind} backend: {why}");
                 kind
             }
             other => other,
         };
         let backend: Arc<dyn SandboxBackend> = match kind {
             BackendKind::Microvm => Arc::new(microvm_backend(&cfg, &kept).await?),
-            _ => Arc::new(jail_backend(&cfg, &kept).await?),
+            BackendKind::Jail | BackendKind::Auto => Arc::new(jail_backend(&cfg, &kept).await?),
         };
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,

@@ -3,10 +3,12 @@
 pub mod access;
 pub mod api;
 pub mod backend;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
 pub mod host;
+pub mod ids;
 pub mod lifecycle;
 pub mod reporter;
 pub mod snapshot;

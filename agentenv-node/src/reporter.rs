@@ -9,7 +9,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
 use agentenv_core::proto::scheduler_v1::{
@@ -289,29 +288,49 @@ fn disk_metric(path: &std::path::Path) -> Option<DiskMetric> {
     })
 }
 
-fn machine_info(cpu_config_json: String) -> MachineInfo {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |name: &str| {
-        cpuinfo
-            .lines()
-            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
-            .and_then(|l| l.split_once(':'))
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_else(|| "unknown".into())
-    };
-    MachineInfo {
-        cpu_family: field("cpu family"),
-        cpu_model: field("model"),
-        cpu_model_name: field("model name"),
-        cpu_architecture: std::env::consts::ARCH.into(),
-        cpu_config_json,
+/// The host's processor as `/proc/cpuinfo` names its first one (`None`: not there).
+#[derive(Debug, Clone, Default)]
+pub struct CpuModel {
+    /// `cpu family`.
+    pub family: Option<String>,
+    /// `model`.
+    pub model: Option<String>,
+    /// `model name`.
+    pub name: Option<String>,
+}
+
+impl CpuModel {
+    /// Reads `/proc/cpuinfo`.
+    pub fn read() -> Self {
+        Self::parse(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default())
+    }
+
+    fn parse(cpuinfo: &str) -> Self {
+        let field = |name: &str| {
+            cpuinfo
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim() == name)
+                .map(|(_, v)| v.trim().to_string())
+        };
+        Self {
+            family: field("cpu family"),
+            model: field("model"),
+            name: field("model name"),
+        }
     }
 }
 
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+fn machine_info(cpu_config_json: String) -> MachineInfo {
+    let cpu = CpuModel::read();
+    let known = |v: Option<String>| v.unwrap_or_else(|| "unknown".into());
+    MachineInfo {
+        cpu_family: known(cpu.family),
+        cpu_model: known(cpu.model),
+        cpu_model_name: known(cpu.name),
+        cpu_architecture: std::env::consts::ARCH.into(),
+        cpu_config_json,
+    }
 }
 
 async fn heartbeat_loop(
@@ -340,7 +359,7 @@ async fn heartbeat_loop(
             sandbox_starting_count: usage.starting,
             create_successes: usage.create_successes,
             create_fails: usage.create_fails,
-            reported_at_unix_ms: unix_ms(),
+            reported_at_unix_ms: crate::clock::now_ms() as i64,
             paused_sandbox_count: usage.paused,
             paused_allocated_cpu: usage.paused_allocated_cpu,
             paused_allocated_memory_bytes: usage.paused_allocated_memory_bytes,
@@ -481,6 +500,16 @@ mod tests {
         assert_eq!(m.cpu_architecture, std::env::consts::ARCH);
         assert!(!m.cpu_model_name.is_empty());
         assert_eq!(m.cpu_config_json, "{}");
+    }
+
+    #[test]
+    fn cpu_model_is_the_first_processors() {
+        let text = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Xeon\n\nprocessor\t: 1\nmodel name\t: Other\n";
+        let cpu = CpuModel::parse(text);
+        assert_eq!(cpu.family.as_deref(), Some("6"));
+        assert_eq!(cpu.model.as_deref(), Some("85"));
+        assert_eq!(cpu.name.as_deref(), Some("Xeon"));
+        assert!(CpuModel::parse("").name.is_none());
     }
 
     #[test]

@@ -7,8 +7,10 @@ use base64::Engine;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
 
+use crate::clock::{ms_rfc3339, rfc3339_ms};
 use crate::dataplane::{Body, json_error};
 use crate::lifecycle::{CreateRequest, OnTimeout, SandboxRecord};
+use crate::snapshot::{SnapshotRecord, SnapshotSource};
 
 /// `POST /sandboxes` and `POST /v2/sandboxes`. Unknown fields are ignored.
 #[derive(Debug, Default, Deserialize)]
@@ -130,33 +132,14 @@ impl SnapshotQuery {
 
     /// Pages `items` (sorted newest first, ties by id); returns the page and the next
     /// token when more items exist.
-    pub fn apply(
-        &self,
-        items: Vec<crate::snapshot::SnapshotRecord>,
-    ) -> (Vec<crate::snapshot::SnapshotRecord>, Option<String>) {
-        let mut page: Vec<_> = items
-            .into_iter()
-            .filter(|r| {
-                self.sandbox_id.as_deref().is_none_or(|want| {
-                    let crate::snapshot::SnapshotSource::Sandbox { source_sandbox_id } = &r.source;
-                    source_sandbox_id == want
-                })
+    pub fn apply(&self, items: Vec<SnapshotRecord>) -> (Vec<SnapshotRecord>, Option<String>) {
+        let matching = items.into_iter().filter(|r| {
+            self.sandbox_id.as_deref().is_none_or(|want| {
+                let SnapshotSource::Sandbox { source_sandbox_id } = &r.source;
+                source_sandbox_id == want
             })
-            .filter(|r| match &self.after {
-                None => true,
-                Some((ms, id)) => {
-                    r.created_at_ms < *ms || (r.created_at_ms == *ms && r.id.as_str() > id.as_str())
-                }
-            })
-            .collect();
-        let more = page.len() > self.limit;
-        page.truncate(self.limit);
-        let next = if more {
-            page.last().map(|r| encode_token(r.created_at_ms, &r.id))
-        } else {
-            None
-        };
-        (page, next)
+        });
+        paginate(matching, self.after.as_ref(), self.limit)
     }
 }
 
@@ -252,8 +235,54 @@ pub struct ListQuery {
 
 /// Encodes a page cursor.
 pub fn encode_token(created_ms: u64, id: &str) -> String {
-    let s = format!("{}__{id}", crate::lifecycle::ms_rfc3339(created_ms));
+    let s = format!("{}__{id}", ms_rfc3339(created_ms));
     base64::engine::general_purpose::URL_SAFE.encode(s)
+}
+
+/// What lists are sorted and paged by: creation time (newest first), then id.
+trait Listed {
+    fn cursor(&self) -> (u64, &str);
+}
+
+impl Listed for SandboxRecord {
+    fn cursor(&self) -> (u64, &str) {
+        (self.created_at_ms, &self.id)
+    }
+}
+
+impl Listed for SnapshotRecord {
+    fn cursor(&self) -> (u64, &str) {
+        (self.created_at_ms, &self.id)
+    }
+}
+
+/// The page of `items` (sorted newest first, ties by id) after the cursor `after`: at
+/// most `limit` items, and the next token when more follow.
+fn paginate<T: Listed>(
+    items: impl Iterator<Item = T>,
+    after: Option<&(u64, String)>,
+    limit: usize,
+) -> (Vec<T>, Option<String>) {
+    let mut page: Vec<T> = items
+        .filter(|r| match after {
+            None => true,
+            Some((ms, id)) => {
+                let (created, rid) = r.cursor();
+                created < *ms || (created == *ms && rid > id.as_str())
+            }
+        })
+        .collect();
+    let more = page.len() > limit;
+    page.truncate(limit);
+    let next = if more {
+        page.last().map(|r| {
+            let (created, id) = r.cursor();
+            encode_token(created, id)
+        })
+    } else {
+        None
+    };
+    (page, next)
 }
 
 /// The `limit` (0..100, else `default`) and `nextToken` of a list query.
@@ -284,10 +313,7 @@ fn decode_token(t: &str) -> Option<(u64, String)> {
     let raw = base64::engine::general_purpose::URL_SAFE.decode(t).ok()?;
     let s = String::from_utf8(raw).ok()?;
     let (ts, id) = s.split_once("__")?;
-    let dt =
-        time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()?;
-    let ms = (dt.unix_timestamp_nanos() / 1_000_000) as u64;
-    Some((ms, id.to_string()))
+    Some((rfc3339_ms(ts)?, id.to_string()))
 }
 
 impl ListQuery {
@@ -327,7 +353,7 @@ impl ListQuery {
     /// Filters and pages `items` (sorted newest first, ties by id); returns the page and
     /// the next token when more items exist.
     pub fn apply(&self, items: Vec<SandboxRecord>) -> (Vec<SandboxRecord>, Option<String>) {
-        let mut matching: Vec<SandboxRecord> = items
+        let matching = items
             .into_iter()
             .filter(|r| {
                 self.state
@@ -338,24 +364,8 @@ impl ListQuery {
                 self.metadata
                     .iter()
                     .all(|(k, v)| r.metadata.get(k) == Some(v))
-            })
-            .filter(|r| match &self.after {
-                None => true,
-                Some((ms, id)) => {
-                    r.created_at_ms < *ms || (r.created_at_ms == *ms && r.id.as_str() > id.as_str())
-                }
-            })
-            .collect();
-        let more = matching.len() > self.limit;
-        matching.truncate(self.limit);
-        let next = if more {
-            matching
-                .last()
-                .map(|r| encode_token(r.created_at_ms, &r.id))
-        } else {
-            None
-        };
-        (matching, next)
+            });
+        paginate(matching, self.after.as_ref(), self.limit)
     }
 }
 

@@ -16,6 +16,7 @@ use tokio::net::TcpStream;
 
 use crate::access::TokenIssuer;
 use crate::backend::AGENT_PORT;
+use crate::ids::{is_uuid, parse_sandbox_id};
 use crate::lifecycle::SandboxRecord;
 
 /// The body type of every response the node sends.
@@ -177,20 +178,16 @@ fn parse_port(s: &str) -> Option<u16> {
     s.parse::<u16>().ok().filter(|p| *p > 0)
 }
 
-/// Whether `s` is a lowercase-insensitive hyphenated UUID.
-pub fn is_uuid(s: &str) -> bool {
-    s.len() == 36 && uuid::Uuid::try_parse(s).is_ok()
-}
-
 fn from_headers(h: &HeaderMap, path_and_query: String, source: RouteSource) -> Classified {
     let Some(id) = header_sandbox_id(h) else {
         return Classified::BadHeaders(
             "missing sandbox routing header: send x-agentenv-sandbox-id (or e2b-sandbox-id)".into(),
         );
     };
-    if !is_uuid(id) {
-        return Classified::BadHeaders(format!("invalid sandbox id {id:?}: sandbox ids are UUIDs"));
-    }
+    let sandbox_id = match parse_sandbox_id(id) {
+        Ok(id) => id,
+        Err(e) => return Classified::BadHeaders(e.to_string()),
+    };
     let port = match header_port(h) {
         None => AGENT_PORT,
         Some(p) => match parse_port(p) {
@@ -201,7 +198,7 @@ fn from_headers(h: &HeaderMap, path_and_query: String, source: RouteSource) -> C
         },
     };
     Classified::Proxy(Target {
-        sandbox_id: id.to_ascii_lowercase(),
+        sandbox_id,
         port,
         path_and_query,
         source,

@@ -37,7 +37,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use agentenv_core::storage::{Storage, StorageConfig, StorageError};
 use bytes::Bytes;
@@ -256,7 +255,7 @@ pub fn validate_name(name: &str) -> Result<(), SnapshotError> {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if !ok || crate::dataplane::is_uuid(name) {
+    if !ok || crate::ids::is_uuid(name) {
         return Err(SnapshotError::InvalidName(name.to_string()));
     }
     if name == crate::template::BASE_TEMPLATE {
@@ -268,13 +267,6 @@ pub fn validate_name(name: &str) -> Result<(), SnapshotError> {
 /// A file name without directories: what a capture's files are.
 fn is_plain_file_name(f: &str) -> bool {
     !f.is_empty() && f != "." && f != ".." && !f.contains('/') && !f.contains('\0')
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// The repository of one node (the store may be shared with other nodes).
@@ -350,7 +342,7 @@ impl SnapshotRepo {
 
     /// Reads a record by id (`None` when absent), verifying its signature.
     pub async fn record(&self, id: &str) -> Result<Option<SnapshotRecord>, SnapshotError> {
-        if !crate::dataplane::is_uuid(id) {
+        if !crate::ids::is_uuid(id) {
             return Ok(None);
         }
         let Some(raw) = self.storage.read(&Self::record_key(id), MAX_RECORD).await? else {
@@ -381,7 +373,7 @@ impl SnapshotRepo {
 
     /// The snapshot `id_or_name` names (its id or its alias), if any.
     pub async fn resolve(&self, id_or_name: &str) -> Result<Option<SnapshotRecord>, SnapshotError> {
-        if crate::dataplane::is_uuid(id_or_name) {
+        if crate::ids::is_uuid(id_or_name) {
             return self.record(&id_or_name.to_ascii_lowercase()).await;
         }
         if validate_name(id_or_name).is_err() {
@@ -500,7 +492,7 @@ impl SnapshotRepo {
                 .await?;
             sizes.insert(f.clone(), n);
         }
-        let now = now_ms();
+        let now = crate::clock::now_ms();
         let disk_size_mb = sizes.values().sum::<u64>().div_ceil(1 << 20);
         let mut record = SnapshotRecord {
             version: 1,
@@ -614,7 +606,7 @@ impl SnapshotRepo {
 
     /// Deletes the snapshot `id_or_name` names; `false` when there was none.
     pub async fn delete(&self, id_or_name: &str) -> Result<bool, SnapshotError> {
-        let (id, alias) = if crate::dataplane::is_uuid(id_or_name) {
+        let (id, alias) = if crate::ids::is_uuid(id_or_name) {
             let id = id_or_name.to_ascii_lowercase();
             let alias = self.record(&id).await.ok().flatten().and_then(|r| r.alias);
             (id, alias)

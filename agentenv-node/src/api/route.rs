@@ -1,0 +1,138 @@
+//! The control plane's routes: which request is which operation, and its metrics label.
+
+use http::Method;
+
+/// Control-plane routes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Route {
+    Health,
+    Metrics,
+    Create,
+    ListV1,
+    ListV2,
+    Get(String),
+    Delete(String),
+    Pause(String),
+    Resume(String),
+    Connect(String),
+    Timeout(String),
+    Refresh(String),
+    Nodes,
+    Node(String),
+    Snapshot(String),
+    Snapshots,
+    SnapshotGet(String),
+    TemplateDelete(String),
+    TemplateAlias(String),
+}
+
+impl Route {
+    /// The route's path pattern, the `route` label of the request metrics.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            Route::Health => "/health",
+            Route::Metrics => "/metrics",
+            Route::Create => "/sandboxes",
+            Route::ListV1 => "/sandboxes",
+            Route::ListV2 => "/v2/sandboxes",
+            Route::Get(_) | Route::Delete(_) => "/sandboxes/{sandbox_id}",
+            Route::Pause(_) => "/sandboxes/{sandbox_id}/pause",
+            Route::Resume(_) => "/sandboxes/{sandbox_id}/resume",
+            Route::Connect(_) => "/sandboxes/{sandbox_id}/connect",
+            Route::Timeout(_) => "/sandboxes/{sandbox_id}/timeout",
+            Route::Refresh(_) => "/sandboxes/{sandbox_id}/refreshes",
+            Route::Nodes => "/nodes",
+            Route::Node(_) => "/nodes/{node_id}",
+            Route::Snapshot(_) => "/sandboxes/{sandbox_id}/snapshots",
+            Route::Snapshots => "/snapshots",
+            Route::SnapshotGet(_) => "/snapshots/{snapshot_id}",
+            Route::TemplateDelete(_) => "/templates/{template_id}",
+            Route::TemplateAlias(_) => "/templates/aliases/{alias}",
+        }
+    }
+}
+
+/// The route of `method` and `path`, if any (sandbox ids lowercase).
+pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let m = method.clone();
+    Some(match (m, segs.as_slice()) {
+        (Method::GET, ["health"]) => Route::Health,
+        (Method::GET, ["metrics"]) => Route::Metrics,
+        (Method::POST, ["sandboxes"]) | (Method::POST, ["v2", "sandboxes"]) => Route::Create,
+        (Method::GET, ["sandboxes"]) => Route::ListV1,
+        (Method::GET, ["v2", "sandboxes"]) => Route::ListV2,
+        (Method::GET, ["sandboxes", id]) if !id.is_empty() => Route::Get(id.to_ascii_lowercase()),
+        (Method::DELETE, ["sandboxes", id]) if !id.is_empty() => {
+            Route::Delete(id.to_ascii_lowercase())
+        }
+        (Method::POST, ["sandboxes", id, "pause"]) => Route::Pause(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "resume"]) => Route::Resume(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "connect"])
+        | (Method::POST, ["v2", "sandboxes", id, "connect"]) => {
+            Route::Connect(id.to_ascii_lowercase())
+        }
+        (Method::POST, ["sandboxes", id, "timeout"]) => Route::Timeout(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "snapshots"]) => Route::Snapshot(id.to_ascii_lowercase()),
+        (Method::GET, ["snapshots"]) => Route::Snapshots,
+        (Method::GET, ["snapshots", id]) if !id.is_empty() => Route::SnapshotGet(id.to_string()),
+        (Method::GET, ["templates", "aliases", alias]) if !alias.is_empty() => {
+            Route::TemplateAlias(alias.to_string())
+        }
+        (Method::DELETE, ["templates", id]) if !id.is_empty() => {
+            Route::TemplateDelete(id.to_string())
+        }
+        (Method::GET, ["nodes"]) => Route::Nodes,
+        (Method::GET, ["nodes", id]) if !id.is_empty() => Route::Node(id.to_string()),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_match_v1_and_v2_paths() {
+        let id = "01936f8e-72f5-7000-8000-000000000001";
+        assert_eq!(
+            match_route(&Method::POST, "/v2/sandboxes"),
+            Some(Route::Create)
+        );
+        assert_eq!(
+            match_route(&Method::POST, "/sandboxes"),
+            Some(Route::Create)
+        );
+        assert_eq!(
+            match_route(&Method::POST, &format!("/v2/sandboxes/{id}/connect")),
+            Some(Route::Connect(id.into()))
+        );
+        assert_eq!(
+            match_route(&Method::POST, &format!("/sandboxes/{id}/connect")),
+            Some(Route::Connect(id.into()))
+        );
+        assert_eq!(match_route(&Method::PUT, "/sandboxes"), None);
+        assert_eq!(
+            match_route(&Method::POST, &format!("/sandboxes/{id}/snapshots")),
+            Some(Route::Snapshot(id.into()))
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/snapshots"),
+            Some(Route::Snapshots)
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/snapshots/web"),
+            Some(Route::SnapshotGet("web".into()))
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/templates/aliases/web"),
+            Some(Route::TemplateAlias("web".into()))
+        );
+        assert_eq!(
+            match_route(&Method::DELETE, "/templates/web"),
+            Some(Route::TemplateDelete("web".into()))
+        );
+        assert_eq!(match_route(&Method::POST, "/process.Process/Start"), None);
+    }
+}

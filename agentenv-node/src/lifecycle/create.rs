@@ -1,0 +1,249 @@
+//! A sandbox's start and end: create (from a template or a snapshot), starting the
+//! backend sandbox and its agent, and delete.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use agentenv_core::proto::scheduler_v1::SandboxEventType;
+
+use super::{CreateRequest, LifecycleError, Op, Orchestrator, SandboxRecord, Slot, State};
+use crate::backend::agent::wait_ready;
+use crate::backend::{BackendError, KeptState, SandboxAddress};
+use crate::clock::{ms_since_epoch, time_rfc3339};
+
+impl Orchestrator {
+    /// Creates a sandbox and returns once its agent is ready and initialized.
+    pub async fn create(
+        self: &Arc<Self>,
+        req: CreateRequest,
+    ) -> Result<SandboxRecord, LifecycleError> {
+        let timeout = req.timeout.unwrap_or(self.cfg.default_timeout);
+        self.admit(Some(timeout))?;
+        let this = self.clone();
+        self.detached(async move { this.create_inner(req, timeout).await })
+            .await
+    }
+
+    async fn create_inner(
+        self: Arc<Self>,
+        req: CreateRequest,
+        timeout: Duration,
+    ) -> Result<SandboxRecord, LifecycleError> {
+        let id = crate::ids::new_sandbox_id();
+        let from = self.resolve_snapshot(&req.template).await?;
+        let mut req = req;
+        let mut kept = None;
+        let (mut snapshot_id, mut snapshot_name) = (None, None);
+        if let Some(snap) = &from {
+            kept = Some(self.import_snapshot(snap).await?);
+            req.template = snap.committed.template.clone();
+            let mut env = snap.committed.env.clone();
+            env.extend(std::mem::take(&mut req.env_vars));
+            req.env_vars = env;
+            req.cpu_count = req.cpu_count.or(Some(snap.resources.cpu_count));
+            req.memory_mb = req.memory_mb.or(Some(snap.resources.memory_mb));
+            snapshot_id = Some(snap.id.clone());
+            snapshot_name = snap.alias.clone();
+        }
+        let rec = SandboxRecord {
+            id: id.clone(),
+            template: req.template,
+            state: State::Creating,
+            created_at_ms: ms_since_epoch(SystemTime::now()),
+            timeout_secs: timeout.as_secs(),
+            on_timeout: req.on_timeout,
+            auto_resume: req.auto_resume,
+            secure: req.secure,
+            allow_internet_access: req.allow_internet_access,
+            allow_public_traffic: req.allow_public_traffic,
+            metadata: req.metadata,
+            env_vars: req.env_vars,
+            cpu_count: req.cpu_count.unwrap_or(self.cfg.default_cpu_count),
+            memory_mb: req.memory_mb.unwrap_or(self.cfg.default_memory_mb),
+            disk_size_mb: req.disk_size_mb,
+            expires_at_ms: None,
+            deadline: None,
+            address: None,
+            restored: false,
+            kept: kept.clone(),
+            snapshot_id,
+            snapshot_name,
+        };
+        let sandbox = Slot::new(rec.clone()).lock().await;
+        let total = self.metrics.start("create_warm", "total");
+        self.slots.lock().insert(id.clone(), sandbox.slot.clone());
+        if self.is_shutting_down() {
+            // Shutdown has (or will have) taken its list of sandboxes: do not start one.
+            self.slots.lock().remove(&id);
+            self.discard_imported(kept.as_ref()).await;
+            return Err(LifecycleError::ShuttingDown);
+        }
+        let started = self.start_backend(&mut rec.clone(), false).await;
+        total.finish(started.is_ok());
+        if started.is_err() {
+            // A layer the backend did not take over (or gave back) goes.
+            self.discard_imported(kept.as_ref()).await;
+        }
+        match started {
+            Ok(addr) => {
+                let mut r = sandbox.done();
+                // The backend sandbox owns the imported state now.
+                r.kept = None;
+                r.address = Some(addr);
+                r.set_deadline(timeout);
+                let out = r.clone();
+                drop(r);
+                self.create_successes.fetch_add(1, Ordering::Relaxed);
+                self.event(&out, SandboxEventType::Create);
+                tracing::info!(sandbox = %id, template = %out.template, "sandbox created");
+                Ok(out)
+            }
+            Err(e) => {
+                self.slots.lock().remove(&id);
+                self.create_fails.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(sandbox = %id, error = %e, "create failed");
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
+    /// On failure nothing is left behind but, with `rekeep`, the kept state `rec` started
+    /// from (kept again, with `rec` and its paused record updated).
+    pub(super) async fn start_backend(
+        &self,
+        rec: &mut SandboxRecord,
+        rekeep: bool,
+    ) -> Result<SandboxAddress, LifecycleError> {
+        let stage = self.metrics.start("create_warm", "backend_start");
+        let info = self.backend.create(rec.spec()).await;
+        stage.finish(info.is_ok());
+        let addr = info?.address;
+        let stage = self.metrics.start("create_warm", "agent_ready");
+        let ready = async {
+            wait_ready(
+                addr.agent(),
+                self.cfg.agent_ready_timeout,
+                Duration::from_millis(2),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            self.init_agent(rec, addr).await
+        }
+        .await;
+        stage.finish(ready.is_ok());
+        if let Err(reason) = ready {
+            if rec.kept.is_some() && rekeep {
+                // The kept state was taken over by the backend sandbox: keep it again.
+                rec.kept = match self.keep_backend(&rec.id).await {
+                    Ok(kept) => Some(kept),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %rec.id, error = %e, "keeping the state after a failed start; the sandbox's files are lost");
+                        None
+                    }
+                };
+                let mut paused = rec.clone();
+                paused.state = State::Paused;
+                if let Err(e) = self.store.save(&paused) {
+                    tracing::warn!(sandbox = %rec.id, error = %e, "recording the kept state");
+                }
+            } else if let Err(e) = self.backend.destroy(&rec.id).await {
+                tracing::warn!(sandbox = %rec.id, error = %e, "cleanup after a failed start");
+            }
+            return Err(LifecycleError::Agent {
+                id: rec.id.clone(),
+                reason,
+            });
+        }
+        Ok(addr)
+    }
+
+    /// Pauses a backend sandbox and has the backend keep its state; on failure the
+    /// sandbox is destroyed.
+    async fn keep_backend(&self, id: &str) -> Result<KeptState, BackendError> {
+        let kept = match self.backend.pause(id).await {
+            Ok(()) => self.backend.keep(id).await,
+            Err(e) => Err(e),
+        };
+        if kept.is_err() {
+            self.release(id, "releasing the sandbox").await;
+        }
+        kept
+    }
+
+    /// Destroys backend sandbox `id` (one already gone is fine), logging a failure.
+    pub(super) async fn release(&self, id: &str, what: &str) {
+        match self.backend.destroy(id).await {
+            Ok(()) | Err(BackendError::NotFound(_)) => {}
+            Err(e) => tracing::warn!(sandbox = %id, error = %e, "{what}"),
+        }
+    }
+
+    async fn init_agent(&self, rec: &SandboxRecord, addr: SandboxAddress) -> Result<(), String> {
+        let mut client =
+            agentenv_guest::client::GuestClient::new(&format!("http://{}", addr.agent()))
+                .map_err(|e| e.to_string())?;
+        let token = rec.secure.then(|| self.tokens.envd_token(&rec.id));
+        if let Some(t) = &token {
+            client = client.with_access_token(t);
+        }
+        let ts = time_rfc3339(SystemTime::now());
+        let body = serde_json::json!({
+            "envVars": rec.env_vars,
+            "accessToken": token.unwrap_or_default(),
+            "timestamp": ts,
+        });
+        client
+            .init(&body)
+            .await
+            .map_err(|e| format!("POST /init: {e}"))
+    }
+
+    /// Kills a sandbox and removes every trace of it.
+    pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), LifecycleError> {
+        self.admit(None)?;
+        self.on_sandbox(id, |this, sandbox| async move {
+            this.delete_locked(&sandbox).await
+        })
+        .await
+    }
+
+    pub(super) async fn delete_locked(&self, slot: &Slot) -> Result<(), LifecycleError> {
+        if !self.is_present(&slot.id) {
+            return Err(LifecycleError::NotFound(slot.id.clone()));
+        }
+        let (rec, before) = {
+            let (r, before) = slot.step(Op::Kill)?;
+            (r.clone(), before)
+        };
+        let mut result = match self.backend.destroy(&rec.id).await {
+            Ok(()) => Ok(()),
+            Err(BackendError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let (Ok(()), Some(kept)) = (&result, &rec.kept) {
+            result = self.backend.discard_kept(kept).await;
+        }
+        match result {
+            Ok(()) => {
+                self.forget_paused(&rec.id);
+                self.slots.lock().remove(&rec.id);
+                self.event(&rec, SandboxEventType::Delete);
+                tracing::info!(sandbox = %rec.id, "sandbox deleted");
+                Ok(())
+            }
+            Err(e) => {
+                slot.undo(before);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Removes sandbox `id`'s paused record (none is fine), logging a failure.
+    pub(super) fn forget_paused(&self, id: &str) {
+        if let Err(e) = self.store.remove(id) {
+            tracing::warn!(sandbox = %id, error = %e, "removing the paused record");
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Reading sandboxes: get, list, the counts of heartbeats and `GET /nodes`, and where
+//! the data plane reaches a sandbox.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::{LifecycleError, Orchestrator, SandboxRecord, Slot, State};
+use crate::reporter::{NodeSource, SandboxUsage};
+
+/// Why the data plane cannot reach a sandbox.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error("sandbox not found")]
+    NotFound,
+    #[error("sandbox is not proxyable in its current state")]
+    NotProxyable,
+    #[error("sandbox auto-resume timed out")]
+    ResumeTimedOut,
+    #[error("sandbox auto-resume failed: {0}")]
+    ResumeFailed(String),
+}
+
+impl Orchestrator {
+    /// A copy of a sandbox's record.
+    pub fn get(&self, id: &str) -> Result<SandboxRecord, LifecycleError> {
+        Ok(self.slot(id)?.rec.lock().clone())
+    }
+
+    /// Copies of every record.
+    pub fn list(&self) -> Vec<SandboxRecord> {
+        let slots: Vec<Arc<Slot>> = self.slots.lock().values().cloned().collect();
+        slots.iter().map(|s| s.rec.lock().clone()).collect()
+    }
+
+    /// Where the data plane reaches a sandbox's `port`: resumes a paused sandbox with
+    /// auto-resume, waits for one that is starting.
+    pub async fn route(self: &Arc<Self>, id: &str) -> Result<SandboxRecord, RouteError> {
+        for _ in 0..3 {
+            let slot = self.slot(id).map_err(|_| RouteError::NotFound)?;
+            let rec = slot.rec.lock().clone();
+            match rec.state {
+                State::Running if rec.address.is_some() => return Ok(rec),
+                State::Paused if rec.auto_resume => {
+                    if self.is_shutting_down() {
+                        return Err(RouteError::NotProxyable);
+                    }
+                    let t =
+                        Duration::from_secs(rec.timeout_secs).max(self.cfg.auto_resume_min_timeout);
+                    let r = tokio::time::timeout(Duration::from_secs(60), self.resume(id, Some(t)))
+                        .await;
+                    match r {
+                        Err(_) => return Err(RouteError::ResumeTimedOut),
+                        Ok(Err(LifecycleError::NotFound(_))) => return Err(RouteError::NotFound),
+                        Ok(Err(e)) => return Err(RouteError::ResumeFailed(e.to_string())),
+                        Ok(Ok(_)) => continue,
+                    }
+                }
+                State::Paused | State::Pausing => return Err(RouteError::NotProxyable),
+                State::Killing => return Err(RouteError::NotFound),
+                _ => {
+                    // Starting or resuming: wait for the operation to finish.
+                    drop(slot.lock().await);
+                }
+            }
+        }
+        Err(RouteError::NotProxyable)
+    }
+
+    /// Counts and allocations for heartbeats and `GET /nodes`.
+    pub fn usage(&self) -> SandboxUsage {
+        let mut u = SandboxUsage {
+            create_successes: self.create_successes.load(Ordering::Relaxed),
+            create_fails: self.create_fails.load(Ordering::Relaxed),
+            ..Default::default()
+        };
+        for r in self.list() {
+            match r.state {
+                State::Creating | State::Resuming => u.starting += 1,
+                State::Paused => u.paused += 1,
+                _ => u.running += 1,
+            }
+            if r.state == State::Paused {
+                u.paused_allocated_cpu += r.cpu_count;
+                u.paused_allocated_memory_bytes += r.memory_mb << 20;
+            } else {
+                u.allocated_cpu += r.cpu_count;
+                u.allocated_memory_bytes += r.memory_mb << 20;
+            }
+        }
+        u
+    }
+}
+
+/// The orchestrator as the reporter's view of the node.
+pub struct ReporterSource(pub Arc<Orchestrator>);
+
+impl NodeSource for ReporterSource {
+    fn sandbox_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.0.slots.lock().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    fn sandbox_usage(&self) -> SandboxUsage {
+        self.0.usage()
+    }
+}

@@ -1,0 +1,137 @@
+//! What the node knows about one sandbox, and what a create asks for.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::state::{Op, State, next};
+use crate::backend::{KeptState, SandboxAddress, SandboxSpec};
+use crate::clock::ms_since_epoch;
+
+/// What happens when a sandbox's timeout expires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    Pause,
+    Kill,
+}
+
+/// What a create asks for (already validated for shape by the API).
+#[derive(Debug, Clone)]
+pub struct CreateRequest {
+    pub template: String,
+    pub timeout: Option<Duration>,
+    pub on_timeout: OnTimeout,
+    pub auto_resume: bool,
+    pub secure: bool,
+    pub allow_internet_access: Option<bool>,
+    pub allow_public_traffic: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u64>,
+    pub disk_size_mb: Option<u64>,
+}
+
+impl CreateRequest {
+    /// A request with the API's defaults for `template`.
+    pub fn new(template: impl Into<String>) -> Self {
+        Self {
+            template: template.into(),
+            timeout: None,
+            on_timeout: OnTimeout::Pause,
+            auto_resume: false,
+            secure: false,
+            allow_internet_access: None,
+            allow_public_traffic: true,
+            metadata: BTreeMap::new(),
+            env_vars: BTreeMap::new(),
+            cpu_count: None,
+            memory_mb: None,
+            disk_size_mb: None,
+        }
+    }
+}
+
+/// Everything the node knows about one sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub state: State,
+    /// Creation time, ms since the epoch.
+    pub created_at_ms: u64,
+    /// The sandbox's timeout (what `timeout` asked for).
+    pub timeout_secs: u64,
+    pub on_timeout: OnTimeout,
+    pub auto_resume: bool,
+    pub secure: bool,
+    pub allow_internet_access: Option<bool>,
+    pub allow_public_traffic: bool,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    /// The writable disk's size in MiB, when the create named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_size_mb: Option<u64>,
+    /// When the timeout fires (wall clock, ms since the epoch); `None` while paused.
+    pub expires_at_ms: Option<u64>,
+    /// The timer behind `expires_at_ms`.
+    #[serde(skip)]
+    pub deadline: Option<Instant>,
+    /// Where the agent listens while the sandbox runs.
+    #[serde(skip)]
+    pub address: Option<SandboxAddress>,
+    /// Restored from disk after a node restart: no backend sandbox exists yet.
+    #[serde(skip)]
+    pub restored: bool,
+    /// What the backend kept of the stopped sandbox (see [`SandboxBackend::keep`]); a
+    /// restored sandbox starts from it.
+    ///
+    /// [`SandboxBackend::keep`]: crate::backend::SandboxBackend::keep
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptState>,
+    /// The snapshot the sandbox started from (its `templateID`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
+    /// The name of that snapshot, if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_name: Option<String>,
+}
+
+impl SandboxRecord {
+    /// The sandbox expires `timeout` from now.
+    pub(super) fn set_deadline(&mut self, timeout: Duration) {
+        self.deadline = Some(Instant::now() + timeout);
+        self.expires_at_ms = Some(ms_since_epoch(SystemTime::now() + timeout));
+    }
+
+    /// The sandbox expires `timeout` from now unless it expires later already.
+    pub(super) fn extend_deadline(&mut self, timeout: Duration) {
+        let new = Instant::now() + timeout;
+        if self.deadline.is_none_or(|d| d < new) {
+            self.set_deadline(timeout);
+        }
+    }
+
+    /// Whether the sandbox's timeout has passed at `now` and may act on it.
+    pub(super) fn is_due(&self, now: Instant) -> bool {
+        next(self.state, Op::Expire).is_ok() && self.deadline.is_some_and(|d| d <= now)
+    }
+
+    /// What the backend needs to start the sandbox.
+    pub(super) fn spec(&self) -> SandboxSpec {
+        let mut spec = SandboxSpec::new(&self.id, &self.template);
+        spec.cpu_count = self.cpu_count;
+        spec.memory_mb = self.memory_mb;
+        spec.disk_size_mb = self.disk_size_mb;
+        spec.env = self.env_vars.clone();
+        spec.allow_internet_access = self.allow_internet_access.unwrap_or(true);
+        spec.kept = self.kept.clone();
+        spec
+    }
+}
