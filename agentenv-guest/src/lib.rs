@@ -71,6 +71,7 @@
 // only the leaves (`connect`, `fileio`, `query`, `splice`) with it.
 pub mod client;
 pub mod connect;
+pub mod devices;
 mod fastpath;
 pub mod fileio;
 pub mod files;

@@ -158,22 +158,10 @@ pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
 }
 
 fn make_basic_devices() {
-    for (link, target) in [
-        ("/dev/fd", "/proc/self/fd"),
-        ("/dev/stdin", "/proc/self/fd/0"),
-        ("/dev/stdout", "/proc/self/fd/1"),
-        ("/dev/stderr", "/proc/self/fd/2"),
-    ] {
-        let _ = std::os::unix::fs::symlink(target, link);
+    for (link, target) in crate::devices::FD_LINKS {
+        let _ = std::os::unix::fs::symlink(target, format!("/dev/{link}"));
     }
-    for (name, major, minor) in [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("full", 1, 7),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-        ("tty", 5, 0),
-    ] {
+    for (name, major, minor) in crate::devices::BASIC_DEVICES {
         let Ok(path) = CString::new(format!("/dev/{name}")) else {
             continue;
         };

@@ -198,17 +198,22 @@ pub const STANDARD: &[DeviceRule] = &STANDARD_RULES;
 /// `/dev/net/tun` (10:200), read and write.
 pub const MICROVM: &[DeviceRule] = &MICROVM_RULES;
 
-const STANDARD_RULES: [DeviceRule; 8] = [
-    DeviceRule::char_rw(1, 3), // null
-    DeviceRule::char_rw(1, 5), // zero
-    DeviceRule::char_rw(1, 7), // full
-    DeviceRule::char_rw(1, 8), // random
-    DeviceRule::char_rw(1, 9), // urandom
-    DeviceRule::char_rw(5, 0), // tty
-    DeviceRule::char_rw(5, 2), // ptmx
-    // The pty slaves of every devpts instance (/dev/pts/N).
-    DeviceRule::new(DeviceKind::Char, Some(136), None, Access::RW),
-];
+const STANDARD_RULES: [DeviceRule; 8] = standard_rules();
+
+/// The basic devices of every sandbox (`agentenv_guest::devices::BASIC_DEVICES`, the
+/// nodes its `/dev` holds), ptmx, and the pty slaves of every devpts instance.
+const fn standard_rules() -> [DeviceRule; 8] {
+    let basic = agentenv_guest::devices::BASIC_DEVICES;
+    let mut out = [DeviceRule::new(DeviceKind::Any, None, None, Access::NONE); 8];
+    let mut i = 0;
+    while i < basic.len() {
+        out[i] = DeviceRule::char_rw(basic[i].1, basic[i].2);
+        i += 1;
+    }
+    out[6] = DeviceRule::char_rw(5, 2); // ptmx
+    out[7] = DeviceRule::new(DeviceKind::Char, Some(136), None, Access::RW); // /dev/pts/N
+    out
+}
 
 const MICROVM_RULES: [DeviceRule; 10] = concat(
     STANDARD_RULES,

@@ -82,7 +82,7 @@ pub const KEPT_CAPABILITIES: &[Capability] = &[
 /// The device nodes of a sandbox's /dev, bound from the host's (a user namespace cannot
 /// make device nodes, and the sandbox's /dev is a `nodev` tmpfs it can write to; a bind
 /// mount keeps the host node usable there). The device cgroup allows exactly these.
-pub const STANDARD_DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+pub const STANDARD_DEVICES: [(&str, u32, u32); 6] = agentenv_guest::devices::BASIC_DEVICES;
 
 /// One system call of the child's setup.
 #[derive(Debug)]

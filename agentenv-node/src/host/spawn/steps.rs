@@ -190,7 +190,7 @@ pub(super) fn overlay_steps(
     )?;
     // A bind keeps the host's /dev mount flags (set-id and exec bits mean nothing on a
     // device node): no remount.
-    for name in STANDARD_DEVICES {
+    for (name, _, _) in STANDARD_DEVICES {
         steps.bind_file(
             "bind a device node",
             cstr(format!("/dev/{name}"))?,
@@ -207,32 +207,20 @@ pub(super) fn overlay_steps(
             },
         );
     }
-    for (target, link) in [
-        ("pts/ptmx", "dev/ptmx"),
-        ("/proc/self/fd", "dev/fd"),
-        ("/proc/self/fd/0", "dev/stdin"),
-        ("/proc/self/fd/1", "dev/stdout"),
-        ("/proc/self/fd/2", "dev/stderr"),
-    ] {
+    let links = std::iter::once(("ptmx", "pts/ptmx")).chain(agentenv_guest::devices::FD_LINKS);
+    for (link, target) in links {
+        let link = at(&format!("dev/{link}"))?;
         steps.op(
             "create a /dev link",
             Op::Symlink {
                 target: cstr(target)?,
-                link: at(link)?,
+                link: link.clone(),
             },
         );
-    }
-    for link in [
-        "dev/ptmx",
-        "dev/fd",
-        "dev/stdin",
-        "dev/stdout",
-        "dev/stderr",
-    ] {
         steps.op(
             "own a /dev link",
             Op::Chown {
-                path: at(link)?,
+                path: link,
                 uid: *base_id,
                 gid: *base_id,
             },
