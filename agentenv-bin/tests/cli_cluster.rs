@@ -7,22 +7,21 @@ mod cli_common;
 
 use std::time::Duration;
 
+use agentenv_testkit::{Wait, eventually_blocking};
 use agentenv_tests::{API_KEY, Cluster, api, skip_reason};
 use cli_common::{Aenv, Tmux, sha256_file, stderr, stdout, wait_exit, wait_file, write_random};
 
 fn wait_two_nodes(cluster: &Cluster) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (st, v) = api(cluster.gateway, "GET", "/nodes", "");
-        if st == 200 && v.as_array().map(|a| a.len()) == Some(2) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the gateway did not list two nodes: {st} {v}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    Wait::new("the gateway to list two nodes", Duration::from_secs(30))
+        .every(Duration::from_millis(100))
+        .until_blocking(|| {
+            let (st, v) = api(cluster.gateway, "GET", "/nodes", "");
+            if st == 200 && v.as_array().map(|a| a.len()) == Some(2) {
+                Ok(())
+            } else {
+                Err(format!("{st} {v}"))
+            }
+        });
 }
 
 fn listed(a: &Aenv, args: &[&str]) -> Vec<serde_json::Value> {
@@ -495,16 +494,10 @@ fn exec_closed_stdout(a: &Aenv, id: &str) {
         "aenv exec kept writing to a closed pipe",
     );
     assert_eq!(status.code(), Some(141));
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while a
-        .ok(&["exec", id, "ps", "-eo", "args"])
-        .contains("yes closed-pipe")
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the remote command kept running"
-        );
-    }
+    eventually_blocking("the remote command to end", Duration::from_secs(10), || {
+        !a.ok(&["exec", id, "ps", "-eo", "args"])
+            .contains("yes closed-pipe")
+    });
 }
 
 /// The blocked-signal mask of a process the agent starts, when it blocks SIGINT.
@@ -548,19 +541,18 @@ fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
     });
     t.resize(120, 40);
     // The resize reaches the remote PTY (retyped until it shows: SIGWINCH is async).
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        t.line("clear; stty size");
-        std::thread::sleep(Duration::from_millis(200));
-        if t.capture().contains("40 120") {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "resize never reached the sandbox:\n{}",
-            t.capture()
-        );
-    }
+    Wait::new("the resize to reach the sandbox", Duration::from_secs(10))
+        .every(Duration::ZERO)
+        .until_blocking(|| {
+            t.line("clear; stty size");
+            std::thread::sleep(Duration::from_millis(200));
+            let pane = t.capture();
+            if pane.contains("40 120") {
+                Ok(())
+            } else {
+                Err(format!("pane:\n{pane}"))
+            }
+        });
     // Ctrl-C interrupts the remote foreground process, not the session.
     if let Some(mask) = blocked_sigint(a, id) {
         eprintln!(
@@ -569,13 +561,10 @@ fn interactive_shell(a: &Aenv, id: &str, dir: &std::path::Path) {
         );
     } else {
         t.line("sleep 300");
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !a
-            .ok(&["exec", id, "ps", "-eo", "args"])
-            .contains("sleep 300")
-        {
-            assert!(std::time::Instant::now() < deadline, "sleep never started");
-        }
+        eventually_blocking("sleep to start", Duration::from_secs(10), || {
+            a.ok(&["exec", id, "ps", "-eo", "args"])
+                .contains("sleep 300")
+        });
         t.send(&["C-c"], false);
         t.line("echo after-$((1+1))");
         t.wait_for("output after Ctrl-C", Duration::from_secs(10), |s| {

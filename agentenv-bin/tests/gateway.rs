@@ -236,17 +236,12 @@ async fn gateway_binary_routes_creates_and_sandbox_requests_through_the_schedule
         .args(["-TERM", &gw.0.id().to_string()])
         .status()
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let exit = loop {
-        if let Some(s) = gw.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "gateway did not stop on SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let exit = agentenv_testkit::eventually(
+        "the gateway to stop on SIGTERM",
+        Duration::from_secs(15),
+        || std::future::ready(gw.0.try_wait().unwrap()),
+    )
+    .await;
     assert!(exit.success(), "{exit:?}");
 }
 

@@ -203,17 +203,12 @@ async fn binary_serves_scheduler_health_and_metrics_then_stops_on_sigterm() {
         .status()
         .unwrap();
     assert!(status.success());
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let exit = loop {
-        if let Some(s) = d.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "scheduler did not stop after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let exit = agentenv_testkit::eventually(
+        "the scheduler to stop after SIGTERM",
+        Duration::from_secs(15),
+        || std::future::ready(d.child.try_wait().unwrap()),
+    )
+    .await;
     assert!(exit.success(), "graceful stop exits 0, got {exit:?}");
 }
 

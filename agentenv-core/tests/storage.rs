@@ -8,13 +8,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use agentenv_core::storage::{OpendalStorage, Storage, StorageConfig, StorageError};
+use agentenv_testkit::moto::Moto;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-
-#[path = "support/moto.rs"]
-mod moto;
-use moto::Moto;
 
 /// `len` bytes of a fixed pattern, produced as they are read (never all in memory).
 struct Pattern {

@@ -9,7 +9,8 @@ use agentenv_guest::client::GuestClient;
 use agentenv_guest::connect::encode_envelope;
 use agentenv_guest::proto::process as pr;
 use agentenv_guest::server::AgentOptions;
-use common::{TestAgent, open_fds, poll};
+use agentenv_testkit::eventually;
+use common::{TestAgent, open_fds};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -46,11 +47,26 @@ fn post(path: &str, ct: &str, body: &[u8]) -> Vec<u8> {
     r
 }
 
+/// A bodiless `GET path` that closes the connection.
+fn get(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").into_bytes()
+}
+
 fn status_of(resp: &str) -> u16 {
     resp.split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0)
+}
+
+/// Waits until this process has no more open file descriptors than `baseline`.
+async fn fds_return_to(baseline: usize) {
+    eventually(
+        "file descriptors to return to the baseline",
+        Duration::from_secs(10),
+        || async { (open_fds() <= baseline).then_some(()) },
+    )
+    .await;
 }
 
 async fn assert_still_serving(agent: &TestAgent) {
@@ -141,17 +157,9 @@ async fn malformed_requests_get_connect_errors_and_nothing_leaks() {
     // Unknown method, GET on an RPC path, unknown path, bad timeout header.
     let r = raw(a, &post("/process.Process/Nope", "application/json", b"{}")).await;
     assert!(r.contains("unimplemented"), "{r}");
-    let r = raw(
-        a,
-        b"GET /process.Process/List HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    )
-    .await;
+    let r = raw(a, &get("/process.Process/List")).await;
     assert_eq!(status_of(&r), 405, "{r}");
-    let r = raw(
-        a,
-        b"GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    )
-    .await;
+    let r = raw(a, &get("/nothing")).await;
     assert_eq!(status_of(&r), 404, "{r}");
     let mut req = post("/process.Process/List", "application/json", b"{}");
     let pos = req.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
@@ -182,7 +190,7 @@ async fn malformed_requests_get_connect_errors_and_nothing_leaks() {
         .as_bytes(),
     )
     .await;
-    poll(
+    eventually(
         "the cut-off upload to be cleaned up",
         Duration::from_secs(10),
         || async { (std::fs::read_dir(dir.path()).unwrap().count() == 1).then_some(()) },
@@ -210,32 +218,15 @@ async fn malformed_requests_get_connect_errors_and_nothing_leaks() {
     let r = raw(a, &post("/files", "application/octet-stream", b"abc")).await;
     assert_eq!(status_of(&r), 400, "{r}");
     // Downloads: a directory is 400, a missing file 404, an unknown user 401.
-    let r = raw(
-        a,
-        b"GET /files?path=/tmp HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    )
-    .await;
+    let r = raw(a, &get("/files?path=/tmp")).await;
     assert_eq!(status_of(&r), 400, "{r}");
-    let r = raw(
-        a,
-        b"GET /files?path=/no/such/file HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    )
-    .await;
+    let r = raw(a, &get("/files?path=/no/such/file")).await;
     assert_eq!(status_of(&r), 404, "{r}");
-    let r = raw(
-        a,
-        b"GET /files?path=/etc/hostname&username=no-such-user-x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    )
-    .await;
+    let r = raw(a, &get("/files?path=/etc/hostname&username=no-such-user-x")).await;
     assert_eq!(status_of(&r), 401, "{r}");
 
     assert_still_serving(&agent).await;
-    poll(
-        "file descriptors to return to the baseline",
-        Duration::from_secs(10),
-        || async { (open_fds() <= fds_before).then_some(()) },
-    )
-    .await;
+    fds_return_to(fds_before).await;
     assert!(agent.state.processes.is_empty());
     agent.stop().await;
 }
@@ -300,7 +291,7 @@ async fn client_disconnecting_mid_stream_leaves_no_zombie_or_fd() {
     drop(stream);
     drop(c);
     // The process runs to its end without a reader and is reaped.
-    poll(
+    eventually(
         "the process to finish and be reaped",
         Duration::from_secs(20),
         || async {
@@ -338,19 +329,14 @@ async fn client_disconnecting_mid_stream_leaves_no_zombie_or_fd() {
     c.send_signal(sel, pr::Signal::Sigkill).await.unwrap();
     drop(cat);
     drop(c);
-    poll("cat to be reaped", Duration::from_secs(10), || async {
+    eventually("cat to be reaped", Duration::from_secs(10), || async {
         (agent.state.processes.is_empty()
             && !std::path::Path::new(&format!("/proc/{}", s.pid)).exists())
         .then_some(())
     })
     .await;
     assert_still_serving(&agent).await;
-    poll(
-        "file descriptors to return to the baseline",
-        Duration::from_secs(10),
-        || async { (open_fds() <= fds_before).then_some(()) },
-    )
-    .await;
+    fds_return_to(fds_before).await;
     agent.stop().await;
 }
 

@@ -9,7 +9,8 @@ use agentenv_guest::client::{ClientError, GuestClient, collect_output};
 use agentenv_guest::connect::Code;
 use agentenv_guest::proto::process as pr;
 use agentenv_guest::server::AgentOptions;
-use common::{TestAgent, poll};
+use agentenv_testkit::eventually;
+use common::TestAgent;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
@@ -352,7 +353,7 @@ async fn connect_timeout_ms_ends_a_start_stream_and_the_process() {
         .to_bytes();
     let text = String::from_utf8_lossy(&body);
     assert!(text.contains("deadline_exceeded"), "{text}");
-    poll(
+    eventually(
         "the timed-out process to end",
         Duration::from_secs(10),
         || async { agent.state.processes.is_empty().then_some(()) },
@@ -622,7 +623,7 @@ async fn recursive_watch_follows_new_subdirectories_and_polling_watchers_drain()
     let get = fs::GetWatcherEventsRequest {
         watcher_id: created.watcher_id.clone(),
     };
-    let events = poll("polled events", Duration::from_secs(10), || async {
+    let events = eventually("polled events", Duration::from_secs(10), || async {
         let r: fs::GetWatcherEventsResponse = c
             .unary("/filesystem.Filesystem/GetWatcherEvents", &get)
             .await
@@ -697,7 +698,7 @@ async fn killing_a_shell_also_kills_its_children() {
         .unwrap();
     assert_eq!(out.end.unwrap().status, "signal: killed");
     // The background child is gone too (or at most a zombie awaiting its new parent).
-    poll(
+    eventually(
         "the shell's child to die",
         Duration::from_secs(10),
         || async {

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 struct KillOnDrop(std::process::Child);
 impl Drop for KillOnDrop {
@@ -32,7 +32,7 @@ fn official_e2b_python_sdk_drives_the_agent() {
         }
     };
     // Only one user of port 49983 at a time.
-    let lock = File::create(common::target_dir().join("e2b-sdk-49983.lock")).unwrap();
+    let lock = File::create(agentenv_testkit::target_dir().join("e2b-sdk-49983.lock")).unwrap();
     // SAFETY: flock on a valid fd.
     assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
 
@@ -42,14 +42,11 @@ fn official_e2b_python_sdk_drives_the_agent() {
         .spawn()
         .expect("starting the agent binary");
     let _agent = KillOnDrop(agent);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if std::net::TcpStream::connect("127.0.0.1:49983").is_ok() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "agent did not listen on 49983");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    agentenv_testkit::eventually_blocking(
+        "the agent to listen on 49983",
+        Duration::from_secs(10),
+        || std::net::TcpStream::connect("127.0.0.1:49983"),
+    );
 
     let base = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2b_sdk_script.py");

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use agentenv_guest::client::GuestClient;
 use agentenv_guest::server::AgentOptions;
+use agentenv_testkit::eventually;
 use base64::Engine as _;
-use common::{TestAgent, open_fds, poll};
+use common::{TestAgent, open_fds};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -455,7 +456,7 @@ async fn a_client_disconnecting_mid_body_leaves_no_temp_file_and_no_fd() {
     c.send(&upload_head(&path, 8 << 20, "")).await;
     c.send(&pseudo_random(1 << 20, 5)).await;
     // The upload is under way: its temporary file exists.
-    poll(
+    eventually(
         "the temporary file to appear",
         Duration::from_secs(10),
         || async { (entries(dir.path()).len() == 2).then_some(()) },
@@ -463,7 +464,7 @@ async fn a_client_disconnecting_mid_body_leaves_no_temp_file_and_no_fd() {
     .await;
     assert_eq!(agent.state.fast_path_uploads(), 1);
     drop(c);
-    poll(
+    eventually(
         "the temporary file to be removed",
         Duration::from_secs(10),
         || async { (entries(dir.path()) == ["cut.bin"]).then_some(()) },
@@ -474,7 +475,7 @@ async fn a_client_disconnecting_mid_body_leaves_no_temp_file_and_no_fd() {
         b"previous content",
         "a cut-off upload clobbered the file"
     );
-    poll(
+    eventually(
         "file descriptors to return to the baseline",
         Duration::from_secs(10),
         || async { (open_fds() <= fds_before).then_some(()) },

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use agentenv_guest::client::GuestClient;
-use common::poll;
+use agentenv_testkit::{eventually, free_port};
 
 fn can_unshare() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
@@ -24,14 +24,6 @@ fn can_unshare() -> Result<(), String> {
         return Err("`unshare --pid --fork --mount` is not available (util-linux)".into());
     }
     Ok(())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 async fn run_sh(c: &GuestClient, script: &str) -> String {
@@ -64,7 +56,7 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
         .unwrap();
     let url = format!("http://127.0.0.1:{port}");
     let c = GuestClient::new(&url).unwrap();
-    poll(
+    eventually(
         "the agent under init to answer /health",
         Duration::from_secs(10),
         || async { c.health().await.ok().filter(|h| *h).map(|_| ()) },
@@ -106,7 +98,7 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
         "1",
         "the orphaned sleep should still be running"
     );
-    poll("the orphan to be reaped", Duration::from_secs(10), || async {
+    eventually("the orphan to be reaped", Duration::from_secs(10), || async {
         let z = run_sh(&c, zombies).await;
         let sleeping = run_sh(&c, "for f in /proc/[0-9]*/comm; do read -r n < $f 2>/dev/null && [ \"$n\" = sleep ] && echo y; done").await;
         (z.trim().is_empty() && sleeping.trim().is_empty()).then_some(())
@@ -119,7 +111,7 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
     let _ = c
         .run("/bin/sh", &["-c", &format!("kill -9 {}", agent_pid.trim())])
         .await;
-    poll(
+    eventually(
         "the agent to be restarted",
         Duration::from_secs(15),
         || async {
@@ -142,13 +134,11 @@ async fn init_mode_reaps_orphans_restarts_the_agent_and_stops_on_sigterm() {
     let init_pid: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(init_pid, libc::SIGTERM) }, 0);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(st) = unshare.try_wait().unwrap() {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "init did not exit after SIGTERM");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = eventually(
+        "init to exit after SIGTERM",
+        Duration::from_secs(15),
+        || std::future::ready(unshare.try_wait().unwrap()),
+    )
+    .await;
     assert!(status.success(), "init exited with {status:?}");
 }

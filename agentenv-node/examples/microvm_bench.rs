@@ -14,11 +14,6 @@
 //! resume freeze and thaw the cgroup). Also printed: the VMM's resident memory. Needs
 //! root and `/dev/kvm`.
 
-#[path = "../../agentenv-vmm/tests/common/mod.rs"]
-mod guest;
-#[path = "../tests/microvm_common/mod.rs"]
-mod microvm_common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -26,6 +21,8 @@ use agentenv_node::backend::jail::{JailBackend, JailConfig};
 use agentenv_node::backend::microvm::{MicrovmBackend, MicrovmConfig};
 use agentenv_node::backend::{SandboxBackend, SandboxSpec};
 use agentenv_node::template::TemplateMeta;
+use agentenv_testkit::bins::static_vmm_binary;
+use agentenv_testkit::vmm as guest;
 use anyhow::{Context, bail};
 
 const OPS: [&str; 4] = ["create", "pause", "resume", "destroy"];
@@ -75,17 +72,6 @@ async fn lifecycle(
     Ok(out)
 }
 
-fn halting_guest(dir: &Path) -> PathBuf {
-    let mut a = guest::asm64();
-    guest::print(&mut a, "ready\n");
-    let mut l = a.create_label();
-    a.set_label(&mut l).unwrap();
-    a.cli().unwrap();
-    a.hlt().unwrap();
-    a.jmp(l).unwrap();
-    guest::kernel(dir, &mut a)
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let mut count = 20usize;
@@ -120,13 +106,8 @@ async fn main() -> anyhow::Result<()> {
     )?;
     let agent = data.path().join("agent");
     std::fs::write(&agent, b"\x7fELF not run")?;
-    let kernel = halting_guest(data.path());
-    let mut m = MicrovmConfig::new(
-        data.path().join("vm"),
-        &agent,
-        microvm_common::static_vmm_binary(),
-        kernel,
-    );
+    let kernel = guest::halting_guest(data.path());
+    let mut m = MicrovmConfig::new(data.path().join("vm"), &agent, static_vmm_binary(), kernel);
     m.templates.root = templates;
     m.cgroup_parent = "agentenv-bench".into();
     m.iface_prefix = "bv".into();

@@ -13,23 +13,7 @@ use agentenv_node::backend::agent::wait_ready;
 /// The agent binary: `AGENTENV_GUEST_BIN`, else one in the workspace's target directory
 /// (the static build of `agentenv-guest/build-static.sh`, else `cargo build -p agentenv-guest`).
 fn guest_binary() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let arch = std::env::consts::ARCH;
-    // The static build (agentenv-guest/build-static.sh) first, then plain cargo builds.
-    [
-        target.join(format!("{arch}-unknown-linux-gnu/release/agentenv-guest")),
-        target.join(format!("{arch}-unknown-linux-musl/release/agentenv-guest")),
-        target.join("release/agentenv-guest"),
-        target.join("debug/agentenv-guest"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
+    agentenv_testkit::bins::find_binary("AGENTENV_GUEST_BIN", "agentenv-guest")
 }
 
 /// Creates a sandbox running the real agent with `args`; `Err(agent log)` when it never

@@ -2,7 +2,7 @@
 //! removed without a trace; never while an interface of the prefix exists; never those of
 //! another prefix.
 
-mod rules_common;
+use agentenv_testkit::host_rules as rules_common;
 
 use std::path::Path;
 use std::process::Command;

@@ -12,6 +12,7 @@ use agentenv_node::backend::agent::probe_health;
 use agentenv_node::backend::jail::JailBackend;
 use agentenv_node::backend::{BackendError, KeptState, SandboxBackend, SandboxState};
 use agentenv_node::host::spawn::KEPT_CAPABILITIES;
+use agentenv_testkit::{Wait, eventually_blocking};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_agent_answers_at_the_sandbox_address_and_runs_a_command() {
@@ -265,17 +266,13 @@ fn read_counter(b: &agentenv_node::backend::jail::JailBackend, id: &str) -> Opti
 }
 
 async fn counter_above(b: &agentenv_node::backend::jail::JailBackend, id: &str, above: u64) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(v) = read_counter(b, id).filter(|v| *v > above) {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the counter did not pass {above}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    Wait::new(
+        format_args!("the counter to pass {above}"),
+        Duration::from_secs(10),
+    )
+    .every(Duration::from_millis(5))
+    .until(|| std::future::ready(read_counter(b, id).filter(|v| *v > above)))
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -472,19 +469,16 @@ impl FakeInternet {
             server,
             _exclusive: lock,
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect_timeout(
-            &(INTERNET_IP, INTERNET_PORT).into(),
-            Duration::from_millis(200),
-        )
-        .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the fake internet server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        eventually_blocking(
+            "the fake internet server to start",
+            Duration::from_secs(10),
+            || {
+                std::net::TcpStream::connect_timeout(
+                    &(INTERNET_IP, INTERNET_PORT).into(),
+                    Duration::from_millis(200),
+                )
+            },
+        );
         me
     }
 }
@@ -508,14 +502,7 @@ async fn egress_goes_through_nat_only_when_internet_access_is_allowed() {
     let mut closed_spec = common::spec(&common::id("egress-off"));
     closed_spec.allow_internet_access = false;
     let closed = common::create_ready(&b, closed_spec).await;
-    let r = common::try_connect(&open, INTERNET_IP, INTERNET_PORT).await;
-    assert_eq!(
-        r,
-        format!("connected {INTERNET_HOST_SIDE}"),
-        "NAT'd to the host's address"
-    );
-    let r = common::try_connect(&closed, INTERNET_IP, INTERNET_PORT).await;
-    assert!(common::is_blocked(&r), "no internet access: {r}");
+    assert_internet_access(&open, &closed).await;
     // The node still reaches the closed sandbox.
     probe_health(closed.address.agent()).await.unwrap();
     b.destroy(&open.id).await.unwrap();
@@ -541,18 +528,33 @@ async fn reconcile_cleans_up_after_a_crashed_node_process() {
         .unwrap();
     let report = restarted.reconcile(&[]).await.unwrap();
     assert_eq!(report.removed_sandboxes, vec![info.id.clone()]);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while std::path::Path::new(&format!("/proc/{}", t.pid)).exists() {
-        assert!(
-            Instant::now() < deadline,
-            "PID 1 of the leftover sandbox was not reaped"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    Wait::new(
+        "PID 1 of the leftover sandbox to be reaped",
+        Duration::from_secs(5),
+    )
+    .every(Duration::from_millis(5))
+    .until(|| std::future::ready(!std::path::Path::new(&format!("/proc/{}", t.pid)).exists()))
+    .await;
     common::assert_gone(&restarted, &t);
     // A second pass finds nothing.
     let again = restarted.reconcile(&[]).await.unwrap();
     assert!(again.removed_sandboxes.is_empty(), "{again:?}");
+}
+
+/// Asserts that `open` reaches the fake internet (NAT'd to the host's address) and
+/// `closed` does not.
+async fn assert_internet_access(
+    open: &agentenv_node::backend::SandboxInfo,
+    closed: &agentenv_node::backend::SandboxInfo,
+) {
+    let r = common::try_connect(open, INTERNET_IP, INTERNET_PORT).await;
+    assert_eq!(
+        r,
+        format!("connected {INTERNET_HOST_SIDE}"),
+        "NAT'd to the host's address"
+    );
+    let r = common::try_connect(closed, INTERNET_IP, INTERNET_PORT).await;
+    assert!(common::is_blocked(&r), "no internet access: {r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -807,18 +809,20 @@ impl PoolTraces {
 
 /// Waits until the backend's namespace pool has `n` namespaces ready.
 async fn pool_ready(b: &JailBackend, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    Wait::new(
+        format_args!("the namespace pool to fill to {n}"),
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(5))
+    .until(|| {
         let st = b.net_pool_stats();
-        if st.ready >= n {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the namespace pool did not fill to {n}: {st:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        std::future::ready(if st.ready >= n {
+            Ok(())
+        } else {
+            Err(format!("{st:?}"))
+        })
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -914,14 +918,7 @@ async fn egress_policy_is_applied_to_pooled_namespaces() {
             .unwrap()
             .starts_with(&format!("{p}n"))
     );
-    let r = common::try_connect(&open, INTERNET_IP, INTERNET_PORT).await;
-    assert_eq!(
-        r,
-        format!("connected {INTERNET_HOST_SIDE}"),
-        "NAT'd to the host's address"
-    );
-    let r = common::try_connect(&closed, INTERNET_IP, INTERNET_PORT).await;
-    assert!(common::is_blocked(&r), "no internet access: {r}");
+    assert_internet_access(&open, &closed).await;
     // The node reaches both, and the renamed one still has its address and route.
     probe_health(open.address.agent()).await.unwrap();
     probe_health(closed.address.agent()).await.unwrap();

@@ -6,12 +6,13 @@ use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier, RwLock, RwLockReadGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agentenv_node::host::disk::{
     self, DiskError, LayerPool, MountOptions, MountedLayer, create_layer_image, ensure_blank,
     layer_usage, mount_layer, mount_layer_with,
 };
+use agentenv_testkit::Wait;
 
 /// A process in a new mount namespace holds copies of every layer mounted at that moment,
 /// those of the tests running beside it too: the test that makes one runs alone.
@@ -41,16 +42,13 @@ fn backing_file(layer_loop: u32) -> Option<PathBuf> {
 /// Waits (bounded) until loop device `n` no longer holds `image`: the kernel detaches an
 /// autoclear device when its last user goes, which the test cannot wait on otherwise.
 fn wait_detached(n: u32, image: &Path) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        if backing_file(n).is_none_or(|f| f != image) {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    Wait::new(
+        format_args!("/dev/loop{n} to let go of {image:?}"),
+        Duration::from_secs(5),
+    )
+    .every(Duration::from_millis(1))
+    .try_until_blocking(|| backing_file(n).is_none_or(|f| f != image))
+    .is_ok()
 }
 
 struct Sandbox {
@@ -77,6 +75,25 @@ impl Drop for Sandbox {
             let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
         }
     }
+}
+
+impl Sandbox {
+    /// A fresh layer image of `size_mb` at the sandbox's `layer.img`.
+    fn image(&self, size_mb: u64) -> PathBuf {
+        let image = self.root.join(disk::LAYER_IMAGE);
+        create_layer_image(&self.cache, size_mb, &image).unwrap();
+        image
+    }
+}
+
+/// How most tests start: `None` (skipped) without loop devices, else the shared side of
+/// [`NAMESPACES`] and a fresh sandbox directory.
+fn start() -> Option<(RwLockReadGuard<'static, ()>, Sandbox)> {
+    if !loops_available() {
+        return None;
+    }
+    let shared = shared();
+    Some((shared, sandbox()))
 }
 
 fn sandbox() -> Sandbox {
@@ -108,14 +125,9 @@ fn allocated_on(path: &Path, dev: u64) -> u64 {
 
 #[test]
 fn a_full_layer_stops_writes_with_enospc_at_its_size() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
     const SIZE_MB: u64 = 64;
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, SIZE_MB, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(SIZE_MB);
     let meta = fs::metadata(&image).unwrap();
     assert_eq!(meta.len(), SIZE_MB << 20);
     let allocated = meta.blocks() * 512;
@@ -185,13 +197,8 @@ fn a_full_layer_stops_writes_with_enospc_at_its_size() {
 
 #[test]
 fn an_unmounted_layer_keeps_its_files_and_mounts_again() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(64);
     let layer = mount_layer(&image, &s.root.join(disk::LAYER_DIR)).unwrap();
     fs::create_dir(layer.upper().join("etc")).unwrap();
     fs::write(layer.upper().join("etc/kept"), b"still here").unwrap();
@@ -238,11 +245,7 @@ fn an_unmounted_layer_keeps_its_files_and_mounts_again() {
 
 #[test]
 fn layers_get_their_own_loop_devices_released_on_unmount() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
+    let Some((_shared, s)) = start() else { return };
     let mut layers = Vec::new();
     for name in ["a", "b"] {
         let dir = s.root.join(name);
@@ -287,13 +290,8 @@ fn mount_options(path: &Path) -> String {
 
 #[test]
 fn a_busy_layer_names_who_holds_it_and_stays_mounted() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(64);
     let mountpoint = s.root.join(disk::LAYER_DIR);
     let layer = mount_layer(&image, &mountpoint).unwrap();
     let open = File::create(layer.upper().join("open")).unwrap();
@@ -318,8 +316,7 @@ fn a_layer_mounted_in_another_namespace_is_reported_after_unmounting_here() {
     }
     let _alone = NAMESPACES.write().unwrap_or_else(|e| e.into_inner());
     let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let image = s.image(64);
     let mountpoint = s.root.join(disk::LAYER_DIR);
     let layer = mount_layer(&image, &mountpoint).unwrap();
     // A process in a mount namespace made while the layer was mounted (what a sandbox
@@ -408,13 +405,8 @@ fn concurrent_ensure_blank_formats_once() {
 
 #[test]
 fn the_pre_5_8_loop_setup_works_and_stale_devices_are_detached() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(64);
     let options = MountOptions {
         direct_io: true,
         legacy_loop_setup: true,
@@ -448,11 +440,7 @@ fn the_pre_5_8_loop_setup_works_and_stale_devices_are_detached() {
 
 #[test]
 fn mounting_a_missing_or_bad_image_fails_cleanly() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
+    let Some((_shared, s)) = start() else { return };
     let e = mount_layer(&s.root.join("none.img"), &s.root.join("m")).unwrap_err();
     assert!(e.to_string().contains("none.img"), "{e}");
     // A file system the kernel refuses (a clean superblock over garbage): the mount
@@ -470,14 +458,14 @@ fn mounting_a_missing_or_bad_image_fails_cleanly() {
     let e = mount_layer(&junk, &s.root.join("m")).unwrap_err();
     assert!(e.to_string().contains("mounting"), "{e}");
     let junk = fs::canonicalize(&junk).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while loop_holding(&junk).is_some() {
-        assert!(
-            Instant::now() < deadline,
-            "a loop device still holds {junk:?}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    Wait::new(
+        format_args!("no loop device to hold {junk:?}"),
+        Duration::from_secs(5),
+    )
+    .every(Duration::from_millis(1))
+    .until_blocking(|| {
+        loop_holding(&junk).map_or(Ok(()), |d| Err(format!("/dev/loop{d} holds it")))
+    });
     // An existing destination is never overwritten.
     let image = s.root.join(disk::LAYER_IMAGE);
     fs::write(&image, b"kept").unwrap();
@@ -500,13 +488,8 @@ fn loop_holding(image: &Path) -> Option<u32> {
 
 #[test]
 fn an_image_mounted_now_or_left_dirty_is_refused_until_repaired() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(64);
     let layer = mount_layer(&image, &s.root.join(disk::LAYER_DIR)).unwrap();
     fs::write(layer.upper().join("data"), b"precious").unwrap();
     // A second mount of the same image (a node restarted in another mount namespace
@@ -569,11 +552,7 @@ fn set_valid_fs(image: &Path, valid: bool) {
 
 #[test]
 fn a_pool_hands_out_mounted_layers_as_sandbox_directories() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
+    let Some((_shared, s)) = start() else { return };
     let pool_dir = s.root.join("pool");
     // What a crashed node process left in the pool's directory.
     fs::create_dir_all(pool_dir.join("7")).unwrap();
@@ -684,17 +663,13 @@ fn a_shared_mount_lets_unmounts_reach_namespaces_made_while_a_layer_was_mounted(
         .spawn()
         .unwrap();
     let pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !fs::read_to_string(format!("/proc/{pid}/mountinfo"))
-        .unwrap_or_default()
-        .contains(disk::LAYER_DIR)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the namespace never had the layer"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Wait::new("the namespace to have the layer", Duration::from_secs(5))
+        .every(Duration::from_millis(5))
+        .until_blocking(|| {
+            fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                .unwrap_or_default()
+                .contains(disk::LAYER_DIR)
+        });
     // The unmount here reaches the copy there: the file system is gone at once.
     layer.unmount().unwrap();
     assert!(wait_detached(n, &image));
@@ -717,13 +692,8 @@ fn a_shared_mount_lets_unmounts_reach_namespaces_made_while_a_layer_was_mounted(
 
 #[test]
 fn an_overlay_on_a_layer_is_capped_and_holds_it() {
-    if !loops_available() {
-        return;
-    }
-    let _shared = shared();
-    let s = sandbox();
-    let image = s.root.join(disk::LAYER_IMAGE);
-    create_layer_image(&s.cache, 64, &image).unwrap();
+    let Some((_shared, s)) = start() else { return };
+    let image = s.image(64);
     let layer = mount_layer(&image, &s.root.join(disk::LAYER_DIR)).unwrap();
     let lower = s.root.join("lower");
     let root = s.root.join("root");

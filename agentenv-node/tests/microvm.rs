@@ -4,18 +4,17 @@
 //! and no VMM; resume restores a VMM from it; keep/create and capture/import restore it;
 //! destroy and reconcile leave no process, namespace, link, cgroup, file or address.
 
-#[path = "../../agentenv-vmm/tests/common/mod.rs"]
-mod guest;
-mod microvm_common;
-mod rules_common;
-
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use agentenv_node::backend::microvm::{MicrovmBackend, MicrovmConfig};
 use agentenv_node::backend::{BackendError, SandboxBackend, SandboxSpec, SandboxState};
 use agentenv_node::template::TemplateMeta;
+use agentenv_testkit::Wait;
+use agentenv_testkit::bins::static_vmm_binary;
+use agentenv_testkit::host_rules as rules_common;
+use agentenv_testkit::vmm as guest;
 use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -40,18 +39,6 @@ macro_rules! require_microvm {
     };
 }
 
-/// Prints `ready`, then halts with interrupts off (the vCPU sleeps in the host kernel).
-fn halting_guest(dir: &Path) -> PathBuf {
-    let mut a = guest::asm64();
-    guest::print(&mut a, "ready\n");
-    let mut l = a.create_label();
-    a.set_label(&mut l).unwrap();
-    a.cli().unwrap();
-    a.hlt().unwrap();
-    a.jmp(l).unwrap();
-    guest::kernel(dir, &mut a)
-}
-
 /// A template store with one small template, `tiny`.
 fn tiny_template(root: &Path) {
     let t = root.join("tiny");
@@ -68,17 +55,11 @@ fn tiny_template(root: &Path) {
 /// A backend on `data` whose sandbox addresses come from `10.17.<net>.0/24`: each test has
 /// its own network, so no other test reuses its addresses and link names meanwhile.
 async fn backend(data: &Path, net: u8) -> MicrovmBackend {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "agentenv_node=info".into()),
-        )
-        .with_test_writer()
-        .try_init();
-    let kernel = halting_guest(data);
+    agentenv_testkit::node::init_tracing();
+    let kernel = guest::halting_guest(data);
     let agent = data.join("agentenv-guest");
     std::fs::write(&agent, b"\x7fELF the agent never runs in these tests").unwrap();
-    let mut cfg = MicrovmConfig::new(data, &agent, microvm_common::static_vmm_binary(), kernel);
+    let mut cfg = MicrovmConfig::new(data, &agent, static_vmm_binary(), kernel);
     cfg.templates.root = data.join("templates");
     tiny_template(&cfg.templates.root);
     cfg.cgroup_parent = "agentenv-test-vm".into();
@@ -120,14 +101,10 @@ fn alive(pid: i32) -> bool {
 }
 
 async fn wait_gone(pid: i32) {
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
-    while alive(pid) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "pid {pid} still runs"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    Wait::new(format_args!("pid {pid} to end"), TIMEOUT)
+        .every(Duration::from_millis(5))
+        .until(|| std::future::ready(!alive(pid)))
+        .await;
 }
 
 /// The interface the VMM attached to: `iff:` in the fdinfo of its /dev/net/tun descriptor.
@@ -148,19 +125,17 @@ fn vmm_taps(pid: i32) -> Vec<String> {
 }
 
 async fn serial_contains(dir: &Path, text: &str) -> bool {
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
-    loop {
-        if std::fs::read_to_string(dir.join("jail/run/serial.log"))
-            .unwrap_or_default()
-            .contains(text)
-        {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    Wait::new(format_args!("{text:?} on the serial console"), TIMEOUT)
+        .every(Duration::from_millis(5))
+        .try_until(|| {
+            std::future::ready(
+                std::fs::read_to_string(dir.join("jail/run/serial.log"))
+                    .unwrap_or_default()
+                    .contains(text),
+            )
+        })
+        .await
+        .is_ok()
 }
 
 /// Checks that a running sandbox's VMM sits in its namespace and cgroup with the tap.

@@ -8,7 +8,6 @@
 //! reaches userspace (docs/microvm.md, "Choosing the backend"): the test says so and
 //! returns.
 
-mod microvm_common;
 mod node_common;
 
 use std::path::{Path, PathBuf};
@@ -50,7 +49,7 @@ async fn a_linux_guest_boots_with_the_agent_as_init_and_runs_a_command() {
     }
     require_node!();
     let kernel = guest_kernel();
-    let vmm = microvm_common::static_vmm_binary();
+    let vmm = agentenv_testkit::bins::static_vmm_binary();
     if let Some(reason) = unavailable_reason(&kernel, &vmm) {
         panic!("hardware KVM is present but microVMs cannot run: {reason}");
     }

@@ -3,7 +3,7 @@
 
 mod node_common;
 
-use node_common::{API_KEY, Node, api, create, request, run};
+use node_common::{API_KEY, Node, api, create, delete, request, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_get_list_delete_and_commands_through_the_data_plane() {
@@ -82,12 +82,12 @@ async fn create_get_list_delete_and_commands_through_the_data_plane() {
         .json();
     assert_eq!(none.as_array().unwrap().len(), 0);
 
-    let d = api(addr, "DELETE", &format!("/sandboxes/{id}"), "").await;
+    let d = delete(addr, &id).await;
     assert_eq!(d.status, 204, "{}", d.text());
     let gone = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
     assert_eq!(gone.status, 404);
     assert_eq!(gone.json()["message"], format!("sandbox {id} not found"));
-    let again = api(addr, "DELETE", &format!("/sandboxes/{id}"), "").await;
+    let again = delete(addr, &id).await;
     assert_eq!(again.status, 404);
 
     // The data plane reports a gone sandbox the way the E2B SDK recognises.

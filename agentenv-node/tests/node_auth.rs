@@ -48,22 +48,36 @@ async fn control_plane_needs_exactly_one_valid_api_key() {
     node.stop().await;
 }
 
+/// Creates a sandbox (`POST path` with `body`, which must answer 201) and returns its id
+/// and the token in the answer's field `token`.
+async fn create_with_token(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &str,
+    token: &str,
+) -> (String, String) {
+    let r = api(addr, "POST", path, body).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let v = r.json();
+    (
+        v["sandboxID"].as_str().unwrap().to_string(),
+        v[token].as_str().unwrap().to_string(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envd_token_is_required_for_secure_sandboxes_and_scoped_to_one() {
     require_node!();
     let home = tempfile::tempdir().unwrap();
     let node = Node::start(node_common::config(home.path(), 21)).await;
     let addr = node.addr;
-    let r = api(
+    let (a, token_a) = create_with_token(
         addr,
-        "POST",
         "/sandboxes",
         r#"{"templateID":"base","secure":true}"#,
+        "envdAccessToken",
     )
     .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    let a = r.json()["sandboxID"].as_str().unwrap().to_string();
-    let token_a = r.json()["envdAccessToken"].as_str().unwrap().to_string();
     assert_eq!(token_a, node.orch.tokens().envd_token(&a));
     let r = api(
         addr,
@@ -124,16 +138,13 @@ async fn private_ports_need_the_traffic_token() {
     let home = tempfile::tempdir().unwrap();
     let node = Node::start(node_common::config(home.path(), 22)).await;
     let addr = node.addr;
-    let r = api(
+    let (id, traffic) = create_with_token(
         addr,
-        "POST",
         "/v2/sandboxes",
         r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#,
+        "trafficAccessToken",
     )
     .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    let id = r.json()["sandboxID"].as_str().unwrap().to_string();
-    let traffic = r.json()["trafficAccessToken"].as_str().unwrap().to_string();
     let public = create(addr, r#"{"templateID":"base"}"#).await;
     let pr = api(addr, "POST", "/v2/sandboxes", r#"{"templateID":"base"}"#).await;
     assert!(pr.json()["trafficAccessToken"].is_null());

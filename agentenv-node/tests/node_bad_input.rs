@@ -11,99 +11,27 @@ async fn bad_requests_get_json_errors_and_leave_nothing_behind() {
     let home = tempfile::tempdir().unwrap();
     let node = Node::start(node_common::config(home.path(), 30)).await;
     let addr = node.addr;
-    let cases: &[(&str, &str, &str, u16, &str)] = &[
+    // Bad bodies of `POST /v2/sandboxes`: 400 with a message naming what is wrong.
+    let bad_creates: &[(&str, &str)] = &[
+        ("{\"templateID\":", "invalid JSON body"),
+        ("[1,2]", "invalid JSON body"),
+        (r#"{"templateID":"base","timeout":"soon"}"#, "timeout"),
+        (r#"{"templateID":"base","timeout":-5}"#, "timeout"),
+        (r#"{"templateID":"base","metadata":{"a":1}}"#, "metadata"),
+        (r#"{"templateID":42}"#, "templateID"),
+        (r#"{}"#, "templateID is required"),
         (
-            "POST",
-            "/v2/sandboxes",
-            "{\"templateID\":",
-            400,
-            "invalid JSON body",
-        ),
-        ("POST", "/v2/sandboxes", "[1,2]", 400, "invalid JSON body"),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","timeout":"soon"}"#,
-            400,
-            "timeout",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","timeout":-5}"#,
-            400,
-            "timeout",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","metadata":{"a":1}}"#,
-            400,
-            "metadata",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":42}"#,
-            400,
-            "templateID",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{}"#,
-            400,
-            "templateID is required",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
             r#"{"templateID":"no-such-template"}"#,
-            400,
             "template no-such-template not found",
         ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"../etc"}"#,
-            400,
-            "not found",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","cpuCount":0}"#,
-            400,
-            "cpuCount",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","cpuCount":4096}"#,
-            400,
-            "cpuCount",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","memoryMB":1}"#,
-            400,
-            "memoryMB",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","memoryMB":999999999}"#,
-            400,
-            "memoryMB",
-        ),
-        (
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","timeout":999999999}"#,
-            400,
-            "timeout",
-        ),
+        (r#"{"templateID":"../etc"}"#, "not found"),
+        (r#"{"templateID":"base","cpuCount":0}"#, "cpuCount"),
+        (r#"{"templateID":"base","cpuCount":4096}"#, "cpuCount"),
+        (r#"{"templateID":"base","memoryMB":1}"#, "memoryMB"),
+        (r#"{"templateID":"base","memoryMB":999999999}"#, "memoryMB"),
+        (r#"{"templateID":"base","timeout":999999999}"#, "timeout"),
+    ];
+    let others: &[(&str, &str, &str, u16, &str)] = &[
         (
             "GET",
             "/sandboxes/not-a-uuid",
@@ -157,11 +85,15 @@ async fn bad_requests_get_json_errors_and_leave_nothing_behind() {
         ),
         ("POST", "/proxy/x", "", 400, "routing header"),
     ];
+    let cases = bad_creates
+        .iter()
+        .map(|&(body, needle)| ("POST", "/v2/sandboxes", body, 400, needle))
+        .chain(others.iter().copied());
     for (m, p, body, status, needle) in cases {
         let r = api(addr, m, p, body).await;
-        assert_eq!(r.status, *status, "{m} {p} {body}: {}", r.text());
+        assert_eq!(r.status, status, "{m} {p} {body}: {}", r.text());
         let v = r.json();
-        assert_eq!(v["code"], *status, "{m} {p}");
+        assert_eq!(v["code"], status, "{m} {p}");
         let msg = v["message"].as_str().unwrap();
         assert!(
             msg.contains(needle),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use agentenv_guest::proto::process as pr;
 use futures::StreamExt;
-use node_common::{Node, create, request, run};
+use node_common::{Node, create, guest_client, request, run};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,10 +18,7 @@ async fn process_output_streams_before_the_process_ends() {
     let node = Node::start(node_common::config(home.path(), 40)).await;
     let addr = node.addr;
     let id = create(addr, r#"{"templateID":"base"}"#).await;
-    let c = agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
-        .unwrap()
-        .with_header("e2b-sandbox-id", &id)
-        .unwrap();
+    let c = guest_client(addr, &id);
     // The process prints, then waits for a file that only a second command creates.
     let req = pr::StartRequest {
         process: Some(pr::ProcessConfig {
@@ -182,10 +179,7 @@ async fn large_files_stream_both_ways_through_the_data_plane() {
     let node = Node::start(node_common::config(home.path(), 43)).await;
     let addr = node.addr;
     let id = create(addr, r#"{"templateID":"base"}"#).await;
-    let c = agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
-        .unwrap()
-        .with_header("e2b-sandbox-id", &id)
-        .unwrap();
+    let c = guest_client(addr, &id);
     const CHUNKS: usize = 64;
     let chunk = |i: usize| bytes::Bytes::from(vec![(i * 7 % 251) as u8; 1 << 20]);
     let mut want = Sha256::new();

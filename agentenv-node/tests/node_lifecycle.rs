@@ -6,7 +6,8 @@ mod node_common;
 
 use std::time::Duration;
 
-use node_common::{Node, api, create, request, run, until};
+use agentenv_testkit::eventually;
+use node_common::{Node, api, create, delete, request, run};
 
 async fn state(addr: std::net::SocketAddr, id: &str) -> Option<String> {
     let r = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
@@ -26,11 +27,11 @@ async fn timeout_pauses_by_default_and_kills_when_auto_pause_is_false() {
     )
     .await;
     let keep = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
-    until(Duration::from_secs(10), "the paused state", || async {
+    eventually("the paused state", Duration::from_secs(10), || async {
         (state(addr, &pausing).await.as_deref() == Some("paused")).then_some(())
     })
     .await;
-    until(Duration::from_secs(10), "the kill", || async {
+    eventually("the kill", Duration::from_secs(10), || async {
         state(addr, &killing).await.is_none().then_some(())
     })
     .await;
@@ -49,7 +50,7 @@ async fn timeout_pauses_by_default_and_kills_when_auto_pause_is_false() {
     )
     .await;
     assert_eq!(r.status, 204, "{}", r.text());
-    until(Duration::from_secs(10), "the paused state", || async {
+    eventually("the paused state", Duration::from_secs(10), || async {
         (state(addr, &keep).await.as_deref() == Some("paused")).then_some(())
     })
     .await;
@@ -291,14 +292,14 @@ async fn paused_sandboxes_survive_a_node_restart() {
     let kept_dir = home.path().join("jail").join("kept");
     assert_eq!(std::fs::read_dir(&kept_dir).unwrap().count(), 1);
     // Deleting a restored paused sandbox deletes its kept layer.
-    let r = api(addr, "DELETE", &format!("/sandboxes/{dropped}"), "").await;
+    let r = delete(addr, &dropped).await;
     assert_eq!(r.status, 204);
     let kept: Vec<_> = std::fs::read_dir(&kept_dir).unwrap().collect();
     assert!(
         kept.is_empty(),
         "resumed sandboxes own their layers, deleted ones have none: {kept:?}"
     );
-    let r = api(addr, "DELETE", &format!("/sandboxes/{running}"), "").await;
+    let r = delete(addr, &running).await;
     assert_eq!(r.status, 204);
     assert!(
         !home

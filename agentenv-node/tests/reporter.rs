@@ -9,6 +9,7 @@ use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
 use agentenv_core::proto::scheduler_v1::*;
 use agentenv_node::reporter::{NodeSource, ReporterConfig, ReporterHandle, SandboxUsage};
 use agentenv_sched::Scheduler;
+use agentenv_testkit::eventually;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -92,21 +93,8 @@ fn reporter_config(addr: std::net::SocketAddr, node: &str) -> ReporterConfig {
     c
 }
 
-/// Polls `check` every 20 ms for up to 10 s.
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+/// How long a test waits for the reporter or the scheduler to get somewhere.
+const WAIT: Duration = Duration::from_secs(10);
 
 async fn client(addr: std::net::SocketAddr) -> SchedulerClient<tonic::transport::Channel> {
     SchedulerClient::connect(format!("http://{addr}"))
@@ -134,7 +122,7 @@ async fn heartbeats_carry_the_roster_so_the_scheduler_routes_to_the_node() {
     let reporter =
         ReporterHandle::start(reporter_config(sched.addr, "node-a"), node.clone()).unwrap();
     let addr = sched.addr;
-    eventually("sbx-1 bound to node-a", || async move {
+    eventually("sbx-1 bound to node-a", WAIT, || async move {
         owner(addr, "sbx-1").await.as_deref() == Some("node-a")
     })
     .await;
@@ -160,7 +148,7 @@ async fn heartbeats_carry_the_roster_so_the_scheduler_routes_to_the_node() {
 
     // A sandbox deleted on the node disappears with the next roster.
     node.roster.lock().retain(|s| s != "sbx-1");
-    eventually("sbx-1 unbound", || async move {
+    eventually("sbx-1 unbound", WAIT, || async move {
         owner(addr, "sbx-1").await.is_none()
     })
     .await;
@@ -183,7 +171,10 @@ async fn an_unlisted_node_id_is_reported_with_the_fix() {
     )
     .unwrap();
     let status = || reporter.status();
-    eventually("a rejected heartbeat", || async { status().failures >= 2 }).await;
+    eventually("a rejected heartbeat", WAIT, || async {
+        status().failures >= 2
+    })
+    .await;
     let err = status().last_error.unwrap();
     assert!(err.contains("AENV_NODE_ID=\"node-z\""), "{err}");
     assert!(err.contains("scheduler.nodes"), "{err}");
@@ -205,7 +196,7 @@ async fn an_unreachable_scheduler_is_retried_until_it_comes_up() {
         Arc::new(FakeNode::default()),
     )
     .unwrap();
-    eventually("failed heartbeats", || async {
+    eventually("failed heartbeats", WAIT, || async {
         reporter.status().consecutive_failures >= 2
     })
     .await;
@@ -217,7 +208,7 @@ async fn an_unreachable_scheduler_is_retried_until_it_comes_up() {
             .contains(&port.to_string())
     );
     let sched = start_scheduler(TcpListener::bind(port).await.unwrap()).await;
-    eventually("a heartbeat after the scheduler started", || async {
+    eventually("a heartbeat after the scheduler started", WAIT, || async {
         reporter.status().successes >= 1
     })
     .await;
@@ -241,7 +232,7 @@ async fn a_restarted_scheduler_gets_the_cpu_config_again() {
     });
     let reporter = ReporterHandle::start(reporter_config(addr, "node-a"), node.clone()).unwrap();
     let n = node.clone();
-    eventually("the first cluster CPU template", || {
+    eventually("the first cluster CPU template", WAIT, || {
         let n = n.clone();
         async move { n.cluster_configs.load(Ordering::SeqCst) == 1 }
     })
@@ -249,10 +240,14 @@ async fn a_restarted_scheduler_gets_the_cpu_config_again() {
     sched.stop().await;
     let sched = start_scheduler(TcpListener::bind(addr).await.unwrap()).await;
     let n = node.clone();
-    eventually("the template again from the restarted scheduler", || {
-        let n = n.clone();
-        async move { n.cluster_configs.load(Ordering::SeqCst) == 2 }
-    })
+    eventually(
+        "the template again from the restarted scheduler",
+        WAIT,
+        || {
+            let n = n.clone();
+            async move { n.cluster_configs.load(Ordering::SeqCst) == 2 }
+        },
+    )
     .await;
     reporter.shutdown().await;
     sched.stop().await;
@@ -275,7 +270,7 @@ async fn sandbox_events_are_batched_to_the_scheduler() {
             requested_disk_bytes: 0,
         });
     }
-    eventually("five events sent", || async {
+    eventually("five events sent", WAIT, || async {
         reporter.status().events_sent == 5
     })
     .await;

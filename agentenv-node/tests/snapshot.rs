@@ -7,7 +7,8 @@ mod node_common;
 
 use std::time::Duration;
 
-use node_common::{Node, api, create, run, until};
+use agentenv_testkit::eventually;
+use node_common::{Node, api, create, create_from, delete, run, snapshot};
 
 async fn state(addr: std::net::SocketAddr, id: &str) -> Option<String> {
     let r = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
@@ -39,13 +40,7 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     .await
     .unwrap();
 
-    let r = api(
-        addr,
-        "POST",
-        &format!("/sandboxes/{src}/snapshots"),
-        r#"{"name":"snap-web"}"#,
-    )
-    .await;
+    let r = snapshot(addr, &src, r#"{"name":"snap-web"}"#).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let info = r.json();
     let snap = info["snapshotID"].as_str().unwrap().to_string();
@@ -147,13 +142,7 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     );
 
     // A name bound to a live snapshot is refused; so are bad names and unknown sandboxes.
-    let r = api(
-        addr,
-        "POST",
-        &format!("/sandboxes/{src}/snapshots"),
-        r#"{"name":"snap-web"}"#,
-    )
-    .await;
+    let r = snapshot(addr, &src, r#"{"name":"snap-web"}"#).await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(
         r.json()["message"]
@@ -163,13 +152,7 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
         "{}",
         r.text()
     );
-    let r = api(
-        addr,
-        "POST",
-        &format!("/sandboxes/{src}/snapshots"),
-        r#"{"name":"no spaces"}"#,
-    )
-    .await;
+    let r = snapshot(addr, &src, r#"{"name":"no spaces"}"#).await;
     assert_eq!(r.status, 400, "{}", r.text());
     let r = api(
         addr,
@@ -189,7 +172,7 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     assert_eq!(r.status, 404, "{}", r.text());
 
     // Listing, newest first, in pages.
-    let r = api(addr, "POST", &format!("/sandboxes/{src}/snapshots"), "").await;
+    let r = snapshot(addr, &src, "").await;
     assert_eq!(r.status, 201, "{}", r.text());
     let unnamed = r.json()["snapshotID"].as_str().unwrap().to_string();
     assert_eq!(r.json()["names"], serde_json::json!([]));
@@ -250,13 +233,7 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
             .join(format!("snapshots/{snap}/layer.tar.zst"))
             .exists()
     );
-    let r = api(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &format!(r#"{{"templateID":"{snap}"}}"#),
-    )
-    .await;
+    let r = create_from(addr, &snap).await;
     assert_eq!(r.status, 404, "{}", r.text());
     let msg = r.json()["message"].as_str().unwrap().to_string();
     assert!(msg.contains(&snap) && msg.contains("not found"), "{msg}");
@@ -282,22 +259,17 @@ async fn a_snapshot_keeps_the_files_and_new_sandboxes_start_from_it_by_id_and_by
     // A paused sandbox cannot be snapshotted (400), and stays paused.
     let r = api(addr, "POST", &format!("/sandboxes/{src}/pause"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
-    let r = api(addr, "POST", &format!("/sandboxes/{src}/snapshots"), "").await;
+    let r = snapshot(addr, &src, "").await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(state(addr, &src).await.as_deref(), Some("paused"));
 
     for id in [&src, &by_id, &by_name] {
-        assert_eq!(
-            api(addr, "DELETE", &format!("/sandboxes/{id}"), "")
-                .await
-                .status,
-            204
-        );
+        assert_eq!(delete(addr, id).await.status, 204);
     }
     node.stop().await;
     // Nothing of the snapshots is left in the node's staging area or kept layers.
     let staging = home.path().join("snapshot-local-cache/staging");
-    until(Duration::from_secs(10), "an empty staging area", || async {
+    eventually("an empty staging area", Duration::from_secs(10), || async {
         (std::fs::read_dir(&staging).unwrap().count() == 0).then_some(())
     })
     .await;
@@ -323,13 +295,7 @@ async fn forged_records_and_escaping_layers_are_refused() {
 
     // A snapshot of a real sandbox, then its record changed in the store.
     let src = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
-    let r = api(
-        addr,
-        "POST",
-        &format!("/sandboxes/{src}/snapshots"),
-        r#"{"name":"tampered"}"#,
-    )
-    .await;
+    let r = snapshot(addr, &src, r#"{"name":"tampered"}"#).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let snap = r.json()["snapshotID"].as_str().unwrap().to_string();
     let path = store.join(format!("catalog/records/{snap}.json"));
@@ -337,13 +303,7 @@ async fn forged_records_and_escaping_layers_are_refused() {
     v["committed"]["env"]["INJECTED"] = "1".into();
     std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
     for template in [snap.as_str(), "tampered"] {
-        let r = api(
-            addr,
-            "POST",
-            "/v2/sandboxes",
-            &format!(r#"{{"templateID":"{template}"}}"#),
-        )
-        .await;
+        let r = create_from(addr, template).await;
         assert_eq!(r.status, 500, "{}", r.text());
         let msg = r.json()["message"].as_str().unwrap().to_string();
         assert!(
@@ -420,7 +380,7 @@ async fn forged_records_and_escaping_layers_are_refused() {
     );
     // Nothing of the refused layer is kept, and the node keeps serving.
     let kept = home.path().join("jail/kept");
-    until(Duration::from_secs(10), "no kept layer left", || async {
+    eventually("no kept layer left", Duration::from_secs(10), || async {
         (std::fs::read_dir(&kept).unwrap().count() == 0).then_some(())
     })
     .await;
@@ -429,11 +389,6 @@ async fn forged_records_and_escaping_layers_are_refused() {
 
     let r = api(addr, "DELETE", &format!("/templates/{}", rec.id), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
-    assert_eq!(
-        api(addr, "DELETE", &format!("/sandboxes/{src}"), "")
-            .await
-            .status,
-        204
-    );
+    assert_eq!(delete(addr, &src).await.status, 204);
     node.stop().await;
 }

@@ -6,11 +6,8 @@ mod node_common;
 
 use agentenv_core::storage::StorageConfig;
 use agentenv_node::daemon::Daemon;
-use node_common::{Node, api, create, run};
-
-#[path = "../../agentenv-core/tests/support/moto.rs"]
-mod moto;
-use moto::Moto;
+use agentenv_testkit::moto::Moto;
+use node_common::{Node, api, create, create_from, delete, run, snapshot};
 
 /// moto with one bucket, as the node's repository (under a prefix).
 fn moto_with_bucket(bucket: &str) -> Moto {
@@ -35,13 +32,7 @@ async fn snapshots_publish_to_an_s3_bucket_and_sandboxes_start_from_them() {
     run(addr, &src, None, "echo in-the-bucket > /root/o.txt")
         .await
         .unwrap();
-    let r = api(
-        addr,
-        "POST",
-        &format!("/sandboxes/{src}/snapshots"),
-        r#"{"name":"oss-snap"}"#,
-    )
-    .await;
+    let r = snapshot(addr, &src, r#"{"name":"oss-snap"}"#).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let snap = r.json()["snapshotID"].as_str().unwrap().to_string();
     // Nothing of it is on the node's disk: the repository is the bucket.
@@ -55,31 +46,15 @@ async fn snapshots_publish_to_an_s3_bucket_and_sandboxes_start_from_them() {
         .await;
         let out = run(addr, &id, None, "cat /root/o.txt").await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "in-the-bucket\n");
-        assert_eq!(
-            api(addr, "DELETE", &format!("/sandboxes/{id}"), "")
-                .await
-                .status,
-            204
-        );
+        assert_eq!(delete(addr, &id).await.status, 204);
     }
     let r = api(addr, "GET", "/snapshots", "").await;
     assert_eq!(r.json()[0]["names"][0], "oss-snap");
     let r = api(addr, "DELETE", "/templates/oss-snap", "").await;
     assert_eq!(r.status, 204);
-    let r = api(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &format!(r#"{{"templateID":"{snap}"}}"#),
-    )
-    .await;
+    let r = create_from(addr, &snap).await;
     assert_eq!(r.status, 404, "{}", r.text());
-    assert_eq!(
-        api(addr, "DELETE", &format!("/sandboxes/{src}"), "")
-            .await
-            .status,
-        204
-    );
+    assert_eq!(delete(addr, &src).await.status, 204);
     node.stop().await;
 }
 

@@ -61,8 +61,7 @@ async fn sandbox_list_fans_out_merges_newest_first_and_forwards_query_and_host()
         Request::get(c.url("/sandboxes?metadata=team%3Dalpha"))
             .header("host", "api.example.test")
             .header("x-api-key", API_KEY)
-            .body(Full::default())
-            .unwrap(),
+            .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -333,12 +332,7 @@ async fn a_scheduler_that_is_down_gives_503() {
         "{}",
         message(&body)
     );
-    let (status, _, _) = send(
-        Request::get(format!("http://{addr}/health"))
-            .body(Full::default())
-            .unwrap(),
-    )
-    .await;
+    let (status, _, _) = send(Request::get(format!("http://{addr}/health")).empty()).await;
     assert_eq!(
         status,
         StatusCode::NO_CONTENT,

@@ -35,25 +35,13 @@ async fn requests_are_labelled_by_route_source_and_status() {
     let (status, _, _) = send(Request::get(c.url("/nodes")).body(Full::default()).unwrap()).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     // Local /health and /metrics are not instrumented.
-    send(
-        Request::get(c.url("/health"))
-            .body(Full::default())
-            .unwrap(),
-    )
-    .await;
-    send(
-        Request::get(c.url("/metrics"))
-            .body(Full::default())
-            .unwrap(),
-    )
-    .await;
+    send(Request::get(c.url("/health")).empty()).await;
+    send(Request::get(c.url("/metrics")).empty()).await;
     // Sandbox-routed /health is.
     send(
         Request::get(c.url("/health"))
-            .header("e2b-sandbox-id", "sbx-m")
-            .header("e2b-sandbox-port", "49983")
-            .body(Full::default())
-            .unwrap(),
+            .e2b_route("sbx-m", "49983")
+            .empty(),
     )
     .await;
 
@@ -65,12 +53,7 @@ async fn requests_are_labelled_by_route_source_and_status() {
         c.gateway.metrics().registry(),
         std::future::pending(),
     ));
-    let (status, _, body) = send(
-        Request::get(format!("http://{maddr}/metrics"))
-            .body(Full::default())
-            .unwrap(),
-    )
-    .await;
+    let (status, _, body) = send(Request::get(format!("http://{maddr}/metrics")).empty()).await;
     assert_eq!(status, StatusCode::OK);
     let text = String::from_utf8(body.to_vec()).unwrap();
     let req = "agentenv_gateway_http_request_duration_seconds_count";

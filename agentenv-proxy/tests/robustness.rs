@@ -12,7 +12,7 @@ use bytes::Bytes;
 use common::*;
 use http::{Request, Response, StatusCode};
 use http_body::Frame;
-use http_body_util::{BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -189,20 +189,14 @@ async fn many_clients_vanishing_mid_stream_release_everything() {
     for _ in 0..N {
         let url = c.url("/events");
         tasks.push(tokio::spawn(async move {
-            let resp = client()
-                .request(
-                    Request::get(url)
-                        .header("accept", "text/event-stream")
-                        .header("e2b-sandbox-id", "sbx-1")
-                        .header("e2b-sandbox-port", "49983")
-                        .body(Full::<Bytes>::default())
-                        .unwrap(),
-                )
-                .await
-                .unwrap();
-            assert_eq!(resp.status(), StatusCode::OK);
-            let mut body = resp.into_body();
-            let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            let mut body = open_ok(
+                Request::get(url)
+                    .header("accept", "text/event-stream")
+                    .e2b_route("sbx-1", "49983")
+                    .empty(),
+            )
+            .await;
+            let first = next_data(&mut body).await;
             assert_eq!(first, "tick");
             // The client goes away here, mid-stream.
         }));
@@ -298,26 +292,14 @@ async fn graceful_shutdown_finishes_in_flight_requests_and_stops_accepting() {
     };
     let finisher = async {
         // New connections are refused once the listener is closed.
-        eventually_async(|| async move { TcpStream::connect(addr).await.is_err() }).await;
+        agentenv_testkit::Wait::new("the listener to refuse connections", Duration::from_secs(5))
+            .every(Duration::from_millis(5))
+            .until(|| async move { TcpStream::connect(addr).await.is_err() })
+            .await;
         release.send(()).unwrap();
     };
     tokio::join!(shutdown, finisher);
     let (status, _, body) = in_flight.await.unwrap();
     assert_eq!(status, StatusCode::OK);
     assert_eq!(body, "done");
-}
-
-async fn eventually_async<F, Fut>(mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "condition not reached"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }

@@ -16,38 +16,33 @@ fn req(method: &str, url: &str) -> http::request::Builder {
 
 #[tokio::test]
 async fn gateway_refuses_an_empty_api_key() {
-    let sched = agentenv_sched::Scheduler::builder(Default::default())
-        .build()
-        .unwrap();
-    let opts = GatewayOptions {
+    let err = gateway_error(GatewayOptions {
         api_key: String::new(),
         ..options()
-    };
-    let err = Gateway::new(
-        InProcessScheduler::new(std::sync::Arc::new(sched.service())),
-        opts,
-    )
-    .err()
-    .unwrap();
+    });
     assert!(matches!(err, GatewayError::EmptyApiKey));
     assert!(err.to_string().starts_with("API key is required"));
 }
 
-#[tokio::test]
-async fn gateway_refuses_an_invalid_proxy_domain() {
+/// Why a gateway with `opts` does not start.
+fn gateway_error(opts: GatewayOptions) -> GatewayError {
     let sched = agentenv_sched::Scheduler::builder(Default::default())
         .build()
         .unwrap();
-    let opts = GatewayOptions {
-        sandbox_proxy_domains: vec!["not a domain!".into()],
-        ..options()
-    };
-    let err = Gateway::new(
+    Gateway::new(
         InProcessScheduler::new(std::sync::Arc::new(sched.service())),
         opts,
     )
     .err()
-    .unwrap();
+    .expect("the gateway refuses the options")
+}
+
+#[tokio::test]
+async fn gateway_refuses_an_invalid_proxy_domain() {
+    let err = gateway_error(GatewayOptions {
+        sandbox_proxy_domains: vec!["not a domain!".into()],
+        ..options()
+    });
     assert!(
         err.to_string()
             .starts_with("gateway.sandbox_proxy_domains contains invalid domain \"not a domain!\"")
@@ -106,12 +101,7 @@ async fn local_health_is_204_and_metrics_is_404_without_a_key() {
         send(req("GET", &c.url("/health")).body(Full::default()).unwrap()).await;
     assert_eq!(status, StatusCode::NO_CONTENT);
     assert!(body.is_empty());
-    let (status, _, body) = send(
-        req("GET", &c.url("/metrics"))
-            .body(Full::default())
-            .unwrap(),
-    )
-    .await;
+    let (status, _, body) = send(req("GET", &c.url("/metrics")).empty()).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(message(&body), "404 page not found");
 }
@@ -127,9 +117,7 @@ async fn data_plane_proxy_requests_skip_the_api_key_and_leave_tokens_to_the_node
         Some(("x-access-token", "secret")),
     ];
     for (i, token) in tokens.iter().enumerate() {
-        let mut b = req("GET", &c.url("/proxy"))
-            .header("e2b-sandbox-id", "sbx-1")
-            .header("e2b-sandbox-port", "49983");
+        let mut b = req("GET", &c.url("/proxy")).e2b_route("sbx-1", "49983");
         if let Some((k, v)) = token {
             b = b.header(*k, *v);
         }
@@ -149,11 +137,9 @@ async fn data_plane_proxy_requests_skip_the_api_key_and_leave_tokens_to_the_node
     let before = c.count("LookupNode");
     let (status, _, _) = send(
         req("POST", &c.url("/sandboxes/sbx-1/pause"))
-            .header("e2b-sandbox-id", "sbx-1")
-            .header("e2b-sandbox-port", "49983")
+            .e2b_route("sbx-1", "49983")
             .header("e2b-traffic-access-token", "right")
-            .body(Full::default())
-            .unwrap(),
+            .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
@@ -195,10 +181,8 @@ async fn header_routed_requests_go_under_proxy_and_proxy_paths_are_not_doubled()
     ] {
         let (status, headers, body) = send(
             req("GET", &c.url(path))
-                .header("x-agentenv-sandbox-id", "sbx-1")
-                .header("x-agentenv-target-port", "49983")
-                .body(Full::default())
-                .unwrap(),
+                .agentenv_route("sbx-1", "49983")
+                .empty(),
         )
         .await;
         assert_eq!(status, StatusCode::OK, "{path}");
@@ -220,8 +204,7 @@ async fn control_plane_path_id_wins_over_header_id_and_is_forwarded_unprefixed()
     let (status, _, _) = send(
         req("POST", &c.url("/sandboxes/sbx-path/connect"))
             .header("x-api-key", API_KEY)
-            .header("e2b-sandbox-id", "sbx-header")
-            .header("e2b-sandbox-port", "49983")
+            .e2b_route("sbx-header", "49983")
             .body(Full::from(r#"{"timeout":60}"#))
             .unwrap(),
     )
@@ -329,10 +312,8 @@ async fn escaped_segments_reach_the_node_unchanged() {
             "GET",
             &c.url("/files/a%2Fb/%252F/c%20d?path=%2Ftmp%2Fx&y=a+b"),
         )
-        .header("e2b-sandbox-id", "sbx-1")
-        .header("e2b-sandbox-port", "49983")
-        .body(Full::default())
-        .unwrap(),
+        .e2b_route("sbx-1", "49983")
+        .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
@@ -352,14 +333,8 @@ async fn health_and_metrics_with_routing_headers_are_proxied_to_the_sandbox() {
     let (node, _) = FakeNode::echo().await;
     let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     for path in ["/health", "/metrics"] {
-        let (status, _, body) = send(
-            req("GET", &c.url(path))
-                .header("e2b-sandbox-id", "sbx-1")
-                .header("e2b-sandbox-port", "49983")
-                .body(Full::default())
-                .unwrap(),
-        )
-        .await;
+        let (status, _, body) =
+            send(req("GET", &c.url(path)).e2b_route("sbx-1", "49983").empty()).await;
         assert_eq!(status, StatusCode::OK, "{path}");
         let v = json(&body);
         assert_eq!(v["uri"], format!("/proxy{path}"));
@@ -369,8 +344,7 @@ async fn health_and_metrics_with_routing_headers_are_proxied_to_the_sandbox() {
         let (status, _, body) = send(
             req("GET", &c.url(path))
                 .header("e2b-sandbox-port", "49983")
-                .body(Full::default())
-                .unwrap(),
+                .empty(),
         )
         .await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{path}");
@@ -389,10 +363,8 @@ async fn host_routes_set_routing_headers_and_override_client_ones() {
     let (status, _, body) = send(
         req("GET", &c.url("/readyz?a=1"))
             .header("host", &host)
-            .header("x-agentenv-sandbox-id", "decoy")
-            .header("x-agentenv-target-port", "1")
-            .body(Full::default())
-            .unwrap(),
+            .agentenv_route("decoy", "1")
+            .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "no API key needed on a host route");
@@ -406,13 +378,7 @@ async fn host_routes_set_routing_headers_and_override_client_ones() {
     assert_eq!(log_b.lock().len(), 1);
 
     for path in ["/health", "/metrics"] {
-        let (status, _, body) = send(
-            req("GET", &c.url(path))
-                .header("host", &host)
-                .body(Full::default())
-                .unwrap(),
-        )
-        .await;
+        let (status, _, body) = send(req("GET", &c.url(path)).header("host", &host).empty()).await;
         assert_eq!(status, StatusCode::OK, "{path}");
         let v = json(&body);
         assert_eq!(v["uri"], format!("/proxy{path}"));
@@ -451,20 +417,14 @@ async fn malformed_host_labels_are_400_with_the_parse_message() {
             req("GET", &c.url("/x"))
                 .header("host", &host)
                 .header("x-api-key", API_KEY)
-                .body(Full::default())
-                .unwrap(),
+                .empty(),
         )
         .await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{host}");
         assert_eq!(message(&body), want);
         // /health on a bad host is routed (and fails the same way).
-        let (status, _, body) = send(
-            req("GET", &c.url("/health"))
-                .header("host", &host)
-                .body(Full::default())
-                .unwrap(),
-        )
-        .await;
+        let (status, _, body) =
+            send(req("GET", &c.url("/health")).header("host", &host).empty()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{host}");
         assert_eq!(message(&body), want);
     }
@@ -472,8 +432,7 @@ async fn malformed_host_labels_are_400_with_the_parse_message() {
     let (status, _, _) = send(
         req("GET", &c.url("/x"))
             .header("host", format!("40988-sbx_bad.{DOMAIN}"))
-            .body(Full::default())
-            .unwrap(),
+            .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
@@ -548,8 +507,7 @@ async fn a_body_that_stalls_past_the_timeout_is_cut_off() {
         .request(
             req("GET", &c.url("/sandboxes/sbx-1"))
                 .header("x-api-key", API_KEY)
-                .body(Full::default())
-                .unwrap(),
+                .empty(),
         )
         .await
         .unwrap();
@@ -587,11 +545,9 @@ async fn per_thread_serving_routes_on_every_thread_and_drains_on_shutdown() {
     for i in 0..30 {
         let (status, _, body) = send(
             req("GET", &format!("http://{addr}/item/{i}"))
-                .header("e2b-sandbox-id", "sbx-1")
-                .header("e2b-sandbox-port", "49983")
+                .e2b_route("sbx-1", "49983")
                 .header("connection", "close")
-                .body(Full::default())
-                .unwrap(),
+                .empty(),
         )
         .await;
         assert_eq!(status, StatusCode::OK);
@@ -631,10 +587,8 @@ async fn non_utf8_escapes_are_forwarded_byte_for_byte() {
     let c = Cluster::with_sandbox(&node.endpoint, options()).await;
     let (status, _, body) = send(
         req("GET", &c.url("/files/%ff%fe.bin"))
-            .header("e2b-sandbox-id", "sbx-1")
-            .header("e2b-sandbox-port", "49983")
-            .body(Full::default())
-            .unwrap(),
+            .e2b_route("sbx-1", "49983")
+            .empty(),
     )
     .await;
     assert_eq!(status, StatusCode::OK);

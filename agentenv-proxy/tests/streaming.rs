@@ -184,22 +184,17 @@ async fn connect_server_stream_is_relayed_frame_by_frame_past_the_request_timeou
     };
     let c = Cluster::ready(&[("node-a", &node.endpoint)], opts).await;
     c.heartbeat("node-a", &["sbx-s"]).await;
-    let resp = client()
-        .request(
-            Request::post(c.url("/process.Process/Start"))
-                .header("content-type", "application/connect+json")
-                .header("connect-protocol-version", "1")
-                .header("e2b-sandbox-id", "sbx-s")
-                .header("e2b-sandbox-port", "49983")
-                .body(Full::from("{}"))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut body = resp.into_body();
+    let mut body = open_ok(
+        Request::post(c.url("/process.Process/Start"))
+            .header("content-type", "application/connect+json")
+            .header("connect-protocol-version", "1")
+            .e2b_route("sbx-s", "49983")
+            .body(Full::from("{}"))
+            .unwrap(),
+    )
+    .await;
     // The first frame arrives while the node is still holding the stream open.
-    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let first = next_data(&mut body).await;
     assert_eq!(first, "frame-1");
     // Outlive the request timeout on purpose: streams are not bounded by it.
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -218,18 +213,13 @@ async fn server_sent_events_are_flushed_per_event() {
         .request(
             Request::get(c.url("/events"))
                 .header("accept", "text/event-stream")
-                .header("e2b-sandbox-id", "sbx-s")
-                .header("e2b-sandbox-port", "49983")
-                .body(Full::default())
-                .unwrap(),
+                .e2b_route("sbx-s", "49983")
+                .empty(),
         )
         .await
         .unwrap();
     let mut body = resp.into_body();
-    assert_eq!(
-        body.frame().await.unwrap().unwrap().into_data().unwrap(),
-        "frame-1"
-    );
+    assert_eq!(next_data(&mut body).await, "frame-1");
     open.send(()).unwrap();
     assert_eq!(body.collect().await.unwrap().to_bytes(), "frame-2");
 }
@@ -250,8 +240,7 @@ async fn trailers_reach_http1_and_h2_clients() {
                 Request::post(c.url("/grpc.Service/Method"))
                     .header("content-type", "application/grpc")
                     .header("te", "trailers")
-                    .header("x-agentenv-sandbox-id", "sbx-g")
-                    .header("x-agentenv-target-port", "50051")
+                    .agentenv_route("sbx-g", "50051")
                     .body(Full::from("req"))
                     .unwrap(),
             )
@@ -274,19 +263,13 @@ async fn the_request_is_timed_until_its_response_body_ends() {
     let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
     c.heartbeat("node-a", &["sbx-t"]).await;
     let series = r#"agentenv_gateway_http_request_duration_seconds_count{method="GET",route="unmatched",route_source="header",status="2xx"}"#;
-    let resp = client()
-        .request(
-            Request::get(c.url("/files"))
-                .header("e2b-sandbox-id", "sbx-t")
-                .header("e2b-sandbox-port", "49983")
-                .body(Full::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut body = resp.into_body();
-    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    let mut body = open_ok(
+        Request::get(c.url("/files"))
+            .e2b_route("sbx-t", "49983")
+            .empty(),
+    )
+    .await;
+    let first = next_data(&mut body).await;
     assert_eq!(first, "frame-1");
     // Head and first frame sent, body still open: not recorded yet.
     assert_eq!(metric_value(&c.metrics_text(), series), None);

@@ -129,8 +129,7 @@ async fn the_gateway_proxies_to_an_https_node_it_trusts_and_502s_one_it_does_not
     c.heartbeat("node-tls", &["sbx-tls"]).await;
     let get = |addr: SocketAddr| {
         Request::get(format!("http://{addr}/files"))
-            .header("e2b-sandbox-id", "sbx-tls")
-            .header("e2b-sandbox-port", "49983")
+            .e2b_route("sbx-tls", "49983")
             .body(http_body_util::Full::default())
             .unwrap()
     };

@@ -18,6 +18,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use agentenv_testkit::Wait;
 use agentenv_vmm::devices::virtio::net::Net;
 use agentenv_vmm::devices::virtio::tap::Tap;
 use agentenv_vmm::devices::virtio::vsock::Vsock;
@@ -231,11 +232,9 @@ fn bench_vsock_host_to_guest(total: usize) -> (f64, f64) {
     host.write_all(b"CONNECT 5000\n").unwrap();
     let mut seen = 0u16;
     let wait_used = |seen: u16, rx: &Ring<'_>| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while rx.used_idx() == seen {
-            assert!(Instant::now() < deadline, "no packet from the device");
-            std::thread::yield_now();
-        }
+        Wait::new("a packet from the device", Duration::from_secs(10))
+            .every(Duration::ZERO)
+            .until_blocking(|| rx.used_idx() != seen);
     };
     wait_used(seen, &rx);
     let (head, _) = rx.used(seen);

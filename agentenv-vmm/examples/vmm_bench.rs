@@ -13,14 +13,11 @@
 //! Snapshot files go to `$AGENTENV_BENCH_DIR`, else `/dev/shm`, else the temp directory.
 //! Run: `cargo run --release -p agentenv-vmm --example vmm_bench`.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use agentenv_testkit::vmm::*;
 use agentenv_vmm::{ExitReason, SnapshotKind, Vm, VmConfig};
-use common::*;
 use iced_x86::code_asm::*;
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};

@@ -3,12 +3,14 @@
 //! with the MP table.
 
 mod common;
+mod support;
 
 use std::time::Duration;
 
 use agentenv_vmm::{ExitReason, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
+use support::{smp_kernel, start_ap};
 
 const GUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -152,7 +154,6 @@ fn smp_guest_finds_both_cpus_in_the_mp_table_and_the_ap_reports() {
     if !kvm_available() {
         return;
     }
-    const TRAMPOLINE: u64 = 0x3000;
     const FLAG: u64 = 0x3800;
     let dir = tempfile::tempdir().unwrap();
 
@@ -171,7 +172,6 @@ fn smp_guest_finds_both_cpus_in_the_mp_table_and_the_ap_reports() {
     ap.set_label(&mut spin).unwrap();
     ap.hlt().unwrap();
     ap.jmp(spin).unwrap();
-    let ap_code = ap.assemble(TRAMPOLINE).unwrap();
 
     let mut a = asm64();
     let mut fail = a.create_label();
@@ -211,13 +211,7 @@ fn smp_guest_finds_both_cpus_in_the_mp_table_and_the_ap_reports() {
     a.cmp(r8, 2).unwrap();
     a.jne(fail).unwrap();
     print(&mut a, "BSP sees 2 CPUs\n");
-    // Software-enable the LAPIC, then INIT and SIPI (vector 0x03 → 0x3000) to APIC id 1.
-    a.mov(rdi, 0xfee0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
-    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
-    a.mov(dword_ptr(rdi + 0x300), 0x4500).unwrap();
-    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
-    a.mov(dword_ptr(rdi + 0x300), 0x4603).unwrap();
+    start_ap(&mut a);
     // Wait (bounded) for the AP's flag.
     a.mov(ecx, 3_000_000).unwrap();
     a.mov(rsi, FLAG).unwrap();
@@ -235,15 +229,7 @@ fn smp_guest_finds_both_cpus_in_the_mp_table_and_the_ap_reports() {
     a.set_label(&mut fail).unwrap();
     done(&mut a, 1);
 
-    let k = kernel_with(
-        dir.path(),
-        &mut a,
-        vec![Segment {
-            addr: TRAMPOLINE,
-            bytes: ap_code,
-        }],
-    );
-    let mut c = config(dir.path(), k);
+    let mut c = config(dir.path(), smp_kernel(dir.path(), &mut a, &mut ap));
     c.vcpus = 2;
     let mut vm = Vm::new(c).unwrap();
     let r = run(&mut vm);

@@ -4,6 +4,7 @@
 //! process with one line naming the field; a missing socket gives a clear client error.
 
 mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -15,19 +16,14 @@ use agentenv_vmm::VmConfig;
 use agentenv_vmm::control::{ClientError, SnapshotKind, VmmClient};
 use agentenv_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 use common::*;
+use support::ending_kernel;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Prints `ready`, then halts with interrupts off (the vCPU sleeps in the kernel).
-fn halting_guest(dir: &Path) -> PathBuf {
-    let mut a = asm64();
-    print(&mut a, "ready\n");
-    let mut l = a.create_label();
-    a.set_label(&mut l).unwrap();
-    a.cli().unwrap();
-    a.hlt().unwrap();
-    a.jmp(l).unwrap();
-    let mut c = VmConfig::new(kernel(dir, &mut a));
+/// The configuration (`dir/vm.json`) of a VM whose guest prints `ready`, then halts with
+/// interrupts off (the vCPU sleeps in the kernel).
+fn halting_vm_config(dir: &Path) -> PathBuf {
+    let mut c = VmConfig::new(halting_guest(dir));
     c.memory_mib = 32;
     c.serial_output = Some(dir.join("serial.log"));
     let path = dir.join("vm.json");
@@ -99,7 +95,7 @@ fn a_vm_is_paused_snapshotted_resumed_stopped_and_restored_over_the_socket() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = halting_guest(dir.path());
+    let config = halting_vm_config(dir.path());
     let sock = dir.path().join("api.sock");
     let log = dir.path().join("vmm.log");
     let mut child = vmm(
@@ -198,7 +194,7 @@ fn without_start_the_vm_waits_for_the_start_action() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = halting_guest(dir.path());
+    let config = halting_vm_config(dir.path());
     let sock = dir.path().join("api.sock");
     let mut child = vmm(&config, &sock, &["--seccomp", "off"]);
     let rt = runtime();
@@ -232,9 +228,7 @@ fn a_guest_that_ends_ends_the_process() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut a = asm64();
-    done(&mut a, 0);
-    let c = VmConfig::new(kernel(dir.path(), &mut a));
+    let c = VmConfig::new(ending_kernel(dir.path()));
     let config = dir.path().join("vm.json");
     std::fs::write(&config, serde_json::to_vec(&c).unwrap()).unwrap();
     let sock = dir.path().join("api.sock");
@@ -312,7 +306,7 @@ fn the_balloon_target_is_set_and_its_statistics_read_over_the_socket_under_the_f
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = halting_guest(dir.path());
+    let config = halting_vm_config(dir.path());
     let mut c: VmConfig = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
     c.balloon = Some(agentenv_vmm::config::BalloonConfig {
         amount_mib: 0,

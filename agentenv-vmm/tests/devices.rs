@@ -3,12 +3,14 @@
 //! controls work, and the VM's metrics report every device.
 
 mod common;
+mod support;
 
 use std::time::Duration;
 
 use agentenv_vmm::config::{BalloonConfig, DriveConfig, VsockConfig};
 use agentenv_vmm::{ExitReason, Vm, VmConfig};
 use common::*;
+use support::ending_kernel;
 
 #[test]
 fn every_configured_device_is_announced_and_the_balloon_is_controllable() {
@@ -20,9 +22,7 @@ fn every_configured_device_is_announced_and_the_balloon_is_controllable() {
     let root = dir.path().join("root.img");
     std::fs::write(&data, vec![0u8; 4096]).unwrap();
     std::fs::write(&root, vec![0u8; 4096]).unwrap();
-    let mut a = asm64();
-    done(&mut a, 0);
-    let mut c = VmConfig::new(kernel(dir.path(), &mut a));
+    let mut c = VmConfig::new(ending_kernel(dir.path()));
     c.memory_mib = 64;
     c.drives = vec![
         DriveConfig {
@@ -97,9 +97,7 @@ fn balloon_controls_without_a_balloon_say_how_to_get_one() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut a = asm64();
-    done(&mut a, 0);
-    let c = VmConfig::new(kernel(dir.path(), &mut a));
+    let c = VmConfig::new(ending_kernel(dir.path()));
     let vm = Vm::new(c).unwrap();
     let e = vm.balloon_set_target(1).unwrap_err();
     assert!(e.to_string().contains("configure `balloon`"), "{e}");

@@ -3,6 +3,7 @@
 //! snapshots from another format version, CPU or with a corrupted state are refused.
 
 mod common;
+mod support;
 
 use std::path::Path;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use agentenv_vmm::snapshot::{self, MEMORY_FILE, STATE_FILE};
 use agentenv_vmm::{ExitReason, SnapshotKind, Vm, VmConfig};
 use common::*;
+use support::{smp_kernel, start_ap};
 use vm_memory::{Bytes, GuestAddress};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -305,7 +307,6 @@ fn smp_guest_with_both_vcpus_counting_continues_after_restore() {
     if !kvm_available() {
         return;
     }
-    const TRAMPOLINE: u64 = 0x3000;
     const AP_COUNT: u64 = 0x3800;
     const BSP_COUNT: u64 = 0x20_0000;
     let dir = scratch();
@@ -317,29 +318,15 @@ fn smp_guest_with_both_vcpus_counting_continues_after_restore() {
     ap.set_label(&mut l).unwrap();
     ap.inc(dword_ptr(AP_COUNT)).unwrap();
     ap.jmp(l).unwrap();
-    let ap_code = ap.assemble(TRAMPOLINE).unwrap();
 
     let mut a = asm64();
-    a.mov(rdi, 0xfee0_0000u64).unwrap();
-    a.mov(dword_ptr(rdi + 0xf0), 0x1ff).unwrap();
-    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
-    a.mov(dword_ptr(rdi + 0x300), 0x4500).unwrap();
-    a.mov(dword_ptr(rdi + 0x310), 1 << 24).unwrap();
-    a.mov(dword_ptr(rdi + 0x300), 0x4603).unwrap();
+    start_ap(&mut a);
     a.mov(rdi, BSP_COUNT).unwrap();
     let mut l = a.create_label();
     a.set_label(&mut l).unwrap();
     a.inc(qword_ptr(rdi)).unwrap();
     a.jmp(l).unwrap();
-    let k = kernel_with(
-        dir.path(),
-        &mut a,
-        vec![Segment {
-            addr: TRAMPOLINE,
-            bytes: ap_code,
-        }],
-    );
-    let mut config = VmConfig::new(k);
+    let mut config = VmConfig::new(smp_kernel(dir.path(), &mut a, &mut ap));
     config.vcpus = 2;
     config.memory_mib = 32;
 

@@ -11,6 +11,7 @@
 //! LAPIC wakes it) and checks that the handler saw a used-ring interrupt.
 
 mod common;
+mod support;
 
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use agentenv_vmm::config::DriveConfig;
 use agentenv_vmm::{ExitReason, SnapshotKind, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
+use support::setup_queue;
 use vm_memory::{Bytes, GuestAddress};
 
 const MMIO: u64 = 0xd000_0000;
@@ -109,17 +111,7 @@ fn blk_guest(checkpoint: bool) -> CodeAssembler {
     a.test(dword_ptr(rbx + 0x70), 8).unwrap();
     a.jz(fail[5]).unwrap();
     // Queue 0: 8 entries.
-    a.mov(dword_ptr(rbx + 0x30), 0).unwrap();
-    a.cmp(dword_ptr(rbx + 0x34), 8).unwrap();
-    a.jb(fail[6]).unwrap();
-    a.mov(dword_ptr(rbx + 0x38), 8).unwrap();
-    a.mov(dword_ptr(rbx + 0x80), DESC as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0x84), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0x90), AVAIL as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0x94), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0xa0), USED as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0xa4), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0x44), 1).unwrap();
+    setup_queue(&mut a, 0, 8, DESC, AVAIL, USED, fail[6]);
     a.mov(dword_ptr(rbx + 0x70), 0xf).unwrap();
     a.test(dword_ptr(rbx + 0x70), 0x40).unwrap(); // DEVICE_NEEDS_RESET
     a.jnz(fail[7]).unwrap();

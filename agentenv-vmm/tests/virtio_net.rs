@@ -18,10 +18,8 @@
 //! and vanish with it, also when an assertion fails.
 
 mod common;
+mod support;
 
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use agentenv_vmm::config::NetConfig;
@@ -29,6 +27,11 @@ use agentenv_vmm::devices::virtio::net::NetMetricsSnapshot;
 use agentenv_vmm::{ExitReason, Vm, VmConfig};
 use common::*;
 use iced_x86::code_asm::*;
+use support::netns::{
+    TAP_MAC, arp_request, assert_arp_reply, has_carrier, in_netns, link, mac_str, packet_socket,
+    recv_frame, send_frame, wait_tap_transmits,
+};
+use support::setup_queue;
 use vm_memory::{Bytes, GuestAddress};
 
 const MMIO: u64 = 0xd000_0000;
@@ -60,7 +63,8 @@ const VECTOR: u64 = 0x30;
 
 const VNET_HDR_LEN: usize = 12;
 const GUEST_MAC: [u8; 6] = [0x06, 0x00, 0xac, 0x10, 0x00, 0x0f];
-const TAP_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
+/// The tap's address in the test's namespace.
+const HOST_CIDR: &str = "10.0.2.1/24";
 const HOST_IP: [u8; 4] = [10, 0, 2, 1];
 const GUEST_IP: [u8; 4] = [10, 0, 2, 15];
 /// An experimental ethertype (IEEE 802 local use) for the host-to-guest frame.
@@ -84,40 +88,11 @@ enum Mode {
 /// The guest's ARP request with zeros where its MAC goes (the guest fills in the MAC it
 /// read from the config space: Ethernet source at 6, ARP sender at 22).
 fn arp_request_template() -> Vec<u8> {
-    let mut f = Vec::new();
-    f.extend_from_slice(&[0xff; 6]);
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&[0x08, 0x06]);
-    f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]); // Ethernet/IPv4, request
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&GUEST_IP);
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&HOST_IP);
-    f
-}
-
-fn arp_request() -> Vec<u8> {
-    let mut f = arp_request_template();
-    f[6..12].copy_from_slice(&GUEST_MAC);
-    f[22..28].copy_from_slice(&GUEST_MAC);
-    f
+    arp_request([0; 6], GUEST_IP, HOST_IP)
 }
 
 fn is_arp_reply(f: &[u8]) -> bool {
     f.len() >= 42 && f[12..14] == [0x08, 0x06] && f[20..22] == [0, 2]
-}
-
-/// Checks that `f` is the kernel's ARP reply to the guest's request.
-fn assert_arp_reply_to_guest(f: &[u8]) {
-    assert!(f.len() >= 42, "frame too short for ARP: {f:02x?}");
-    assert_eq!(&f[0..6], &GUEST_MAC, "destination is the guest: {f:02x?}");
-    assert_eq!(&f[6..12], &TAP_MAC, "source is the tap: {f:02x?}");
-    assert_eq!(&f[12..14], &[0x08, 0x06], "ARP: {f:02x?}");
-    assert_eq!(&f[20..22], &[0, 2], "an ARP reply: {f:02x?}");
-    assert_eq!(&f[22..28], &TAP_MAC, "the tap's MAC answers: {f:02x?}");
-    assert_eq!(&f[28..32], &HOST_IP, "for 10.0.2.1: {f:02x?}");
-    assert_eq!(&f[32..38], &GUEST_MAC, "to the guest's MAC: {f:02x?}");
-    assert_eq!(&f[38..42], &GUEST_IP, "and address: {f:02x?}");
 }
 
 /// A frame from the tap to the guest with a recognisable payload.
@@ -187,21 +162,6 @@ fn data_segments() -> Vec<Segment> {
     ]
 }
 
-/// Sets up queue `q` (in `rbx`'s device) with [`QUEUE_LEN`] entries.
-fn setup_queue(a: &mut CodeAssembler, q: u32, desc: u64, avail: u64, used: u64, fail: CodeLabel) {
-    a.mov(dword_ptr(rbx + 0x30), q).unwrap();
-    a.cmp(dword_ptr(rbx + 0x34), QUEUE_LEN).unwrap();
-    a.jb(fail).unwrap();
-    a.mov(dword_ptr(rbx + 0x38), QUEUE_LEN).unwrap();
-    a.mov(dword_ptr(rbx + 0x80), desc as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0x84), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0x90), avail as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0x94), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0xa0), used as u32).unwrap();
-    a.mov(dword_ptr(rbx + 0xa4), 0).unwrap();
-    a.mov(dword_ptr(rbx + 0x44), 1).unwrap();
-}
-
 /// Copies the six MAC bytes at [`MAC_OUT`] to `dst` (uses eax).
 fn copy_mac(a: &mut CodeAssembler, dst: u64) {
     a.mov(rsi, MAC_OUT).unwrap();
@@ -254,8 +214,8 @@ fn net_guest(mode: Mode) -> CodeAssembler {
     a.mov(ax, word_ptr(rbx + 0x104)).unwrap();
     a.mov(word_ptr(rdi + 4), ax).unwrap();
     // Queues: receive 0, transmit 1; DRIVER_OK.
-    setup_queue(&mut a, 0, RX_DESC, RX_AVAIL, RX_USED, fail[6]);
-    setup_queue(&mut a, 1, TX_DESC, TX_AVAIL, TX_USED, fail[6]);
+    setup_queue(&mut a, 0, QUEUE_LEN, RX_DESC, RX_AVAIL, RX_USED, fail[6]);
+    setup_queue(&mut a, 1, QUEUE_LEN, TX_DESC, TX_AVAIL, TX_USED, fail[6]);
     a.mov(dword_ptr(rbx + 0x70), 0xf).unwrap();
     a.test(dword_ptr(rbx + 0x70), 0x40).unwrap(); // DEVICE_NEEDS_RESET
     a.jnz(fail[7]).unwrap();
@@ -353,169 +313,7 @@ fn net_guest(mode: Mode) -> CodeAssembler {
 }
 
 // ---------------------------------------------------------------------------------------
-// Host side: namespace, tap, VM.
-
-/// Runs `f` on a thread in a fresh network namespace holding the tap `tap` (10.0.2.1/24,
-/// MAC [`TAP_MAC`], up, IPv6 off so the kernel sends nothing unasked). Everything `f`
-/// starts (the VM's threads, sockets, `ip` processes) is in that namespace.
-fn in_netns<R: Send>(tap: &str, f: impl FnOnce() -> R + Send) -> R {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: unshare only changes this thread's namespace membership.
-            let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-            assert_eq!(
-                ret,
-                0,
-                "unshare(CLONE_NEWNET) failed (the test needs root): {}",
-                std::io::Error::last_os_error()
-            );
-            for knob in ["all", "default"] {
-                let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{knob}/disable_ipv6"), "1");
-            }
-            ip(&["link", "set", "lo", "up"]);
-            ip(&["tuntap", "add", "dev", tap, "mode", "tap"]);
-            ip(&["link", "set", "dev", tap, "address", &mac_str(&TAP_MAC)]);
-            ip(&["addr", "add", "10.0.2.1/24", "dev", tap]);
-            ip(&["link", "set", "dev", tap, "up"]);
-            f()
-        })
-        .join()
-        .unwrap_or_else(|e| std::panic::resume_unwind(e))
-    })
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("running ip (package iproute2)");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn mac_str(mac: &[u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
-
-/// `ip -j link show` of `tap` in this thread's namespace.
-fn link(tap: &str) -> serde_json::Value {
-    let out = Command::new("ip")
-        .args(["-j", "link", "show", "dev", tap])
-        .output()
-        .expect("running ip (package iproute2)");
-    assert!(
-        out.status.success(),
-        "ip link show {tap}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v[0].clone()
-}
-
-fn has_carrier(link: &serde_json::Value) -> bool {
-    link["flags"]
-        .as_array()
-        .is_some_and(|f| f.iter().any(|x| x == "LOWER_UP"))
-}
-
-/// Waits until the kernel transmits on the tap: attaching the device turns the carrier
-/// on, and until the link watcher has swapped the `noop` queueing discipline for a real
-/// one every frame the kernel sends to the tap is dropped.
-fn wait_tap_transmits(tap: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let l = link(tap);
-        if l["operstate"] == "UP" && l["qdisc"] != "noop" {
-            return;
-        }
-        assert!(Instant::now() < deadline, "tap never came up: {l}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// An `AF_PACKET` socket bound to `tap` that sees every frame crossing it, both ways.
-fn packet_socket(tap: &str) -> OwnedFd {
-    let all = (libc::ETH_P_ALL as u16).to_be();
-    // SAFETY: plain socket(2) call; the result is checked before use.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(all)) };
-    assert!(
-        fd >= 0,
-        "AF_PACKET socket: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: `fd` is a fresh descriptor owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let name = CString::new(tap).unwrap();
-    // SAFETY: `name` is a NUL-terminated string that outlives the call.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert!(ifindex > 0, "no interface {tap} in the test's namespace");
-    // SAFETY: all-zero is a valid sockaddr_ll.
-    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = all;
-    sll.sll_ifindex = ifindex as i32;
-    // SAFETY: `sll` is a valid sockaddr_ll of the length given.
-    let ret = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&sll as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    assert_eq!(
-        ret,
-        0,
-        "bind AF_PACKET: {}",
-        std::io::Error::last_os_error()
-    );
-    let tv = libc::timeval {
-        tv_sec: 10,
-        tv_usec: 0,
-    };
-    // SAFETY: SO_RCVTIMEO takes a timeval of the length given.
-    let ret = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        )
-    };
-    assert_eq!(ret, 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
-    fd
-}
-
-/// The next frame on the socket (waits at most 10 s).
-fn recv_frame(fd: &OwnedFd) -> Vec<u8> {
-    let mut buf = vec![0u8; 2048];
-    // SAFETY: `buf` is writable for its whole length.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    assert!(
-        n > 0,
-        "no frame on the tap within 10 s: {}",
-        std::io::Error::last_os_error()
-    );
-    buf.truncate(n as usize);
-    buf
-}
-
-fn send_frame(fd: &OwnedFd, frame: &[u8]) {
-    // SAFETY: `frame` is readable for its whole length.
-    let n = unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
-    assert_eq!(
-        n,
-        frame.len() as isize,
-        "send on the tap: {}",
-        std::io::Error::last_os_error()
-    );
-}
+// Host side: the VM.
 
 fn vm_config(dir: &std::path::Path, tap: &str, mode: Mode) -> VmConfig {
     let mut a = net_guest(mode);
@@ -601,7 +399,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
         return;
     }
     const TAP: &str = "vnet-arp0";
-    in_netns(TAP, || {
+    in_netns(TAP, HOST_CIDR, || {
         let dir = tempfile::tempdir().unwrap();
         assert!(
             !has_carrier(&link(TAP)),
@@ -617,14 +415,14 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
             vm.cmdline()
         );
         wait_tap_transmits(TAP);
-        let sock = packet_socket(TAP);
+        let sock = packet_socket(TAP, libc::ETH_P_ALL as u16);
 
         let started = Instant::now();
         vm.start().unwrap();
         expect_guest_ok(&vm, dir.path(), started);
 
         // On the tap: the guest's request exactly as built here, then the kernel's reply.
-        let request = arp_request();
+        let request = arp_request(GUEST_MAC, GUEST_IP, HOST_IP);
         let mut seen_request = false;
         let reply = loop {
             let f = recv_frame(&sock);
@@ -635,7 +433,7 @@ fn guest_arp_request_through_virtio_net_gets_the_kernels_reply() {
             }
         };
         assert!(seen_request, "the guest's ARP request crossed the tap");
-        assert_arp_reply_to_guest(&reply);
+        assert_arp_reply(&reply, GUEST_MAC, GUEST_IP, HOST_IP);
 
         // In guest memory: receive buffer 0 holds that reply behind a virtio-net header.
         assert!(read_u16(&vm, RX_USED + 2) >= 1);
@@ -665,12 +463,12 @@ fn frame_written_to_the_tap_lands_in_the_guests_receive_buffer() {
         return;
     }
     const TAP: &str = "vnet-rx0";
-    in_netns(TAP, || {
+    in_netns(TAP, HOST_CIDR, || {
         let dir = tempfile::tempdir().unwrap();
         let mut vm = Vm::new(vm_config(dir.path(), TAP, Mode::HostFrame)).unwrap();
         assert!(has_carrier(&link(TAP)), "the VM attached to {TAP}");
         wait_tap_transmits(TAP);
-        let sock = packet_socket(TAP);
+        let sock = packet_socket(TAP, libc::ETH_P_ALL as u16);
 
         let started = Instant::now();
         vm.start().unwrap();

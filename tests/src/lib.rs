@@ -3,7 +3,7 @@
 //! official E2B Python SDK in a virtual environment.
 
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -16,12 +16,8 @@ pub const SEED: &str = "cluster-test-seed";
 /// Templates shared by every test run on this machine (built once, under a lock).
 pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
 
-/// The workspace's target directory.
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
-}
+pub use agentenv_testkit::bins::static_binary;
+pub use agentenv_testkit::{free_port, target_dir};
 
 /// A binary of `agentenv-bin`, built if it is missing.
 pub fn binary(name: &str) -> Result<PathBuf, String> {
@@ -59,44 +55,7 @@ pub fn binary(name: &str) -> Result<PathBuf, String> {
 /// The static guest agent: `AGENTENV_GUEST_BIN`, else the static build, else built with
 /// `agentenv-guest/build-static.sh`.
 pub fn guest_binary() -> Result<PathBuf, String> {
-    static_binary(
-        "AGENTENV_GUEST_BIN",
-        "agentenv-guest",
-        "agentenv-guest/build-static.sh",
-    )
-}
-
-/// A statically linked binary of the workspace: the path in the environment variable
-/// `env` (which must be a file), else `<target>/<triple>/release/<name>`, else what
-/// `script` (relative to the workspace) builds.
-pub fn static_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os(env) {
-        let p = PathBuf::from(p);
-        return if p.is_file() {
-            Ok(p)
-        } else {
-            Err(format!("{env}={} is not a file", p.display()))
-        };
-    }
-    for t in ["x86_64-unknown-linux-gnu", "x86_64-unknown-linux-musl"] {
-        let p = target_dir().join(t).join("release").join(name);
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(script);
-    let out = Command::new(&path)
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("running {}: {e}", path.display()))?;
-    let built = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if out.status.success() && Path::new(&built).is_file() {
-        Ok(PathBuf::from(built))
-    } else {
-        Err(format!("{script} failed"))
-    }
+    agentenv_testkit::bins::static_guest_binary()
 }
 
 /// Why the cluster tests cannot run here, if they cannot.
@@ -105,14 +64,6 @@ pub fn skip_reason() -> Option<String> {
         return Some("the jail backend needs root (namespaces, cgroups, veth, iptables)".into());
     }
     None
-}
-
-/// A free loopback port (bound and released; the OS does not hand it out again at once).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding a loopback port")
 }
 
 /// A child process that is stopped (SIGTERM, then SIGKILL after 20 s) when dropped.
@@ -229,26 +180,7 @@ pub fn node_iface_prefix(idx: u8) -> String {
 /// the veths of closed sandbox namespaces to go; a refusal (sandboxes still there) or a
 /// failure is reported on stderr, and the chains then stay.
 pub fn remove_host_rules(iface_prefix: &str, runtime_dir: &Path) {
-    let (prefix, dir) = (iface_prefix.to_string(), runtime_dir.to_path_buf());
-    // A thread of its own: the caller may be inside a runtime.
-    let r = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        rt.block_on(agentenv_node::host::net::uninstall_host_rules(
-            &prefix,
-            &dir,
-            Duration::from_secs(10),
-        ))
-        .map_err(|e| e.to_string())
-    })
-    .join();
-    match r {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => eprintln!("host rules of {iface_prefix} stay: {e}"),
-        Err(_) => eprintln!("host rules of {iface_prefix} stay: removing them panicked"),
-    }
+    agentenv_testkit::host_rules::remove_blocking(iface_prefix, runtime_dir);
 }
 
 /// One node of a test cluster.
@@ -463,31 +395,36 @@ pub fn wait_observed(scheduler: &str, ids: &[String]) {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let mut client = SchedulerClient::connect(format!("http://{scheduler}"))
+        let client = SchedulerClient::connect(format!("http://{scheduler}"))
             .await
             .expect("scheduler client");
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let seen: Vec<String> = client
-                .list_observed_nodes(ListObservedNodesRequest::default())
-                .await
-                .map(|r| {
-                    r.into_inner()
-                        .nodes
-                        .into_iter()
-                        .map(|n| n.node_id)
-                        .collect()
-                })
-                .unwrap_or_default();
-            if ids.iter().all(|id| seen.contains(id)) {
-                return;
+        agentenv_testkit::Wait::new(
+            format_args!("the scheduler to see heartbeats from all of {ids:?}"),
+            Duration::from_secs(30),
+        )
+        .every(Duration::from_millis(50))
+        .until(|| {
+            let mut client = client.clone();
+            async move {
+                let seen: Vec<String> = client
+                    .list_observed_nodes(ListObservedNodesRequest::default())
+                    .await
+                    .map(|r| {
+                        r.into_inner()
+                            .nodes
+                            .into_iter()
+                            .map(|n| n.node_id)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if ids.iter().all(|id| seen.contains(id)) {
+                    Ok(())
+                } else {
+                    Err(format!("heartbeats from {seen:?}"))
+                }
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the scheduler saw heartbeats from {seen:?}, not all of {ids:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
     });
 }
 

@@ -3,25 +3,12 @@
 //! each sandbox to its owner, and the node binary's start-up and shutdown behaviour.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
 use agentenv_core::proto::scheduler_v1::{ListObservedNodesRequest, LookupNodeRequest};
+use agentenv_testkit::eventually_blocking;
 use agentenv_tests::{API_KEY, Cluster, api, binary, http, skip_reason};
-
-fn poll<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn ids(v: &serde_json::Value) -> Vec<String> {
     let mut out: Vec<String> = v
@@ -64,9 +51,9 @@ fn heartbeat_roster_carries_paused_sandboxes_and_gateway_lists_the_cluster() {
     let direct = v["sandboxID"].as_str().unwrap().to_string();
     let (st, _) = api(n0.addr, "POST", &format!("/sandboxes/{direct}/pause"), "");
     assert_eq!(st, 204);
-    let owner = poll(
-        Duration::from_secs(15),
+    let owner = eventually_blocking(
         "the roster to reach the scheduler",
+        Duration::from_secs(15),
         || {
             rt.block_on(sched.lookup_node(LookupNodeRequest {
                 sandbox_id: direct.clone(),
@@ -77,9 +64,9 @@ fn heartbeat_roster_carries_paused_sandboxes_and_gateway_lists_the_cluster() {
     );
     assert_eq!(owner.node_id, n0.id);
     assert_eq!(owner.endpoint, format!("http://{}", n0.addr));
-    let snap = poll(
-        Duration::from_secs(15),
+    let snap = eventually_blocking(
         "a snapshot counting the paused sandbox",
+        Duration::from_secs(15),
         || {
             let nodes = rt
                 .block_on(sched.list_observed_nodes(ListObservedNodesRequest::default()))
@@ -151,9 +138,9 @@ fn heartbeat_roster_carries_paused_sandboxes_and_gateway_lists_the_cluster() {
     assert!(ids(&all).is_empty(), "{all}");
 
     // The nodes sent sandbox events (create, pause, resume, delete) to the scheduler.
-    let count = poll(
-        Duration::from_secs(15),
+    let count = eventually_blocking(
         "sandbox events at the scheduler",
+        Duration::from_secs(15),
         || {
             let (st, _, text) = http(cluster.scheduler_metrics, "GET", "/metrics", &[], "");
             let prefix = "agentenv_scheduler_rpc_duration_seconds_count{rpc=\"ReportSandboxEvent\",status=\"ok\"} ";

@@ -135,14 +135,7 @@ fn every_control_plane_key_in_the_code_is_in_the_configuration_reference() {
     ] {
         assert!(keys.contains(k), "{k} missing from the scan: {keys:?}");
     }
-    let missing: Vec<_> = keys
-        .iter()
-        .filter(|k| !doc.contains(&format!("`{k}`")))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "control-plane keys not documented in docs/configuration.md: {missing:?}"
-    );
+    assert_documented(&doc, &keys, "control-plane keys");
 }
 
 #[test]
@@ -303,6 +296,18 @@ fn node_toml_keys() -> BTreeSet<String> {
     keys
 }
 
+/// Asserts that every key of `keys` stands in `doc` as `` `key` ``.
+fn assert_documented<'a>(doc: &str, keys: impl IntoIterator<Item = &'a String>, what: &str) {
+    let missing: Vec<_> = keys
+        .into_iter()
+        .filter(|k| !doc.contains(&format!("`{k}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{what} not documented in docs/configuration.md: {missing:?}"
+    );
+}
+
 #[test]
 fn every_node_toml_key_in_the_code_is_in_the_configuration_reference() {
     let doc = read("docs/configuration.md");
@@ -314,12 +319,5 @@ fn every_node_toml_key_in_the_code_is_in_the_configuration_reference() {
     ] {
         assert!(keys.contains(k), "{k} missing from the scan: {keys:?}");
     }
-    let missing: Vec<_> = keys
-        .iter()
-        .filter(|k| !doc.contains(&format!("`{k}`")))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "node TOML keys not documented in docs/configuration.md: {missing:?}"
-    );
+    assert_documented(&doc, &keys, "node TOML keys");
 }

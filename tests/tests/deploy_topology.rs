@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use agentenv_testkit::Wait;
 use agentenv_tests::{API_KEY, Proc, binary, node_env, skip_reason};
 
 const CP: &str = "10.0.0.10";
@@ -186,15 +187,11 @@ fn node(net: &Net, host: &str, idx: u8, id: &str, home: &Path) -> Proc {
     p
 }
 
-fn poll<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what} within {limit:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+/// Waits for `f` checking every 200 ms (each check runs commands in the test network).
+fn poll<T>(what: &str, limit: Duration, f: impl FnMut() -> Option<T>) -> T {
+    Wait::new(what, limit)
+        .every(Duration::from_millis(200))
+        .until_blocking(f)
 }
 
 fn status_of(v: &serde_json::Value, id: &str) -> String {

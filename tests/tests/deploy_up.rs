@@ -101,23 +101,30 @@ impl Drop for StopOnPanic {
     }
 }
 
+/// `agentenv up --nodes 2` on a free port with the shared templates and the static guest
+/// agent (the cluster binaries it starts built first).
+fn up_command() -> Command {
+    let agentenv = binary("agentenv").expect("agentenv binary");
+    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
+        binary(b).expect("cluster binary");
+    }
+    let guest = guest_binary().expect("static guest agent");
+    let mut cmd = Command::new(&agentenv);
+    cmd.args(["up", "--nodes", "2", "--listen", "127.0.0.1:0"])
+        .arg("--template-dir")
+        .arg(TEMPLATE_CACHE)
+        .arg("--guest-binary")
+        .arg(&guest);
+    cmd
+}
+
 #[test]
 fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_behind() {
     if let Some(r) = skip_reason() {
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let agentenv = binary("agentenv").expect("agentenv binary");
-    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
-        binary(b).expect("cluster binary");
-    }
-    let guest = guest_binary().expect("static guest agent");
-    let mut child = Command::new(&agentenv)
-        .args(["up", "--nodes", "2", "--listen", "127.0.0.1:0"])
-        .arg("--template-dir")
-        .arg(TEMPLATE_CACHE)
-        .arg("--guest-binary")
-        .arg(&guest)
+    let mut child = up_command()
         .args(["--pool-prefix", "10.14"])
         .env_remove("AENV_API_KEY")
         .stdout(Stdio::piped())
@@ -324,17 +331,7 @@ fn ctrl_c_during_start_up_removes_the_first_sandbox_and_every_process() {
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let agentenv = binary("agentenv").expect("agentenv binary");
-    for b in ["agentenv-scheduler", "agentenv-gateway", "agentenv-node"] {
-        binary(b).expect("cluster binary");
-    }
-    let guest = guest_binary().expect("static guest agent");
-    let mut child = Command::new(&agentenv)
-        .args(["up", "--nodes", "2", "--listen", "127.0.0.1:0"])
-        .arg("--template-dir")
-        .arg(TEMPLATE_CACHE)
-        .arg("--guest-binary")
-        .arg(&guest)
+    let mut child = up_command()
         .args(["--pool-prefix", "10.16", "--iface-prefix", "uq"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -5,7 +5,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use agentenv_testkit::Wait;
 
 /// The `aenv` binary under test.
 pub fn aenv_bin() -> &'static str {
@@ -226,18 +228,16 @@ impl Tmux {
 
     /// Polls the pane until `pred` holds (bounded).
     pub fn wait_for(&self, what: &str, limit: Duration, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + limit;
-        loop {
-            let s = self.capture();
-            if pred(&s) {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "terminal never showed {what} within {limit:?}; pane:\n{s}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        Wait::new(format_args!("the terminal to show {what}"), limit)
+            .every(Duration::from_millis(50))
+            .until_blocking(|| {
+                let s = self.capture();
+                if pred(&s) {
+                    Ok(s)
+                } else {
+                    Err(format!("pane:\n{s}"))
+                }
+            })
     }
 
     pub fn resize(&self, cols: u16, rows: u16) {
@@ -265,30 +265,18 @@ pub fn wait_exit(
     limit: Duration,
     what: &str,
 ) -> std::process::ExitStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st;
-        }
-        assert!(Instant::now() < deadline, "{what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    Wait::new(format_args!("the child to exit; else {what}"), limit)
+        .every(Duration::from_millis(20))
+        .until_blocking(|| child.try_wait().unwrap())
 }
 
 /// Polls a file until it exists with content (bounded).
 pub fn wait_file(p: &Path, limit: Duration) -> String {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Ok(s) = std::fs::read_to_string(p)
-            && s.ends_with('\n')
-        {
-            return s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} was not written within {limit:?}",
-            p.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Wait::new(format_args!("{} to be written", p.display()), limit)
+        .every(Duration::from_millis(50))
+        .until_blocking(|| {
+            std::fs::read_to_string(p)
+                .ok()
+                .filter(|s| s.ends_with('\n'))
+        })
 }

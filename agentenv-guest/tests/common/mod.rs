@@ -2,9 +2,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use agentenv_guest::server::{AgentOptions, AgentState, serve};
 use tokio::net::TcpListener;
@@ -51,31 +49,6 @@ impl TestAgent {
         if let Some(t) = self.task.take() {
             let _ = t.await;
         }
-    }
-}
-
-/// The workspace target directory.
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
-}
-
-/// Polls `f` every 10 ms until it returns `Some` or `timeout` passes.
-pub async fn poll<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        if tokio::time::Instant::now() > deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

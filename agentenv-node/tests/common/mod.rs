@@ -3,9 +3,6 @@
 
 #![allow(dead_code)]
 
-#[path = "../rules_common/mod.rs"]
-pub mod rules_common;
-
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -16,20 +13,22 @@ use agentenv_node::backend::agent::wait_ready;
 use agentenv_node::backend::jail::{JailBackend, JailConfig};
 use agentenv_node::backend::{SandboxBackend, SandboxInfo, SandboxSpec};
 use agentenv_node::template::{BASE_TEMPLATE, Progress};
+pub use agentenv_testkit::host_rules as rules_common;
+pub use agentenv_testkit::node::{TEMPLATE_CACHE, init_tracing};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-/// Templates shared by every test run on this machine (built once, under a lock).
-pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
 /// Parent of the test sandboxes' cgroups, apart from a node's.
 pub const TEST_CGROUP_PARENT: &str = "agentenv-test";
 
 /// Why the jail tests cannot run here, if they cannot.
 pub fn skip_reason() -> Option<String> {
-    if !nix::unistd::Uid::effective().is_root() {
-        return Some("the jail needs root (namespaces, cgroups, veth, iptables)".into());
+    if let Some(why) = agentenv_testkit::node::unless_root(
+        "the jail needs root (namespaces, cgroups, veth, iptables)",
+    ) {
+        return Some(why);
     }
     if !Path::new("/proc/self/ns/net").exists() {
         return Some("no namespace support in /proc".into());
@@ -68,16 +67,6 @@ pub fn config(data: &Path) -> JailConfig {
     cfg.iface_prefix = iface_prefix();
     rules_common::remove_at_exit(&cfg.iface_prefix, &cfg.runtime_dir);
     cfg
-}
-
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "agentenv_node=info".into()),
-        )
-        .with_test_writer()
-        .try_init();
 }
 
 pub fn progress() -> Progress {

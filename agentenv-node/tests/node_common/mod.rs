@@ -3,27 +3,26 @@
 
 #![allow(dead_code)]
 
-#[path = "../rules_common/mod.rs"]
-pub mod rules_common;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentenv_node::config::NodeConfig;
 use agentenv_node::daemon::Daemon;
+pub use agentenv_testkit::host_rules as rules_common;
+pub use agentenv_testkit::node::{TEMPLATE_CACHE, init_tracing};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-/// Templates shared by every test run on this machine (built once, under a lock).
-pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
 pub const API_KEY: &str = "test-api-key-0123456789abcdef0123456789";
 
 /// Why these tests cannot run here, if they cannot.
 pub fn skip_reason() -> Option<String> {
-    if !nix::unistd::Uid::effective().is_root() {
-        return Some("the jail backend needs root (namespaces, cgroups, veth, iptables)".into());
+    if let Some(why) = agentenv_testkit::node::unless_root(
+        "the jail backend needs root (namespaces, cgroups, veth, iptables)",
+    ) {
+        return Some(why);
     }
     if guest_binary().is_none() {
         return Some(
@@ -46,29 +45,7 @@ macro_rules! require_node {
 
 /// The agent binary: `AGENTENV_GUEST_BIN`, else the static build in the target directory.
 pub fn guest_binary() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("AGENTENV_GUEST_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    [
-        target.join("x86_64-unknown-linux-gnu/release/agentenv-guest"),
-        target.join("x86_64-unknown-linux-musl/release/agentenv-guest"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-}
-
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "agentenv_node=info".into()),
-        )
-        .with_test_writer()
-        .try_init();
+    agentenv_testkit::bins::find_static_binary("AGENTENV_GUEST_BIN", "agentenv-guest")
 }
 
 /// A config for a node on loopback with data under `home`; `slot` (0..64) keeps the
@@ -237,6 +214,22 @@ pub async fn api(addr: std::net::SocketAddr, method: &str, path: &str, body: &st
     .await
 }
 
+/// Takes a snapshot of sandbox `id` (`POST /sandboxes/{id}/snapshots` with `body`).
+pub async fn snapshot(addr: std::net::SocketAddr, id: &str, body: &str) -> Resp {
+    api(addr, "POST", &format!("/sandboxes/{id}/snapshots"), body).await
+}
+
+/// `POST /v2/sandboxes` from template (or snapshot) `template`, nothing else set.
+pub async fn create_from(addr: std::net::SocketAddr, template: &str) -> Resp {
+    let body = format!(r#"{{"templateID":"{template}"}}"#);
+    api(addr, "POST", "/v2/sandboxes", &body).await
+}
+
+/// `DELETE /sandboxes/{id}`.
+pub async fn delete(addr: std::net::SocketAddr, id: &str) -> Resp {
+    api(addr, "DELETE", &format!("/sandboxes/{id}"), "").await
+}
+
 /// Creates a sandbox with `body` and returns its id.
 pub async fn create(addr: std::net::SocketAddr, body: &str) -> String {
     let r = api(addr, "POST", "/v2/sandboxes", body).await;
@@ -253,6 +246,14 @@ pub async fn create(addr: std::net::SocketAddr, body: &str) -> String {
     id
 }
 
+/// A client of sandbox `id`'s agent through the node's data plane.
+pub fn guest_client(addr: std::net::SocketAddr, id: &str) -> agentenv_guest::client::GuestClient {
+    agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
+        .unwrap()
+        .with_header("e2b-sandbox-id", id)
+        .unwrap()
+}
+
 /// Runs a shell command in a sandbox through the node's data plane.
 pub async fn run(
     addr: std::net::SocketAddr,
@@ -260,33 +261,11 @@ pub async fn run(
     token: Option<&str>,
     script: &str,
 ) -> Result<agentenv_guest::client::ProcessOutput, agentenv_guest::client::ClientError> {
-    let mut c = agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
-        .unwrap()
-        .with_header("e2b-sandbox-id", id)
-        .unwrap()
+    let mut c = guest_client(addr, id)
         .with_header("e2b-sandbox-port", "49983")
         .unwrap();
     if let Some(t) = token {
         c = c.with_access_token(t);
     }
     c.run("/bin/sh", &["-c", script]).await
-}
-
-/// Polls `f` every 20 ms until it returns `Some`, for at most `limit`.
-pub async fn until<T, F, Fut>(limit: Duration, what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

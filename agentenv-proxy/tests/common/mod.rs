@@ -471,15 +471,54 @@ pub fn message(bytes: &[u8]) -> String {
     json(bytes)["message"].as_str().unwrap().to_string()
 }
 
-/// Polls `cond` until it holds or 5 s pass.
+/// Polls `cond` every 5 ms until it holds, for at most 5 s (see
+/// [`agentenv_testkit::Wait`]).
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    agentenv_testkit::Wait::new(what, Duration::from_secs(5))
+        .every(Duration::from_millis(5))
+        .until(|| std::future::ready(cond()))
+        .await
+}
+
+/// Sends `req`, asserts a 200 and returns the body, still streaming.
+pub async fn open_ok(req: Request<Full<Bytes>>) -> Incoming {
+    let resp = client().request(req).await.expect("a response");
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.into_body()
+}
+
+/// The next data frame of a streaming response body.
+pub async fn next_data(body: &mut Incoming) -> Bytes {
+    body.frame()
+        .await
+        .expect("a frame")
+        .expect("a readable frame")
+        .into_data()
+        .expect("a data frame")
+}
+
+/// Request-builder shorthands: the routing headers of a request to a sandbox's port, an
+/// empty body.
+pub trait Route {
+    /// E2B's: `e2b-sandbox-id` and `e2b-sandbox-port`.
+    fn e2b_route(self, sandbox: &str, port: &str) -> Self;
+    /// The gateway's own: `x-agentenv-sandbox-id` and `x-agentenv-target-port`.
+    fn agentenv_route(self, sandbox: &str, port: &str) -> Self;
+    /// The request with an empty body.
+    fn empty(self) -> Request<Full<Bytes>>;
+}
+
+impl Route for http::request::Builder {
+    fn e2b_route(self, sandbox: &str, port: &str) -> Self {
+        self.header("e2b-sandbox-id", sandbox)
+            .header("e2b-sandbox-port", port)
+    }
+    fn agentenv_route(self, sandbox: &str, port: &str) -> Self {
+        self.header("x-agentenv-sandbox-id", sandbox)
+            .header("x-agentenv-target-port", port)
+    }
+    fn empty(self) -> Request<Full<Bytes>> {
+        self.body(Full::default()).expect("a valid request")
     }
 }
 

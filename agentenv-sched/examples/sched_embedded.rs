@@ -6,7 +6,7 @@
 //! on a loopback port for the rest of the cluster, and places sandboxes by
 //! calling the service directly, in process.
 //!
-//! Run: `cargo run -p agentenv-sched --example embedded`
+//! Run: `cargo run -p agentenv-sched --example sched_embedded`
 
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;

@@ -1,21 +1,15 @@
 //! A real S3-compatible server for tests: moto's server (PyPI `moto[server]`, installed
 //! once into `target/moto-venv` under an inter-process lock) on a free loopback port.
-//! Shared by the storage tests of agentenv-core and the snapshot tests of agentenv-node
-//! (included with `#[path]`).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agentenv_core::storage::S3Config;
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
-}
+use crate::{eventually_blocking, target_dir};
 
 /// `moto_server` in a virtual environment (`target/moto-venv`, created once under an
 /// inter-process lock).
@@ -68,13 +62,11 @@ pub struct Moto {
 }
 
 impl Moto {
+    /// Starts a server; with `enforce_auth` every request is checked against moto's
+    /// (empty) IAM, so any key is refused.
     pub fn start(enforce_auth: bool) -> Moto {
         let bin = moto_server_binary();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = crate::free_port();
         let mut cmd = Command::new(bin);
         cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
@@ -85,17 +77,15 @@ impl Moto {
         }
         let child = cmd.spawn().expect("starting moto_server");
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect(addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "moto_server did not listen on {addr}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        eventually_blocking(
+            format_args!("moto_server to listen on {addr}"),
+            Duration::from_secs(60),
+            || TcpStream::connect(addr),
+        );
         Moto { addr, child }
     }
 
+    /// The server's URL.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.addr)
     }
@@ -115,6 +105,8 @@ impl Moto {
         assert!(resp.starts_with("HTTP/1.1 200"), "create bucket: {resp}");
     }
 
+    /// A store configuration for `bucket` under `prefix` on this server (static test
+    /// keys, path-style requests).
     pub fn config(&self, bucket: &str, prefix: &str) -> S3Config {
         S3Config {
             endpoint: self.endpoint(),

@@ -5,8 +5,6 @@
 //! Tests run in parallel processes, so each removes only its own prefix's chains, and
 //! only once its sandboxes' interfaces are gone (the removal refuses otherwise).
 
-#![allow(dead_code)]
-
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -57,6 +55,26 @@ pub async fn remove(prefix: &str, runtime_dir: &Path) {
     }
 }
 
+/// [`remove`] from blocking code, on a runtime of its own in a thread of its own (the
+/// caller may be inside a runtime).
+pub fn remove_blocking(prefix: &str, runtime_dir: &Path) {
+    let (p, dir) = (prefix.to_string(), runtime_dir.to_path_buf());
+    let r = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        rt.block_on(remove(&p, &dir));
+        Ok::<(), String>(())
+    })
+    .join();
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("host rules of {prefix} stay: no runtime: {e}"),
+        Err(_) => eprintln!("host rules of {prefix} stay: removing them panicked"),
+    }
+}
+
 static AT_EXIT: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
 
 /// Removes `prefix`'s chains when this test process exits (after the test's backends are
@@ -76,17 +94,10 @@ pub fn remove_at_exit(prefix: &str, runtime_dir: &Path) {
 
 extern "C" fn remove_registered() {
     let list = std::mem::take(&mut *AT_EXIT.lock().unwrap_or_else(|e| e.into_inner()));
-    // A thread of its own: the exiting thread may still be inside a runtime.
-    let _ = std::thread::spawn(move || {
-        let _ = std::panic::catch_unwind(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            for (prefix, dir) in list {
-                rt.block_on(remove(&prefix, &dir));
-            }
-        });
-    })
-    .join();
+    // Panics are caught: this runs inside libc's exit and must not unwind.
+    let _ = std::panic::catch_unwind(move || {
+        for (prefix, dir) in list {
+            remove_blocking(&prefix, &dir);
+        }
+    });
 }

@@ -2,7 +2,7 @@
 //! host service, everything else goes to the gateway. The scheduler runs in
 //! the same process and is called directly (no gRPC hop).
 //!
-//! `cargo run -p agentenv-proxy --example embedded` then, in another shell:
+//! `cargo run -p agentenv-proxy --example gateway_embedded` then, in another shell:
 //! `curl -i localhost:8088/admin/hello` and `curl -i localhost:8088/health`.
 
 use std::convert::Infallible;

@@ -17,7 +17,7 @@
 //! each figure and the median of the per-round gateway/nginx ratios (each
 //! ratio compares runs made seconds apart). The load average is printed.
 //!
-//! `cargo run --release -p agentenv-proxy --example bench [-- SECONDS]`
+//! `cargo run --release -p agentenv-proxy --example gateway_bench [-- SECONDS]`
 //! needs the Debian packages `nginx` and `wrk`.
 
 use std::convert::Infallible;
@@ -473,16 +473,8 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
     handle.local_addr()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start_nginx(dir: &Path, upstream: SocketAddr) -> (Child, SocketAddr) {
-    let port = free_port();
+    let port = agentenv_testkit::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let is_root = Command::new("id")
         .arg("-u")
@@ -536,14 +528,12 @@ http {{
 }
 
 async fn wait_listening(addr: SocketAddr) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "nginx did not start listening on {addr}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    agentenv_testkit::eventually(
+        format_args!("nginx to listen on {addr}"),
+        Duration::from_secs(10),
+        || tokio::net::TcpStream::connect(addr),
+    )
+    .await;
 }
 
 fn stop(child: &mut Child) {

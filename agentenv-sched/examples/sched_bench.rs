@@ -6,7 +6,7 @@
 //! do-nothing gRPC call (the health check): the ratio says how much of the
 //! transport's ceiling the scheduler's own work costs.
 //!
-//! Run: `cargo run --release -p agentenv-sched --example bench [-- --seconds 5 --concurrency 64]`
+//! Run: `cargo run --release -p agentenv-sched --example sched_bench [-- --seconds 5 --concurrency 64]`
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

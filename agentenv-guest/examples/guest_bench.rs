@@ -6,7 +6,7 @@
 //! * upload and download throughput of a 256 MiB file vs. `cp` on the same
 //!   disk.
 //!
-//! Run: `cargo run --release -p agentenv-guest --example bench`
+//! Run: `cargo run --release -p agentenv-guest --example guest_bench`
 //! (`BENCH_ITERS` and `BENCH_MIB` change the sizes).
 
 use std::path::Path;
