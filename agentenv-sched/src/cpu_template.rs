@@ -1,9 +1,12 @@
 //! The cluster CPU template: the intersection of every node's CPU config, so
-//! that a snapshot taken on one node of a cluster restores on any other.
+//! that a snapshot taken on one node of a cluster restores on any other. The JSON
+//! itself is [`agentenv_core::cpu_template`]'s, which the VMM reads too.
 
 use std::collections::BTreeSet;
 
-use serde::{Deserialize, Serialize};
+use agentenv_core::cpu_template::{
+    CpuTemplate as CpuConfig, CpuidModifier, MsrModifier, RegisterModifier, bitmap_digits,
+};
 
 /// Why CPU configs could not be intersected.
 #[derive(Debug, thiserror::Error)]
@@ -16,59 +19,30 @@ pub enum CpuTemplateError {
     Bitmap(String, u32),
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct CpuConfig {
-    #[serde(default)]
-    kvm_capabilities: Vec<String>,
-    #[serde(default)]
-    cpuid_modifiers: Vec<CpuidModifier>,
-    #[serde(default)]
-    msr_modifiers: Vec<MsrModifier>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct CpuidModifier {
-    leaf: String,
-    subleaf: String,
-    flags: i64,
-    #[serde(default)]
-    modifiers: Vec<RegisterModifier>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct RegisterModifier {
-    register: String,
-    bitmap: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct MsrModifier {
-    addr: String,
-    bitmap: String,
-}
-
 /// CPUID leaves KVM does not let a template change.
 const READ_ONLY_LEAVES: [u32; 2] = [0xb, 0x1f];
 
+/// A node's CPU config. Leaves are told apart by their flags too, so every CPUID modifier
+/// must have them.
+fn parse_config(json: &str) -> Result<CpuConfig, CpuTemplateError> {
+    let config: CpuConfig = serde_json::from_str(json)?;
+    if config.cpuid_modifiers.iter().any(|m| m.flags.is_none()) {
+        return Err(<serde_json::Error as serde::de::Error>::missing_field("flags").into());
+    }
+    Ok(config)
+}
+
 fn parse_hex(s: &str) -> Result<u32, CpuTemplateError> {
-    let t = s.trim();
-    let digits = t
-        .strip_prefix("0x")
-        .or_else(|| t.strip_prefix("0X"))
-        .unwrap_or(t);
-    u32::from_str_radix(digits, 16).map_err(|_| CpuTemplateError::Hex(s.to_string()))
+    agentenv_core::cpu_template::parse_hex(s).ok_or_else(|| CpuTemplateError::Hex(s.to_string()))
 }
 
 fn parse_bitmap(s: &str, bits: u32) -> Result<u64, CpuTemplateError> {
-    let t = s.trim();
-    let digits = t.strip_prefix("0b").unwrap_or(t);
-    if digits.is_empty() || digits.len() > bits as usize {
-        return Err(CpuTemplateError::Bitmap(s.to_string(), bits));
-    }
-    u64::from_str_radix(digits, 2).map_err(|_| CpuTemplateError::Bitmap(s.to_string(), bits))
+    let bad = || CpuTemplateError::Bitmap(s.to_string(), bits);
+    let digits = bitmap_digits(s, bits).ok_or_else(bad)?;
+    u64::from_str_radix(digits, 2).map_err(|_| bad())
 }
 
-type CpuidKey = (u32, u32, i64);
+type CpuidKey = (u32, u32, Option<i64>);
 
 fn cpuid_key(m: &CpuidModifier) -> Result<CpuidKey, CpuTemplateError> {
     Ok((parse_hex(&m.leaf)?, parse_hex(&m.subleaf)?, m.flags))
@@ -82,10 +56,10 @@ pub fn intersect_cpu_configs(configs: &[&str]) -> Result<String, CpuTemplateErro
     let Some((first, rest)) = configs.split_first() else {
         return Ok(String::new());
     };
-    let first: CpuConfig = serde_json::from_str(first)?;
+    let first = parse_config(first)?;
     let rest: Vec<CpuConfig> = rest
         .iter()
-        .map(|c| serde_json::from_str(c))
+        .map(|c| parse_config(c))
         .collect::<Result<_, _>>()?;
 
     let mut caps: BTreeSet<String> = first.kvm_capabilities.iter().cloned().collect();
@@ -271,6 +245,11 @@ mod tests {
         assert!(matches!(
             intersect_cpu_configs(&[bad_hex]),
             Err(CpuTemplateError::Hex(_))
+        ));
+        let no_flags = r#"{"cpuid_modifiers":[{"leaf":"0x1","subleaf":"0","modifiers":[]}]}"#;
+        assert!(matches!(
+            intersect_cpu_configs(&["{}", no_flags]),
+            Err(CpuTemplateError::Json(_))
         ));
         let bad_bits = r#"{"msr_modifiers":[{"addr":"0x1","bitmap":"0b102"}]}"#;
         assert!(matches!(

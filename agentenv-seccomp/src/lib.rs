@@ -94,9 +94,11 @@ compile_error!(
 #[cfg(test)]
 mod bpf_eval;
 pub mod prefilter;
+mod rules;
 mod sandbox;
 
 pub use prefilter::{NATIVE_AUDIT_ARCH, X32_SYSCALL_BIT, abi_guard, prefilter, with_abi_guard};
+pub use rules::{DESCRIPTOR_IO, SyscallList, TARGET_ARCH, concat, total_len, unconditional};
 pub use sandbox::{
     ALLOWED, CLONE_NAMESPACE_FLAGS, CLONE_NAMESPACE_MASK, PERSONALITY_ALLOWED, REFUSED,
     REFUSED_IOCTLS, REFUSED_SOCKET_FAMILIES, sandbox_filters,
@@ -122,6 +124,16 @@ pub enum SeccompError {
 pub fn install(filters: &[BpfProgram]) -> Result<(), SeccompError> {
     for f in filters {
         seccompiler::apply_filter(f)?;
+    }
+    Ok(())
+}
+
+/// Installs `filters` on every thread of the process, in order (threads started later
+/// inherit them): for a process that already runs threads when it locks itself down, as
+/// the VMM does once its VM is built.
+pub fn install_all_threads(filters: &[BpfProgram]) -> Result<(), SeccompError> {
+    for f in filters {
+        seccompiler::apply_filter_all_threads(f)?;
     }
     Ok(())
 }

@@ -1,19 +1,13 @@
 //! The sandbox policy: the lists, and the filters built from them.
 
-use std::collections::BTreeMap;
-
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
+    SeccompRule,
 };
 
 use crate::SeccompError;
 use crate::prefilter::{prefilter, with_abi_guard};
-
-#[cfg(target_arch = "x86_64")]
-const TARGET_ARCH: TargetArch = TargetArch::x86_64;
-#[cfg(target_arch = "aarch64")]
-const TARGET_ARCH: TargetArch = TargetArch::aarch64;
+use crate::rules::{DESCRIPTOR_IO, SyscallList, TARGET_ARCH, concat, total_len, unconditional};
 
 /// System calls a sandbox may make with any arguments: what shells, coreutils, package
 /// managers, interpreters, compilers, servers and the guest agent need.
@@ -21,19 +15,13 @@ const TARGET_ARCH: TargetArch = TargetArch::aarch64;
 /// Not listed here but allowed with conditions: `clone` ([`CLONE_NAMESPACE_FLAGS`]),
 /// `personality` ([`PERSONALITY_ALLOWED`]), `socket` ([`REFUSED_SOCKET_FAMILIES`]) and
 /// `ioctl` ([`REFUSED_IOCTLS`]).
-pub const ALLOWED: &[(&str, i64)] = &[
-    // --- reading and writing descriptors
-    ("read", libc::SYS_read),
-    ("write", libc::SYS_write),
-    ("readv", libc::SYS_readv),
-    ("writev", libc::SYS_writev),
-    ("pread64", libc::SYS_pread64),
-    ("pwrite64", libc::SYS_pwrite64),
-    ("preadv", libc::SYS_preadv),
-    ("pwritev", libc::SYS_pwritev),
-    ("preadv2", libc::SYS_preadv2),
-    ("pwritev2", libc::SYS_pwritev2),
-    ("lseek", libc::SYS_lseek),
+pub const ALLOWED: &[(&str, i64)] = &concat::<{ total_len(ALLOWED_PARTS) }>(ALLOWED_PARTS);
+
+/// [`ALLOWED`]: reading and writing descriptors ([`DESCRIPTOR_IO`]), then the rest.
+const ALLOWED_PARTS: &[SyscallList] = &[DESCRIPTOR_IO, ALLOWED_BEYOND_DESCRIPTOR_IO];
+
+const ALLOWED_BEYOND_DESCRIPTOR_IO: SyscallList = &[
+    // --- moving data between descriptors
     ("sendfile", libc::SYS_sendfile),
     ("splice", libc::SYS_splice),
     ("tee", libc::SYS_tee),
@@ -554,8 +542,7 @@ fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, SeccompError> 
 /// The allow-list: what [`ALLOWED`] lists and the allowed forms of the conditional calls
 /// pass; everything else fails with `ENOSYS`.
 fn allow_filter() -> Result<BpfProgram, SeccompError> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        ALLOWED.iter().map(|(_, nr)| (*nr, Vec::new())).collect();
+    let mut rules = unconditional(ALLOWED);
     // clone without any namespace flag.
     rules.insert(
         libc::SYS_clone,
@@ -602,8 +589,7 @@ fn allow_filter() -> Result<BpfProgram, SeccompError> {
 /// The refusals: [`REFUSED`] and the refused forms of the conditional calls fail with
 /// `EPERM`; everything else passes (for the allow-list installed before it to decide).
 fn refuse_filter() -> Result<BpfProgram, SeccompError> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        REFUSED.iter().map(|(_, nr)| (*nr, Vec::new())).collect();
+    let mut rules = unconditional(REFUSED);
     rules.insert(
         libc::SYS_clone,
         CLONE_NAMESPACE_FLAGS

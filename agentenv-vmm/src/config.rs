@@ -69,40 +69,11 @@ pub struct BalloonConfig {
     pub stats_polling_interval_s: u16,
 }
 
-/// The scheduler's cluster CPU template (the JSON the scheduler hands out: the
-/// intersection of every node's CPU config). CPUID registers listed are masked with their
-/// bitmap; `x` digits keep the host's bit.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CpuTemplate {
-    #[serde(default)]
-    pub kvm_capabilities: Vec<String>,
-    #[serde(default)]
-    pub cpuid_modifiers: Vec<CpuidModifier>,
-    #[serde(default)]
-    pub msr_modifiers: Vec<MsrModifier>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CpuidModifier {
-    pub leaf: String,
-    pub subleaf: String,
-    #[serde(default)]
-    pub flags: i64,
-    #[serde(default)]
-    pub modifiers: Vec<RegisterModifier>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RegisterModifier {
-    pub register: String,
-    pub bitmap: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MsrModifier {
-    pub addr: String,
-    pub bitmap: String,
-}
+// The scheduler's cluster CPU template (the JSON the scheduler hands out: the intersection
+// of every node's CPU config), defined in `crate::cpu_template`. CPUID registers listed
+// are masked with their bitmap; `x` digits keep the host's bit.
+pub use crate::cpu_template::{CpuTemplate, CpuidModifier, MsrModifier, RegisterModifier};
+use crate::cpu_template::{bitmap_digits, kvm_capability, parse_hex, register_index};
 
 /// One CPUID register mask of a template, parsed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,18 +111,15 @@ impl CpuTemplate {
                 )
             })?;
             for r in &m.modifiers {
-                let register = match r.register.to_ascii_lowercase().as_str() {
-                    "eax" => 0,
-                    "ebx" => 1,
-                    "ecx" => 2,
-                    "edx" => 3,
-                    other => {
-                        return Err(invalid(
-                            &field,
-                            format!("register {other:?} is not one of eax, ebx, ecx, edx"),
-                        ));
-                    }
-                };
+                let register = register_index(&r.register).ok_or_else(|| {
+                    invalid(
+                        &field,
+                        format!(
+                            "register {:?} is not one of eax, ebx, ecx, edx",
+                            r.register.to_ascii_lowercase()
+                        ),
+                    )
+                })?;
                 let keep = parse_mask(&r.bitmap, 32).ok_or_else(|| {
                     invalid(
                         &field,
@@ -199,18 +167,13 @@ impl CpuTemplate {
     pub fn required_kvm_capabilities(&self) -> Result<Vec<u32>, ConfigError> {
         let mut out = Vec::new();
         for (i, c) in self.kvm_capabilities.iter().enumerate() {
-            let t = c.trim();
-            let (negated, digits) = match t.strip_prefix('!') {
-                Some(d) => (true, d),
-                None => (false, t),
-            };
-            let cap: u32 = digits.parse().map_err(|_| {
+            let (cap, required) = kvm_capability(c).ok_or_else(|| {
                 invalid(
                     &format!("cpu_template.kvm_capabilities[{i}]"),
                     format!("{c:?} is not a KVM capability number (optionally prefixed with !)"),
                 )
             })?;
-            if !negated {
+            if required {
                 out.push(cap);
             }
         }
@@ -218,22 +181,9 @@ impl CpuTemplate {
     }
 }
 
-fn parse_hex(s: &str) -> Option<u32> {
-    let t = s.trim();
-    let d = t
-        .strip_prefix("0x")
-        .or_else(|| t.strip_prefix("0X"))
-        .unwrap_or(t);
-    u32::from_str_radix(d, 16).ok()
-}
-
 /// A bitmap of `0`/`1`/`x` digits to the mask of bits that may stay set (`1` and `x`).
 fn parse_mask(s: &str, bits: usize) -> Option<u64> {
-    let t = s.trim();
-    let d = t.strip_prefix("0b").unwrap_or(t);
-    if d.is_empty() || d.len() > bits {
-        return None;
-    }
+    let d = bitmap_digits(s, bits as u32)?;
     let mut v = 0u64;
     for c in d.chars() {
         v = (v << 1)

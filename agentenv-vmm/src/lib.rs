@@ -14,6 +14,8 @@
 //! * [`devices`]: the I/O and MMIO buses, the legacy devices (8250 UART, i8042, the
 //!   debug-exit port) and the virtio-mmio transport with its devices.
 //! * [`config`]: the validated VM configuration.
+//! * [`cpu_template`]: the CPU template JSON, shared with the scheduler (the file is
+//!   agentenv-core's, compiled here as a module: the VMM does not depend on agentenv-core).
 //! * [`control`]: the control protocol of a VMM process (JSON lines over a unix socket)
 //!   and the node's client of it.
 //! * [`seccomp`]: the VMM process's system call filter.
@@ -28,6 +30,8 @@
 pub mod arch;
 pub mod config;
 pub mod control;
+#[path = "../../agentenv-core/src/cpu_template.rs"]
+pub mod cpu_template;
 pub mod devices;
 pub mod exit;
 pub mod hypervisor;

@@ -17,36 +17,29 @@
 
 use std::collections::BTreeMap;
 
+use agentenv_seccomp::{DESCRIPTOR_IO, SyscallList, TARGET_ARCH, concat, total_len, unconditional};
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
+    SeccompRule,
 };
 
-/// Errors building or installing the filter.
+/// Errors building the filter.
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
-    #[error("seccomp filters are not supported on {0}")]
-    UnsupportedArch(&'static str),
     #[error("building the VMM seccomp filter: {0}")]
     Build(#[from] seccompiler::BackendError),
     #[error("compiling the VMM seccomp filter: {0}")]
     Compile(#[from] seccompiler::Error),
 }
 
-/// System calls allowed without conditions.
-pub const ALLOWED_SYSCALLS: &[(&str, i64)] = &[
+/// System calls allowed without conditions: reading and writing descriptors
+/// ([`DESCRIPTOR_IO`], as in every policy), then what the VMM needs beyond that.
+pub const ALLOWED_SYSCALLS: &[(&str, i64)] = &concat::<{ total_len(ALLOWED_PARTS) }>(ALLOWED_PARTS);
+
+const ALLOWED_PARTS: &[SyscallList] = &[DESCRIPTOR_IO, ALLOWED_BEYOND_DESCRIPTOR_IO];
+
+const ALLOWED_BEYOND_DESCRIPTOR_IO: SyscallList = &[
     // files and descriptors
-    ("read", libc::SYS_read),
-    ("write", libc::SYS_write),
-    ("readv", libc::SYS_readv),
-    ("writev", libc::SYS_writev),
-    ("pread64", libc::SYS_pread64),
-    ("pwrite64", libc::SYS_pwrite64),
-    ("preadv", libc::SYS_preadv),
-    ("pwritev", libc::SYS_pwritev),
-    ("preadv2", libc::SYS_preadv2),
-    ("pwritev2", libc::SYS_pwritev2),
-    ("lseek", libc::SYS_lseek),
     ("openat", libc::SYS_openat),
     ("open", libc::SYS_open),
     ("close", libc::SYS_close),
@@ -150,22 +143,13 @@ pub const ALLOWED_SYSCALLS: &[(&str, i64)] = &[
 pub const ALLOWED_IOCTL_TYPES: &[(&str, u64)] =
     &[("KVM", 0xAE), ("tun/terminal", 0x54), ("socket", 0x89)];
 
-fn target_arch() -> Result<TargetArch, SeccompError> {
-    std::env::consts::ARCH
-        .try_into()
-        .map_err(|_| SeccompError::UnsupportedArch(std::env::consts::ARCH))
-}
-
 /// The filters to install, in this order (every one applies: a denial wins).
 ///
 /// `mismatch` is what happens to a call outside the allow-list: `KillProcess` in
-/// production (`--seccomp strict`).
+/// production (`--seccomp strict`). The VMM installs them on all its threads with
+/// [`agentenv_seccomp::install_all_threads`].
 pub fn vmm_filters(mismatch: SeccompAction) -> Result<Vec<BpfProgram>, SeccompError> {
-    let arch = target_arch()?;
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED_SYSCALLS
-        .iter()
-        .map(|(_, nr)| (*nr, Vec::new()))
-        .collect();
+    let mut rules = unconditional(ALLOWED_SYSCALLS);
     // clone: threads only, and never into a new namespace.
     let thread = libc::CLONE_THREAD as u64;
     rules.insert(
@@ -189,12 +173,12 @@ pub fn vmm_filters(mismatch: SeccompAction) -> Result<Vec<BpfProgram>, SeccompEr
         })
         .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_ioctl, ioctl_rules);
-    let allow = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, arch)?;
+    let allow = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TARGET_ARCH)?;
     let clone3 = SeccompFilter::new(
         BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
         SeccompAction::Allow,
         SeccompAction::Errno(libc::ENOSYS as u32),
-        arch,
+        TARGET_ARCH,
     )?;
     // The foreign-ABI prefilter goes first, the allow-list last: once it is installed,
     // `seccomp` itself is forbidden.
@@ -203,15 +187,6 @@ pub fn vmm_filters(mismatch: SeccompAction) -> Result<Vec<BpfProgram>, SeccompEr
         clone3.try_into()?,
         allow.try_into()?,
     ])
-}
-
-/// Installs the filters on every thread of the process (threads started later inherit
-/// them).
-pub fn install(filters: &[BpfProgram]) -> Result<(), SeccompError> {
-    for f in filters {
-        seccompiler::apply_filter_all_threads(f)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

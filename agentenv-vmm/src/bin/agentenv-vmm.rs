@@ -261,7 +261,7 @@ fn run(args: Args) -> anyhow::Result<Option<ExitReason>> {
         SeccompMode::Strict => {
             let filters =
                 agentenv_vmm::seccomp::vmm_filters(seccompiler::SeccompAction::KillProcess)?;
-            agentenv_vmm::seccomp::install(&filters)?;
+            agentenv_seccomp::install_all_threads(&filters)?;
         }
         SeccompMode::Off => tracing::warn!("seccomp filter off"),
     }

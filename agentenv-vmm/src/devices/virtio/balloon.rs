@@ -32,7 +32,10 @@ use vmm_sys_util::timerfd::TimerFd;
 use super::persist::{Persist, StateError};
 use super::queue_util::{Desc, add_used, collect_chain, notify_used};
 use super::worker::{Worker, WorkerCtl, WorkerHandler, stop_worker};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive};
+use super::{
+    ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive,
+    read_config_bytes,
+};
 use crate::memory::GuestMemoryMmap;
 use crate::sync::lock;
 
@@ -578,14 +581,7 @@ impl VirtioDevice for Balloon {
         let mut config = [0u8; CONFIG_LEN];
         config[0..4].copy_from_slice(&self.num_pages.to_le_bytes());
         config[4..8].copy_from_slice(&self.actual.to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .filter(|&o| o < CONFIG_LEN)
-                .map(|o| config[o])
-                .unwrap_or(0);
-        }
+        read_config_bytes(&config, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

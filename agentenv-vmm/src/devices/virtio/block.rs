@@ -39,7 +39,7 @@ use super::persist::{Persist, StateError};
 use super::queue_util::{Desc, check_in_memory, in_memory, walk_chain};
 use super::single_queue::{RequestWorker, ServeRequest};
 use super::worker::{Worker, stop_worker};
-use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive};
+use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive, read_config_bytes};
 use crate::memory::GuestMemoryMmap;
 
 /// Bytes per sector, the unit of the request header and of `capacity`.
@@ -260,29 +260,14 @@ fn ioerr(why: impl Into<String>) -> Failure {
 
 impl ServeRequest for BlockRequests {
     fn serve(&mut self, chain: DescriptorChain<&GuestMemoryMmap>, mem: &GuestMemoryMmap) -> u32 {
-        Self::handle(
-            chain,
-            mem,
-            &self.file,
-            self.read_only,
-            self.capacity,
-            &self.serial,
-            &self.counters,
-        )
+        self.handle(chain, mem)
     }
 }
 
 impl BlockRequests {
     /// Serves one request and returns the bytes written into device-writable buffers.
-    fn handle(
-        chain: DescriptorChain<&GuestMemoryMmap>,
-        mem: &GuestMemoryMmap,
-        file: &File,
-        read_only: bool,
-        capacity: u64,
-        serial: &[u8],
-        counters: &Counters,
-    ) -> u32 {
+    fn handle(&self, chain: DescriptorChain<&GuestMemoryMmap>, mem: &GuestMemoryMmap) -> u32 {
+        let counters = &self.counters;
         let head = chain.head_index();
         let descs = match walk_chain(chain) {
             Ok(d) => d,
@@ -304,20 +289,19 @@ impl BlockRequests {
                 return 0;
             }
         };
-        let (status_byte, data_len) =
-            match Self::execute(&descs, mem, file, read_only, capacity, serial, counters) {
-                Ok(written) => (VIRTIO_BLK_S_OK as u8, written),
-                Err(f) => {
-                    counters.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(
-                        head,
-                        status = f.status,
-                        "virtio-blk: request failed: {}",
-                        f.why
-                    );
-                    (f.status, 0)
-                }
-            };
+        let (status_byte, data_len) = match self.execute(&descs, mem) {
+            Ok(written) => (VIRTIO_BLK_S_OK as u8, written),
+            Err(f) => {
+                counters.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    head,
+                    status = f.status,
+                    "virtio-blk: request failed: {}",
+                    f.why
+                );
+                (f.status, 0)
+            }
+        };
         if let Err(e) = mem.write_obj(status_byte, status.addr) {
             tracing::warn!(head, error = %e, "virtio-blk: writing the status byte failed");
             return data_len;
@@ -326,15 +310,9 @@ impl BlockRequests {
     }
 
     /// Checks and performs one request; returns the data bytes written to the guest.
-    fn execute(
-        descs: &[Desc],
-        mem: &GuestMemoryMmap,
-        file: &File,
-        read_only: bool,
-        capacity: u64,
-        serial: &[u8],
-        counters: &Counters,
-    ) -> Result<u32, Failure> {
+    fn execute(&self, descs: &[Desc], mem: &GuestMemoryMmap) -> Result<u32, Failure> {
+        let (file, read_only, capacity) = (&*self.file, self.read_only, self.capacity);
+        let (serial, counters) = (&self.serial[..], &*self.counters);
         if descs.len() < 2 {
             return Err(ioerr(
                 "the chain has no request header before the status byte",
@@ -465,14 +443,7 @@ impl VirtioDevice for Block {
         config[0..8].copy_from_slice(&self.capacity.to_le_bytes());
         // size_max (bytes 8..12) is not offered and stays 0.
         config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .filter(|&o| o < CONFIG_LEN)
-                .map(|o| config[o])
-                .unwrap_or(0);
-        }
+        read_config_bytes(&config, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
@@ -584,7 +555,9 @@ mod tests {
         (0..SECTOR_SIZE).map(|i| (s * 7 + i) as u8).collect()
     }
 
+    /// A drive over a fresh [`image`], active on one 32-entry queue at guest address 0.
     struct Rig<'a> {
+        img: tempfile::NamedTempFile,
         dev: Block,
         drv: Driver<'a>,
         notify: EventFd,
@@ -593,26 +566,44 @@ mod tests {
     }
 
     impl<'a> Rig<'a> {
-        fn new(mem: &'a GuestMemoryMmap, path: &Path, read_only: bool) -> Self {
-            let mut dev = Block::new("rootfs", path, read_only).unwrap();
+        fn new(mem: &'a GuestMemoryMmap, read_only: bool) -> Self {
+            Self::with_queue(mem, read_only, |_| {})
+        }
+
+        /// As [`Rig::new`], with `tune` applied to the device's queue before activation.
+        fn with_queue(
+            mem: &'a GuestMemoryMmap,
+            read_only: bool,
+            tune: impl FnOnce(&mut Queue),
+        ) -> Self {
+            let img = image();
+            let dev = Block::new("rootfs", img.path(), read_only).unwrap();
             let drv = Driver::new(mem, 0, 32);
+            let mut queue = drv.queue();
+            tune(&mut queue);
             let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-            let notify = evt.try_clone().unwrap();
-            let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
-            dev.activate(ActivateContext {
-                mem: mem.clone(),
-                interrupt: Arc::new(VirtioInterrupt::new(line.clone())),
-                queues: vec![drv.queue()],
-                queue_events: vec![evt],
-            })
-            .unwrap();
-            Self {
+            let mut rig = Self {
+                img,
                 dev,
                 drv,
-                notify,
-                line,
+                notify: evt.try_clone().unwrap(),
+                line: Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()),
                 used: 0,
-            }
+            };
+            rig.activate(mem, queue, evt);
+            rig
+        }
+
+        /// Activates the device on `queue`, notified through `evt`.
+        fn activate(&mut self, mem: &GuestMemoryMmap, queue: Queue, evt: EventFd) {
+            self.dev
+                .activate(ActivateContext {
+                    mem: mem.clone(),
+                    interrupt: Arc::new(VirtioInterrupt::new(self.line.clone())),
+                    queues: vec![queue],
+                    queue_events: vec![evt],
+                })
+                .unwrap();
         }
 
         /// Offers a chain, notifies, waits for it; returns the used length.
@@ -652,9 +643,8 @@ mod tests {
 
     #[test]
     fn blk_reads_sectors_from_the_image_and_marks_the_pages_dirty() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), true);
+        let mut rig = Rig::new(&mem, true);
         // Two data buffers: sector 3, then sectors 4..6.
         header(&mem, VIRTIO_BLK_T_IN, 3);
         let len = rig.submit(
@@ -690,9 +680,8 @@ mod tests {
 
     #[test]
     fn blk_writes_reach_the_image_and_flush_succeeds() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), false);
+        let mut rig = Rig::new(&mem, false);
         assert_eq!(rig.dev.avail_features() & (1 << VIRTIO_BLK_F_RO), 0);
         let payload: Vec<u8> = (0..1024u32).map(|i| (i * 13 % 251) as u8).collect();
         mem.write_slice(&payload, GuestAddress(DATA)).unwrap();
@@ -701,11 +690,14 @@ mod tests {
         assert_eq!(len, 1);
         assert_eq!(status(&mem), VIRTIO_BLK_S_OK as u8);
         let mut on_disk = vec![0u8; 1024];
-        img.as_file().read_exact_at(&mut on_disk, 10 * 512).unwrap();
+        rig.img
+            .as_file()
+            .read_exact_at(&mut on_disk, 10 * 512)
+            .unwrap();
         assert_eq!(on_disk, payload);
         // Neighbours untouched.
         let mut s9 = vec![0u8; 512];
-        img.as_file().read_exact_at(&mut s9, 9 * 512).unwrap();
+        rig.img.as_file().read_exact_at(&mut s9, 9 * 512).unwrap();
         assert_eq!(s9, sector_pattern(9));
 
         header(&mem, VIRTIO_BLK_T_FLUSH, 0);
@@ -728,9 +720,8 @@ mod tests {
 
     #[test]
     fn blk_get_id_returns_the_drive_id() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), true);
+        let mut rig = Rig::new(&mem, true);
         mem.write_slice(&[0xaa; 20], GuestAddress(DATA)).unwrap();
         header(&mem, VIRTIO_BLK_T_GET_ID, 0);
         let len = rig.submit(&mem, &[rd(HDR, 16), wr(DATA, 20), wr(STATUS, 1)]);
@@ -745,9 +736,8 @@ mod tests {
 
     #[test]
     fn blk_read_only_drive_offers_ro_and_refuses_writes() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), true);
+        let mut rig = Rig::new(&mem, true);
         assert_ne!(rig.dev.avail_features() & (1 << VIRTIO_BLK_F_RO), 0);
         mem.write_slice(&[0x55; 512], GuestAddress(DATA)).unwrap();
         header(&mem, VIRTIO_BLK_T_OUT, 0);
@@ -755,7 +745,7 @@ mod tests {
         assert_eq!(len, 1);
         assert_eq!(status(&mem), VIRTIO_BLK_S_IOERR as u8);
         let mut s0 = vec![0u8; 512];
-        img.as_file().read_exact_at(&mut s0, 0).unwrap();
+        rig.img.as_file().read_exact_at(&mut s0, 0).unwrap();
         assert_eq!(s0, sector_pattern(0), "the image is unchanged");
         assert_eq!(rig.dev.metrics().errors, 1);
         assert_eq!(rig.dev.metrics().writes, 0);
@@ -763,9 +753,8 @@ mod tests {
 
     #[test]
     fn blk_refuses_ranges_past_the_capacity_and_partial_sectors() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), false);
+        let mut rig = Rig::new(&mem, false);
         // Last sector: fine.
         assert_eq!(
             read_req(&mut rig, &mem, SECTORS - 1, 1).1,
@@ -794,9 +783,8 @@ mod tests {
 
     #[test]
     fn malformed_blk_chains_fail_alone_and_the_worker_serves_the_next_request() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), false);
+        let mut rig = Rig::new(&mem, false);
         // (what, chain, expected used len, expected status if written)
         let bad: [(BadChain, u32, Option<u32>); 9] = [
             (
@@ -911,9 +899,8 @@ mod tests {
 
     #[test]
     fn blk_deactivate_hands_back_the_queue_and_pending_requests_are_served_on_activate() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut rig = Rig::new(&mem, img.path(), true);
+        let mut rig = Rig::new(&mem, true);
         read_req(&mut rig, &mem, 1, 1);
         let (mut queues, mut events) = rig.dev.deactivate().unwrap();
         assert!(!rig.dev.is_running());
@@ -922,14 +909,7 @@ mod tests {
         // A request the guest queued while the device was stopped (as across a snapshot).
         header(&mem, VIRTIO_BLK_T_IN, 2);
         rig.drv.add(&[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
-        rig.dev
-            .activate(ActivateContext {
-                mem: mem.clone(),
-                interrupt: Arc::new(VirtioInterrupt::new(rig.line.clone())),
-                queues: vec![queues.remove(0)],
-                queue_events: vec![events.remove(0)],
-            })
-            .unwrap();
+        rig.activate(&mem, queues.remove(0), events.remove(0));
         assert_eq!(rig.drv.wait_used(2).len(), 513);
         let mut got = vec![0u8; 512];
         mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
@@ -1016,43 +996,28 @@ mod tests {
 
     #[test]
     fn blk_with_event_idx_interrupts_only_when_the_driver_asks() {
-        let img = image();
         let mem = guest_memory(MEM);
-        let mut drv = Driver::new(&mem, 0, 32);
-        let (_, avail, used) = drv.addrs();
+        let mut rig = Rig::with_queue(&mem, true, |q| q.set_event_idx(true));
+        let (_, avail, used) = rig.drv.addrs();
         let used_event = GuestAddress(avail + 4 + 2 * 32);
         let avail_event = GuestAddress(used + 4 + 8 * 32);
-        let mut dev = Block::new("d", img.path(), true).unwrap();
-        assert_ne!(dev.avail_features() & (1 << VIRTIO_RING_F_EVENT_IDX), 0);
-        let mut queue = drv.queue();
-        queue.set_event_idx(true);
-        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let notify = evt.try_clone().unwrap();
-        let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
-        dev.activate(ActivateContext {
-            mem: mem.clone(),
-            interrupt: Arc::new(VirtioInterrupt::new(line.clone())),
-            queues: vec![queue],
-            queue_events: vec![evt],
-        })
-        .unwrap();
-        let submit = |drv: &mut Driver, n: u16, want_irq_after: u16| {
+        assert_ne!(rig.dev.avail_features() & (1 << VIRTIO_RING_F_EVENT_IDX), 0);
+        let line = rig.line.clone();
+        let submit = |rig: &mut Rig, n: u16, want_irq_after: u16| {
             mem.write_obj(want_irq_after, used_event).unwrap();
             header(&mem, VIRTIO_BLK_T_IN, u64::from(n));
-            drv.add(&[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
-            notify.write(1).unwrap();
-            drv.wait_used(n);
+            rig.submit(&mem, &[rd(HDR, 16), wr(DATA, 512), wr(STATUS, 1)]);
         };
         // used_event 0: the driver wants an interrupt once used passes 0.
-        submit(&mut drv, 1, 0);
+        submit(&mut rig, 1, 0);
         wait_for("the first interrupt", || line.read().is_ok());
         // The device asks to be kicked for the next chain after what it consumed.
         assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 1);
         // used_event 10: no interrupt for the second request.
-        submit(&mut drv, 2, 10);
+        submit(&mut rig, 2, 10);
         // used_event 2: an interrupt for the third. Had the second raised one, the line's
         // counter would now read 2.
-        submit(&mut drv, 3, 2);
+        submit(&mut rig, 3, 2);
         let mut count = 0;
         wait_for("the third interrupt", || {
             count = line.read().unwrap_or(0);
@@ -1060,6 +1025,6 @@ mod tests {
         });
         assert_eq!(count, 1, "the second request raised no interrupt");
         assert_eq!(mem.read_obj::<u16>(avail_event).unwrap(), 3);
-        dev.deactivate().unwrap();
+        rig.dev.deactivate().unwrap();
     }
 }

@@ -136,6 +136,18 @@ pub fn check_inactive<H: WorkerHandler>(
     }
 }
 
+/// Reads `data.len()` bytes at `offset` of a device's configuration space `config` into
+/// `data`; bytes past its end (or at an offset that overflows) read as zero.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(i))
+            .and_then(|o| config.get(o).copied())
+            .unwrap_or(0);
+    }
+}
+
 /// Why a device could not be activated.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {

@@ -43,7 +43,10 @@ use self::chain::{Direction, check_chain, return_unused};
 use super::persist::{Persist, StateError};
 use super::tap::{Tap, TapError, VNET_HDR_LEN};
 use super::worker::{Worker, WorkerCtl, WorkerHandler, stop_worker};
-use super::{ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive};
+use super::{
+    ActivateContext, ActivateError, VirtioDevice, VirtioInterrupt, check_inactive,
+    read_config_bytes,
+};
 use crate::memory::GuestMemoryMmap;
 
 /// virtio device id of a network card.
@@ -521,12 +524,7 @@ impl VirtioDevice for Net {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| self.mac.get(o as usize).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.mac, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

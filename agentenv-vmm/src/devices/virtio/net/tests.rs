@@ -4,10 +4,7 @@
 //! and every socket live there and vanish with the thread (and the device's worker, which
 //! inherits the namespace), also when an assertion fails.
 
-use std::ffi::CString;
 use std::net::UdpSocket;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Command;
 use std::time::Duration;
 
 use super::test_util::{Driver, Irq, VRING_DESC_F_NEXT, activate_ctx, guest_memory};
@@ -15,8 +12,11 @@ use super::*;
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::persist::SavedState;
 
+#[path = "../../../../tests/support/netns.rs"]
+mod netns;
+use netns::{TAP_MAC, mac_str, packet_socket, recv_frame};
+
 const GUEST_MAC: [u8; 6] = [0x06, 0x00, 0xac, 0x10, 0x00, 0x02];
-const TAP_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x01];
 const TAP: &str = "vtap0";
 const HOST_IP: [u8; 4] = [10, 9, 0, 1];
 const GUEST_IP: [u8; 4] = [10, 9, 0, 2];
@@ -27,70 +27,9 @@ const RX_BUFS: u64 = 0x10_0000;
 const TX_BUFS: u64 = 0x80_0000;
 const MEM_SIZE: usize = 0x100_0000;
 
-/// Runs `f` on a thread in a fresh network namespace holding the tap [`TAP`]
-/// (10.9.0.1/24, MAC [`TAP_MAC`], up, IPv6 off so the kernel sends nothing unasked).
+/// Runs `f` in a network namespace of its own holding the tap [`TAP`] (10.9.0.1/24).
 fn in_netns<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            // SAFETY: unshare only changes this thread's namespace membership.
-            let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-            assert_eq!(
-                ret,
-                0,
-                "unshare(CLONE_NEWNET) failed (tests need root): {}",
-                std::io::Error::last_os_error()
-            );
-            for knob in ["all", "default"] {
-                let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{knob}/disable_ipv6"), "1");
-            }
-            ip(&["link", "set", "lo", "up"]);
-            ip(&["tuntap", "add", "dev", TAP, "mode", "tap"]);
-            ip(&["link", "set", "dev", TAP, "address", &fmt_mac(&TAP_MAC)]);
-            ip(&["addr", "add", "10.9.0.1/24", "dev", TAP]);
-            ip(&["link", "set", "dev", TAP, "up"]);
-            f()
-        })
-        .join()
-        .unwrap_or_else(|e| std::panic::resume_unwind(e))
-    })
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("running ip (package iproute2)");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn fmt_mac(mac: &[u8; 6]) -> String {
-    format_mac(mac)
-}
-
-/// Waits until the kernel transmits on the tap: attaching the device turns the carrier
-/// on, and until the link watcher has swapped the `noop` queueing discipline for a real
-/// one every frame the kernel sends to the tap is dropped.
-fn wait_tap_transmits() {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let out = Command::new("ip")
-            .args(["-j", "link", "show", "dev", TAP])
-            .output()
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        if v[0]["operstate"] == "UP" && v[0]["qdisc"] != "noop" {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "tap never came up: {v}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    netns::in_netns(TAP, "10.9.0.1/24", f)
 }
 
 struct Rig<'m> {
@@ -104,7 +43,7 @@ impl<'m> Rig<'m> {
     fn new(mem: &'m GuestMemoryMmap, features: u64) -> Self {
         let mut net = Net::new("eth0", TAP, GUEST_MAC).unwrap();
         net.set_acked_features(features);
-        wait_tap_transmits();
+        netns::wait_tap_transmits(TAP);
         Rig {
             rx: Driver::new(mem, RX_BASE, QUEUE_SIZE, RX_BUFS),
             tx: Driver::new(mem, TX_BASE, QUEUE_SIZE, TX_BUFS),
@@ -153,16 +92,7 @@ fn plain_hdr() -> [u8; 12] {
 }
 
 fn arp_request(target: [u8; 4]) -> Vec<u8> {
-    let mut f = Vec::new();
-    f.extend_from_slice(&[0xff; 6]);
-    f.extend_from_slice(&GUEST_MAC);
-    f.extend_from_slice(&[0x08, 0x06]);
-    f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
-    f.extend_from_slice(&GUEST_MAC);
-    f.extend_from_slice(&GUEST_IP);
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&target);
-    f
+    netns::arp_request(GUEST_MAC, GUEST_IP, target)
 }
 
 /// Checks that `buf` (virtio-net header + frame) is the kernel's ARP reply to the guest.
@@ -170,82 +100,7 @@ fn assert_arp_reply(buf: &[u8]) {
     assert!(buf.len() >= 12 + 42, "frame too short: {}", buf.len());
     assert_eq!(&buf[10..12], &1u16.to_le_bytes(), "num_buffers must be 1");
     assert_eq!(buf[0], 0, "no checksum flag on an ARP reply");
-    let f = &buf[12..];
-    assert_eq!(&f[0..6], &GUEST_MAC, "destination is the guest");
-    assert_eq!(&f[6..12], &TAP_MAC, "source is the tap");
-    assert_eq!(&f[12..14], &[0x08, 0x06], "ARP");
-    assert_eq!(&f[20..22], &[0, 2], "an ARP reply");
-    assert_eq!(&f[28..32], &HOST_IP, "the tap's address answers");
-    assert_eq!(&f[38..42], &GUEST_IP, "to the guest's address");
-}
-
-fn packet_socket(ethertype: u16) -> OwnedFd {
-    // SAFETY: plain socket(2) call; the result is checked before use.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_PACKET,
-            libc::SOCK_RAW,
-            i32::from(ethertype.to_be()),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "AF_PACKET socket: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: `fd` is a fresh descriptor owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let name = CString::new(TAP).unwrap();
-    // SAFETY: `name` is a NUL-terminated string that outlives the call.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert!(ifindex > 0);
-    // SAFETY: all-zero is a valid sockaddr_ll.
-    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = ethertype.to_be();
-    sll.sll_ifindex = ifindex as i32;
-    // SAFETY: `sll` is a valid sockaddr_ll of the length given.
-    let ret = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&sll as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    assert_eq!(
-        ret,
-        0,
-        "bind AF_PACKET: {}",
-        std::io::Error::last_os_error()
-    );
-    let tv = libc::timeval {
-        tv_sec: 10,
-        tv_usec: 0,
-    };
-    // SAFETY: SO_RCVTIMEO takes a timeval of the length given.
-    unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as u32,
-        )
-    };
-    fd
-}
-
-fn recv_frame(fd: &OwnedFd) -> Vec<u8> {
-    let mut buf = vec![0u8; 2048];
-    // SAFETY: `buf` is writable for its whole length.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    assert!(
-        n > 0,
-        "no frame on the tap within 10 s: {}",
-        std::io::Error::last_os_error()
-    );
-    buf.truncate(n as usize);
-    buf
+    netns::assert_arp_reply(&buf[12..], GUEST_MAC, GUEST_IP, HOST_IP);
 }
 
 fn ip_checksum(data: &[u8]) -> u16 {
@@ -289,7 +144,7 @@ fn guest_frame_appears_on_the_tap() {
     in_netns(|| {
         let mem = guest_memory(MEM_SIZE);
         let mut rig = Rig::new(&mem, 0);
-        let sock = packet_socket(0x88b5);
+        let sock = packet_socket(TAP, 0x88b5);
         rig.start(&mem);
         let mut frame = vec![0xff; 6];
         frame.extend_from_slice(&GUEST_MAC);
@@ -333,7 +188,7 @@ fn frames_wait_in_order_while_the_receive_ring_is_empty() {
         let mut rig = Rig::new(&mem, 0);
         // Sees every frame crossing the tap, both ways (frames the kernel sends reach
         // only ETH_P_ALL sockets).
-        let all = packet_socket(libc::ETH_P_ALL as u16);
+        let all = packet_socket(TAP, libc::ETH_P_ALL as u16);
         rig.start(&mem);
         // Two ARP requests: the kernel answers both while the guest has no buffer.
         rig.send(plain_hdr(), &arp_request(HOST_IP));
@@ -390,7 +245,7 @@ fn malformed_transmit_chains_are_returned_empty_and_the_device_keeps_running() {
     in_netns(|| {
         let mem = guest_memory(MEM_SIZE);
         let mut rig = Rig::new(&mem, 0);
-        let sock = packet_socket(0x88b5);
+        let sock = packet_socket(TAP, 0x88b5);
         rig.start(&mem);
         let buf = rig.tx.alloc(0x2_0000);
         let next = VRING_DESC_F_NEXT;
@@ -497,12 +352,12 @@ fn kernel_udp_to_guest(features: u64) -> Vec<u8> {
     let mut rig = Rig::new(&mem, features);
     let (_, addr) = rig.rx.add_writable(65562);
     rig.start(&mem);
-    ip(&[
+    netns::ip(&[
         "neigh",
         "add",
         "10.9.0.2",
         "lladdr",
-        &fmt_mac(&GUEST_MAC),
+        &mac_str(&GUEST_MAC),
         "dev",
         TAP,
         "nud",
@@ -626,7 +481,7 @@ fn random_descriptor_chains_never_stop_the_device() {
     in_netns(|| {
         let mem = guest_memory(MEM_SIZE);
         let mut rig = Rig::new(&mem, 0);
-        let sock = packet_socket(0x88b5);
+        let sock = packet_socket(TAP, 0x88b5);
         rig.start(&mem);
         let mut rng = Rng::new(0x00ba_d0c5);
         let base = rig.tx.alloc(0x1_0000);
@@ -672,7 +527,7 @@ fn a_batch_of_transmit_chains_raises_one_interrupt() {
     in_netns(|| {
         let mem = guest_memory(MEM_SIZE);
         let mut rig = Rig::new(&mem, 0);
-        let sock = packet_socket(0x88b5);
+        let sock = packet_socket(TAP, 0x88b5);
         let mut frame = vec![0xff; 6];
         frame.extend_from_slice(&GUEST_MAC);
         frame.extend_from_slice(&[0x88, 0xb5]);

@@ -48,7 +48,7 @@ pub use self::muxer::{
 use self::muxer::{MuxerState, TOKEN_EVENT, TOKEN_RX, TOKEN_TX, VsockCore};
 use super::persist::{Persist, StateError};
 use super::worker::{Worker, stop_worker};
-use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive};
+use super::{ActivateContext, ActivateError, VirtioDevice, check_inactive, read_config_bytes};
 
 /// virtio device id of a socket device.
 pub const VIRTIO_ID_VSOCK: u32 = 19;
@@ -248,12 +248,7 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let cfg = self.guest_cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| cfg.get(o as usize).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&cfg, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
