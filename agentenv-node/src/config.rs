@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentenv_core::config::BoolSyntax;
 use agentenv_core::storage::{AddressingStyle, S3Config, StorageConfig};
 use serde::Deserialize;
 
@@ -352,11 +353,8 @@ fn expand_home(p: PathBuf, home: &Path, base: &Path) -> PathBuf {
 }
 
 fn parse_bool(key: &'static str, v: &str) -> Result<bool, ConfigError> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" | "" => Ok(false),
-        _ => Err(invalid(key, v, "use true or false")),
-    }
+    agentenv_core::config::parse_bool(v, BoolSyntax::WithWords)
+        .ok_or_else(|| invalid(key, v, "use true or false"))
 }
 
 /// The most network namespaces the jail may keep ready.

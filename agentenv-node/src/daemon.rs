@@ -13,6 +13,7 @@ use crate::backend::jail::{JailBackend, JailConfig};
 use crate::backend::microvm::{self, MicrovmBackend, MicrovmConfig};
 use crate::backend::{BackendError, KeptState, SandboxBackend};
 use crate::config::{BackendKind, NodeConfig};
+use crate::host::HostedConfig;
 use crate::host::net::Ipv4Net;
 use crate::lifecycle::{
     LifecycleConfig, LifecycleError, Orchestrator, PausedStore, ReporterSource,
@@ -68,16 +69,11 @@ pub async fn jail_backend(
     kept: &[KeptState],
 ) -> Result<JailBackend, DaemonError> {
     let mut j = JailConfig::new(&cfg.home, &cfg.guest_binary);
-    j.runtime_dir = cfg.runtime_path.clone();
+    hosted_settings(&mut j, cfg)?;
     if !cfg.guest_init_mode {
         j.agent_args = Vec::new();
     }
-    j.templates.root = cfg.template_path.clone();
-    j.address_pool = address_pool(cfg)?;
-    j.iface_prefix = cfg.jail_iface_prefix.clone();
-    j.cgroup_parent = cfg.jail_cgroup_parent.clone();
     j.net_pool_size = cfg.jail_net_pool_size;
-    j.id_pool = cfg.jail_id_pool;
     j.disk_size_mb = cfg.jail_disk_size_mb;
     j.layer_pool_size = cfg.jail_layer_pool_size;
     reconciled(JailBackend::new(j).await?, kept).await
@@ -98,20 +94,24 @@ pub async fn microvm_backend(
         &cfg.vmm_binary,
         &cfg.guest_kernel,
     );
-    m.runtime_dir = cfg.runtime_path.clone();
-    m.templates.root = cfg.template_path.clone();
-    m.address_pool = address_pool(cfg)?;
-    m.iface_prefix = cfg.jail_iface_prefix.clone();
-    m.cgroup_parent = cfg.jail_cgroup_parent.clone();
-    m.id_pool = cfg.jail_id_pool;
+    hosted_settings(&mut m, cfg)?;
     reconciled(MicrovmBackend::new(m).await?, kept).await
 }
 
-/// The sandbox address pool both backends take from `AENV_JAIL_ADDRESS_POOL`.
-fn address_pool(cfg: &NodeConfig) -> Result<Ipv4Net, DaemonError> {
-    cfg.jail_address_pool
+/// Sets what both backends take from the node configuration: the runtime directory, the
+/// template store, and the jail's address pool (`AENV_JAIL_ADDRESS_POOL`), interface
+/// prefix, cgroup parent and id pool.
+fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonError> {
+    h.runtime_dir = cfg.runtime_path.clone();
+    h.templates.root = cfg.template_path.clone();
+    h.address_pool = cfg
+        .jail_address_pool
         .parse::<Ipv4Net>()
-        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))
+        .map_err(|_| DaemonError::AddressPool(cfg.jail_address_pool.clone()))?;
+    h.iface_prefix = cfg.jail_iface_prefix.clone();
+    h.cgroup_parent = cfg.jail_cgroup_parent.clone();
+    h.id_pool = cfg.jail_id_pool;
+    Ok(())
 }
 
 /// `backend` after removing what an earlier run left behind (except the state in `kept`).
@@ -187,7 +187,7 @@ impl Daemon {
                 .load_all()
                 .map_err(LifecycleError::from)?
                 .iter()
-                .any(|r| r.secure || !r.allow_public_traffic);
+                .any(|r| r.options.secure || !r.options.allow_public_traffic);
             if needs_seed {
                 return Err(DaemonError::SeedMissing(seed_file));
             }

@@ -62,20 +62,20 @@ impl NewSandbox {
         }
         let mut r = CreateRequest::new(template);
         r.timeout = self.timeout.map(Duration::from_secs);
-        r.on_timeout = if self.auto_pause == Some(false) {
+        r.options.on_timeout = if self.auto_pause == Some(false) {
             OnTimeout::Kill
         } else {
             OnTimeout::Pause
         };
-        r.auto_resume = self.auto_resume.is_some_and(|a| a.enabled);
-        r.secure = self.secure.unwrap_or(false);
-        r.allow_internet_access = self.allow_internet_access;
-        r.allow_public_traffic = self
+        r.options.auto_resume = self.auto_resume.is_some_and(|a| a.enabled);
+        r.options.secure = self.secure.unwrap_or(false);
+        r.options.allow_internet_access = self.allow_internet_access;
+        r.options.allow_public_traffic = self
             .network
             .and_then(|n| n.allow_public_traffic)
             .unwrap_or(true);
-        r.metadata = self.metadata.unwrap_or_default();
-        r.env_vars = self.env_vars.unwrap_or_default();
+        r.options.metadata = self.metadata.unwrap_or_default();
+        r.options.env_vars = self.env_vars.unwrap_or_default();
         r.cpu_count = self.cpu_count;
         r.memory_mb = self.memory_mb;
         r.disk_size_mb = self.disk_size_mb;
@@ -363,7 +363,7 @@ impl ListQuery {
             .filter(|r| {
                 self.metadata
                     .iter()
-                    .all(|(k, v)| r.metadata.get(k) == Some(v))
+                    .all(|(k, v)| r.options.metadata.get(k) == Some(v))
             });
         paginate(matching, self.after.as_ref(), self.limit)
     }
@@ -381,8 +381,8 @@ mod tests {
         .unwrap();
         let r = b.into_request().unwrap();
         assert_eq!(r.template, "base");
-        assert_eq!(r.on_timeout, OnTimeout::Kill);
-        assert!(r.auto_resume && !r.allow_public_traffic);
+        assert_eq!(r.options.on_timeout, OnTimeout::Kill);
+        assert!(r.options.auto_resume && !r.options.allow_public_traffic);
         assert!(
             serde_json::from_str::<NewSandbox>(r#"{"templateID":"base","timeout":"x"}"#).is_err()
         );

@@ -147,8 +147,11 @@ fn sandbox_json(state: &ApiState, rec: &SandboxRecord) -> SandboxJson {
         alias: template_alias(rec),
         client_id: String::new(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
-        envd_access_token: rec.secure.then(|| state.orch.tokens().envd_token(&rec.id)),
-        traffic_access_token: (!rec.allow_public_traffic)
+        envd_access_token: rec
+            .options
+            .secure
+            .then(|| state.orch.tokens().envd_token(&rec.id)),
+        traffic_access_token: (!rec.options.allow_public_traffic)
             .then(|| state.orch.tokens().traffic_token(&rec.id)),
         domain: state.domains.first().cloned(),
     }
@@ -185,7 +188,7 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
         cpu_count: rec.cpu_count,
         memory_mb: rec.memory_mb,
         disk_size_mb: 0,
-        metadata: rec.metadata.clone(),
+        metadata: rec.options.metadata.clone(),
         state: rec.state.api_name().to_string(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
     }
@@ -194,14 +197,17 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
 fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
     SandboxDetailJson {
         listed: listed_json(rec),
-        envd_access_token: rec.secure.then(|| state.orch.tokens().envd_token(&rec.id)),
+        envd_access_token: rec
+            .options
+            .secure
+            .then(|| state.orch.tokens().envd_token(&rec.id)),
         domain: state.domains.first().cloned(),
-        allow_internet_access: rec.allow_internet_access,
-        network: (!rec.allow_public_traffic)
+        allow_internet_access: rec.options.allow_internet_access,
+        network: (!rec.options.allow_public_traffic)
             .then(|| serde_json::json!({"allowPublicTraffic": false})),
         lifecycle: LifecycleJson {
-            auto_resume: rec.auto_resume,
-            on_timeout: match rec.on_timeout {
+            auto_resume: rec.options.auto_resume,
+            on_timeout: match rec.options.on_timeout {
                 OnTimeout::Pause => "pause".into(),
                 OnTimeout::Kill => "kill".into(),
             },

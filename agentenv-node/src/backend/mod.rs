@@ -28,6 +28,8 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::config::BackendKind;
+
 /// The port the guest agent listens on inside every sandbox (envd's port).
 pub const AGENT_PORT: u16 = 49983;
 
@@ -73,10 +75,26 @@ pub struct KeptState {
 /// What [`SandboxBackend::snapshot`] wrote into a capture directory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotCapture {
-    /// The backend that can start sandboxes from it (`jail`, `microvm`).
+    /// The backend that can start sandboxes from it: a [`BackendKind`]'s name (`jail`,
+    /// `microvm`).
     pub backend: String,
     /// The files of the capture, by name relative to the capture directory.
     pub files: Vec<String>,
+}
+
+impl SnapshotCapture {
+    /// A capture of backend `kind` made of `files`.
+    pub fn new(kind: BackendKind, files: Vec<String>) -> Self {
+        Self {
+            backend: kind.to_string(),
+            files,
+        }
+    }
+
+    /// The backend that took it, if it is one this node knows.
+    pub fn kind(&self) -> Option<BackendKind> {
+        self.backend.parse().ok()
+    }
 }
 
 /// The smallest memory limit a sandbox may have, in MiB.
@@ -200,7 +218,7 @@ pub enum BackendError {
     Setup(String),
     #[error("the {backend} backend cannot {op}: {hint}")]
     Unsupported {
-        backend: &'static str,
+        backend: BackendKind,
         op: &'static str,
         hint: &'static str,
     },
@@ -234,8 +252,8 @@ pub fn validate_sandbox_id(id: &str) -> Result<(), BackendError> {
 /// Runs sandboxes. Every method is safe to call concurrently, also for one sandbox.
 #[async_trait]
 pub trait SandboxBackend: Send + Sync {
-    /// The backend's name (`jail`, `microvm`).
-    fn kind(&self) -> &'static str;
+    /// Which backend this is (named `jail`, `microvm`).
+    fn kind(&self) -> BackendKind;
 
     /// Creates and starts a sandbox from a template. Returns once the sandbox's processes
     /// (or VM) run; the agent may still be starting (see [`agent::wait_ready`]). A failure

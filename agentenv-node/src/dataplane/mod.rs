@@ -283,7 +283,7 @@ pub enum Access {
 /// its traffic token. The API key never grants access.
 pub fn check_access(rec: &SandboxRecord, port: u16, h: &HeaderMap, tokens: &TokenIssuer) -> Access {
     if port == AGENT_PORT {
-        if !rec.secure {
+        if !rec.options.secure {
             return Access::Allowed {
                 keep_access_token: false,
             };
@@ -295,7 +295,7 @@ pub fn check_access(rec: &SandboxRecord, port: u16, h: &HeaderMap, tokens: &Toke
             },
             _ => Access::Denied,
         }
-    } else if rec.allow_public_traffic {
+    } else if rec.options.allow_public_traffic {
         Access::Allowed {
             keep_access_token: false,
         }

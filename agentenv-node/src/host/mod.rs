@@ -16,11 +16,14 @@
 //! [`SandboxHost`] with its accessors; `slot` what one sandbox holds ([`Claim`],
 //! [`HostSlot`], and [`SandboxHost::claim`] and [`SandboxHost::release`]); `reconcile` the
 //! removal of directories, kept states and what an earlier node process left behind;
-//! `process` watching a sandbox's process ([`watch_exit`]) and timing phases ([`Phases`]).
+//! `process` watching a sandbox's process ([`watch_exit`]) and timing phases ([`Phases`]);
+//! `hosted` what both backends build on top ([`HostedConfig`], [`HostedBackend`] over a
+//! [`Runtime`]).
 
 pub mod cgroup;
 pub mod devices;
 pub mod disk;
+mod hosted;
 pub mod ids;
 pub mod net;
 pub mod netpool;
@@ -36,15 +39,16 @@ pub(crate) mod table;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use self::cgroup::Hierarchy;
-use self::ids::{IdPool, IdPoolRange};
-use self::net::{AddressPool, HostRules, Ipv4Net, Slot};
+use self::ids::IdPool;
+use self::net::{AddressPool, HostRules, Slot};
 use crate::backend::{BackendError, KeptState, MIN_MEMORY_MB, SandboxSpec};
 
+pub(crate) use self::hosted::foreign_capture;
+pub use self::hosted::{HostedBackend, HostedConfig, HostedSandbox, Runtime};
 pub use self::process::{Phases, watch_exit};
 pub use self::slot::{Claim, HostSlot};
 
@@ -53,27 +57,12 @@ pub use self::slot::{Claim, HostSlot};
 pub struct HostConfig {
     /// The backend's name: its directories are `<data_dir>/<kind>/…`.
     pub kind: &'static str,
-    /// The node's data directory.
-    pub data_dir: PathBuf,
-    /// Host-wide runtime state (address and id reservations, locks), shared by every node
-    /// process on the host.
-    pub runtime_dir: PathBuf,
-    /// Sandbox addresses: carved into /30 networks.
-    pub address_pool: Ipv4Net,
-    /// Host interface names start with this (1 to 6 lowercase letters).
-    pub iface_prefix: String,
-    /// Networks sandboxes never reach.
-    pub denied_networks: Vec<Ipv4Net>,
-    /// Nameservers sandboxes use; `None` takes the host's.
-    pub dns_servers: Option<Vec<Ipv4Addr>>,
-    /// Parent of the sandbox cgroups (see [`cgroup`]).
-    pub cgroup_parent: String,
-    /// How long host operations (kills, cgroup and link removal) may take.
-    pub op_timeout: Duration,
+    /// The backend's settings: the host takes its directories, address pool, interface
+    /// prefix, denied networks, nameservers, cgroup parent, id pool, and timeout for host
+    /// operations (kills, cgroup and link removal).
+    pub hosted: HostedConfig,
     /// Network namespaces kept ready (0: none).
     pub net_pool_size: usize,
-    /// The ids sandboxes are given.
-    pub id_pool: IdPoolRange,
     /// The devices sandboxes may use (their cgroup's allow-list).
     pub devices: &'static [devices::DeviceRule],
 }
@@ -152,40 +141,52 @@ impl SandboxHost {
     /// Checks the configuration, prepares the directories, the cgroup parent, the address
     /// and id pools, the host firewall rules and the namespace pool.
     pub async fn new(cfg: HostConfig) -> Result<Self, BackendError> {
-        if cfg.iface_prefix.is_empty()
-            || cfg.iface_prefix.len() > 6
-            || !cfg.iface_prefix.bytes().all(|b| b.is_ascii_lowercase())
+        if cfg.hosted.iface_prefix.is_empty()
+            || cfg.hosted.iface_prefix.len() > 6
+            || !cfg
+                .hosted
+                .iface_prefix
+                .bytes()
+                .all(|b| b.is_ascii_lowercase())
         {
             return Err(setup(format!(
                 "invalid iface_prefix {:?}: use 1 to 6 lowercase letters",
-                cfg.iface_prefix
+                cfg.hosted.iface_prefix
             )));
         }
-        let base = cfg.data_dir.join(cfg.kind);
+        let base = cfg.hosted.data_dir.join(cfg.kind);
         let sandboxes_dir = base.join("sandboxes");
         let trash_dir = base.join("trash");
         let kept_dir = base.join("kept");
-        for d in [&sandboxes_dir, &trash_dir, &kept_dir, &cfg.runtime_dir] {
+        for d in [
+            &sandboxes_dir,
+            &trash_dir,
+            &kept_dir,
+            &cfg.hosted.runtime_dir,
+        ] {
             std::fs::create_dir_all(d)
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
         }
         let hierarchy = Hierarchy::detect().map_err(setup)?;
         hierarchy
-            .prepare_parent(&cfg.cgroup_parent)
+            .prepare_parent(&cfg.hosted.cgroup_parent)
             .map_err(setup)?;
-        let pool = Arc::new(AddressPool::new(cfg.address_pool, &cfg.runtime_dir).map_err(setup)?);
-        let ids = IdPool::new(cfg.id_pool, &cfg.runtime_dir).map_err(setup)?;
+        let pool = Arc::new(
+            AddressPool::new(cfg.hosted.address_pool, &cfg.hosted.runtime_dir).map_err(setup)?,
+        );
+        let ids = IdPool::new(cfg.hosted.id_pool, &cfg.hosted.runtime_dir).map_err(setup)?;
         let dns = cfg
+            .hosted
             .dns_servers
             .clone()
             .unwrap_or_else(net::host_nameservers);
         HostRules {
-            iface_prefix: cfg.iface_prefix.clone(),
-            pool: cfg.address_pool,
-            denied: cfg.denied_networks.clone(),
+            iface_prefix: cfg.hosted.iface_prefix.clone(),
+            pool: cfg.hosted.address_pool,
+            denied: cfg.hosted.denied_networks.clone(),
             dns: dns.clone(),
         }
-        .install(&cfg.runtime_dir)
+        .install(&cfg.hosted.runtime_dir)
         .await
         .map_err(setup)?;
         let (conn, netlink, _) = rtnetlink::new_connection()
@@ -194,7 +195,7 @@ impl SandboxHost {
         let netpool_dir = base.join("netpool");
         let netpool = netpool::NetPool::start(
             cfg.net_pool_size,
-            &cfg.iface_prefix,
+            &cfg.hosted.iface_prefix,
             netpool_dir.join(format!("{:016x}", rand::random::<u64>())),
             pool.clone(),
             netlink.clone(),
@@ -303,7 +304,7 @@ impl SandboxHost {
     /// The cgroup directories of a sandbox (present while it exists).
     pub fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
         self.hierarchy
-            .sandbox(&self.cfg.cgroup_parent, id)
+            .sandbox(&self.cfg.hosted.cgroup_parent, id)
             .dirs()
             .to_vec()
     }
@@ -327,7 +328,7 @@ impl SandboxHost {
 
     /// Names of host interfaces of this prefix (of every node process on this host).
     pub async fn host_interfaces(&self) -> Vec<String> {
-        net::list_links(&self.netlink, &self.cfg.iface_prefix)
+        net::list_links(&self.netlink, &self.cfg.hosted.iface_prefix)
             .await
             .unwrap_or_default()
     }

@@ -60,12 +60,12 @@ impl SandboxHost {
         let dir = self.sandbox_dir(id);
         let state = StateFile::read(&dir);
         if validate_sandbox_id(id).is_ok() {
-            let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, id);
+            let cg = self.hierarchy.sandbox(&self.cfg.hosted.cgroup_parent, id);
             if cg.exists() {
-                if let Err(e) = cg.kill_all(self.cfg.op_timeout).await {
+                if let Err(e) = cg.kill_all(self.cfg.hosted.op_timeout).await {
                     tracing::warn!(id, error = %e, "killing a leftover sandbox");
                 }
-                if let Err(e) = cg.remove(self.cfg.op_timeout).await {
+                if let Err(e) = cg.remove(self.cfg.hosted.op_timeout).await {
                     tracing::warn!(id, error = %e, "removing a leftover cgroup");
                 }
             }
@@ -82,7 +82,7 @@ impl SandboxHost {
         }
         for slot in slots {
             for internet in [true, false] {
-                let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
+                let name = slot.host_ifname(&self.cfg.hosted.iface_prefix, internet);
                 if let Ok(true) = net::delete_link(&self.netlink, &name).await {
                     report.removed_other.push(format!("link {name}"));
                 }
@@ -175,7 +175,7 @@ impl SandboxHost {
                 self.netpool.owner(),
                 &self.pool,
                 &self.netlink,
-                &self.cfg.iface_prefix,
+                &self.cfg.hosted.iface_prefix,
             )
             .await,
         );
@@ -184,9 +184,9 @@ impl SandboxHost {
             ids: &self.ids,
             netlink: &self.netlink,
             hierarchy: &self.hierarchy,
-            cgroup_parent: &self.cfg.cgroup_parent,
-            iface_prefix: &self.cfg.iface_prefix,
-            op_timeout: self.cfg.op_timeout,
+            cgroup_parent: &self.cfg.hosted.cgroup_parent,
+            iface_prefix: &self.cfg.hosted.iface_prefix,
+            op_timeout: self.cfg.hosted.op_timeout,
         }
         .remove_orphans(live, &mut report)
         .await;

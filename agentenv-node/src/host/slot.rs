@@ -67,7 +67,7 @@ impl SandboxHost {
 
         let (slot, pooled) = self.reserve_net(&dir).await?;
         claim.slot = Some(slot);
-        let host_if = slot.host_ifname(&self.cfg.iface_prefix, internet);
+        let host_if = slot.host_ifname(&self.cfg.hosted.iface_prefix, internet);
         let sandbox_net = match pooled {
             Some(mut p) => {
                 claim.link = Some(p.net.host_if.clone());
@@ -84,7 +84,7 @@ impl SandboxHost {
                 // The slot is ours now: a link already named after it is a leftover of a
                 // process that died without cleaning up.
                 for internet in [true, false] {
-                    let name = slot.host_ifname(&self.cfg.iface_prefix, internet);
+                    let name = slot.host_ifname(&self.cfg.hosted.iface_prefix, internet);
                     if let Ok(true) = net::delete_link(&self.netlink, &name).await {
                         tracing::warn!(link = %name, "deleted a leftover link of a reused address");
                     }
@@ -98,7 +98,7 @@ impl SandboxHost {
         };
         claim.net = Some(sandbox_net);
 
-        let cg = self.hierarchy.sandbox(&self.cfg.cgroup_parent, id);
+        let cg = self.hierarchy.sandbox(&self.cfg.hosted.cgroup_parent, id);
         cg.create(limits).map_err(setup)?;
         claim.cgroup = Some(cg);
         // Before any process joins: nothing of the sandbox ever sees another device.
@@ -122,7 +122,7 @@ impl SandboxHost {
                 // The pool may hold the last free addresses in namespaces being made.
                 Err(net::NetError::Exhausted(pool)) => self
                     .netpool
-                    .take_in_flight(self.cfg.op_timeout)
+                    .take_in_flight(self.cfg.hosted.op_timeout)
                     .await
                     .ok_or_else(|| BackendError::AddressPoolExhausted {
                         pool: pool.to_string(),
@@ -142,7 +142,7 @@ impl SandboxHost {
     /// Kills whatever is left in a sandbox's cgroup (thawing it first) and waits until
     /// it is empty.
     pub async fn stop_processes(&self, slot: &HostSlot) -> Result<(), BackendError> {
-        let timeout = self.cfg.op_timeout;
+        let timeout = self.cfg.hosted.op_timeout;
         if slot.cgroup.is_frozen() {
             let _ = slot.cgroup.thaw(timeout).await;
         }
@@ -163,7 +163,7 @@ impl SandboxHost {
         slot: &HostSlot,
         finish: Option<&DirHook<'_>>,
     ) -> Result<(), BackendError> {
-        let timeout = self.cfg.op_timeout;
+        let timeout = self.cfg.hosted.op_timeout;
         let mut errors = Vec::new();
         if let Err(e) = self.stop_processes(slot).await {
             errors.push(e.to_string());

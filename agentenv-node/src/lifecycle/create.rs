@@ -39,8 +39,8 @@ impl Orchestrator {
             kept = Some(self.import_snapshot(snap).await?);
             req.template = snap.committed.template.clone();
             let mut env = snap.committed.env.clone();
-            env.extend(std::mem::take(&mut req.env_vars));
-            req.env_vars = env;
+            env.extend(std::mem::take(&mut req.options.env_vars));
+            req.options.env_vars = env;
             req.cpu_count = req.cpu_count.or(Some(snap.resources.cpu_count));
             req.memory_mb = req.memory_mb.or(Some(snap.resources.memory_mb));
             snapshot_id = Some(snap.id.clone());
@@ -52,13 +52,7 @@ impl Orchestrator {
             state: State::Creating,
             created_at_ms: ms_since_epoch(SystemTime::now()),
             timeout_secs: timeout.as_secs(),
-            on_timeout: req.on_timeout,
-            auto_resume: req.auto_resume,
-            secure: req.secure,
-            allow_internet_access: req.allow_internet_access,
-            allow_public_traffic: req.allow_public_traffic,
-            metadata: req.metadata,
-            env_vars: req.env_vars,
+            options: req.options,
             cpu_count: req.cpu_count.unwrap_or(self.cfg.default_cpu_count),
             memory_mb: req.memory_mb.unwrap_or(self.cfg.default_memory_mb),
             disk_size_mb: req.disk_size_mb,
@@ -184,13 +178,13 @@ impl Orchestrator {
         let mut client =
             agentenv_guest::client::GuestClient::new(&format!("http://{}", addr.agent()))
                 .map_err(|e| e.to_string())?;
-        let token = rec.secure.then(|| self.tokens.envd_token(&rec.id));
+        let token = rec.options.secure.then(|| self.tokens.envd_token(&rec.id));
         if let Some(t) = &token {
             client = client.with_access_token(t);
         }
         let ts = time_rfc3339(SystemTime::now());
         let body = serde_json::json!({
-            "envVars": rec.env_vars,
+            "envVars": rec.options.env_vars,
             "accessToken": token.unwrap_or_default(),
             "timestamp": ts,
         });

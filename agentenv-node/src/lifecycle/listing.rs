@@ -41,7 +41,7 @@ impl Orchestrator {
             let rec = slot.rec.lock().clone();
             match rec.state {
                 State::Running if rec.address.is_some() => return Ok(rec),
-                State::Paused if rec.auto_resume => {
+                State::Paused if rec.options.auto_resume => {
                     if self.is_shutting_down() {
                         return Err(RouteError::NotProxyable);
                     }

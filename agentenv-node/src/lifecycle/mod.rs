@@ -31,7 +31,7 @@ mod timeout;
 pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
 pub use persist::{PausedStore, PersistError};
-pub use record::{CreateRequest, OnTimeout, SandboxRecord};
+pub use record::{CreateRequest, OnTimeout, SandboxOptions, SandboxRecord};
 pub use state::{Op, State, TransitionError, next};
 
 use std::collections::HashMap;
@@ -219,9 +219,7 @@ impl Orchestrator {
         tokens: TokenIssuer,
         store: PausedStore,
     ) -> Result<Arc<Self>, LifecycleError> {
-        let kind = backend.kind().parse::<BackendKind>().map_err(|e| {
-            LifecycleError::Internal(format!("the sandbox backend is not one we know: {e}"))
-        })?;
+        let kind = backend.kind();
         let mut slots = HashMap::new();
         for mut rec in store.load_all()? {
             rec.state = next(rec.state, Op::Restore).map_err(|e| e.for_sandbox(&rec.id))?;

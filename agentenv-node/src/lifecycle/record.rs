@@ -18,11 +18,11 @@ pub enum OnTimeout {
     Kill,
 }
 
-/// What a create asks for (already validated for shape by the API).
-#[derive(Debug, Clone)]
-pub struct CreateRequest {
-    pub template: String,
-    pub timeout: Option<Duration>,
+/// What a create sets of a sandbox beyond its template, timeout and resources, and its
+/// record keeps.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxOptions {
     pub on_timeout: OnTimeout,
     pub auto_resume: bool,
     pub secure: bool,
@@ -30,6 +30,30 @@ pub struct CreateRequest {
     pub allow_public_traffic: bool,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
+}
+
+impl Default for SandboxOptions {
+    /// The API's defaults: pause on timeout, no auto-resume, not secure, public traffic
+    /// allowed.
+    fn default() -> Self {
+        Self {
+            on_timeout: OnTimeout::Pause,
+            auto_resume: false,
+            secure: false,
+            allow_internet_access: None,
+            allow_public_traffic: true,
+            metadata: BTreeMap::new(),
+            env_vars: BTreeMap::new(),
+        }
+    }
+}
+
+/// What a create asks for (already validated for shape by the API).
+#[derive(Debug, Clone)]
+pub struct CreateRequest {
+    pub template: String,
+    pub timeout: Option<Duration>,
+    pub options: SandboxOptions,
     pub cpu_count: Option<u32>,
     pub memory_mb: Option<u64>,
     pub disk_size_mb: Option<u64>,
@@ -41,13 +65,7 @@ impl CreateRequest {
         Self {
             template: template.into(),
             timeout: None,
-            on_timeout: OnTimeout::Pause,
-            auto_resume: false,
-            secure: false,
-            allow_internet_access: None,
-            allow_public_traffic: true,
-            metadata: BTreeMap::new(),
-            env_vars: BTreeMap::new(),
+            options: SandboxOptions::default(),
             cpu_count: None,
             memory_mb: None,
             disk_size_mb: None,
@@ -66,13 +84,8 @@ pub struct SandboxRecord {
     pub created_at_ms: u64,
     /// The sandbox's timeout (what `timeout` asked for).
     pub timeout_secs: u64,
-    pub on_timeout: OnTimeout,
-    pub auto_resume: bool,
-    pub secure: bool,
-    pub allow_internet_access: Option<bool>,
-    pub allow_public_traffic: bool,
-    pub metadata: BTreeMap<String, String>,
-    pub env_vars: BTreeMap<String, String>,
+    #[serde(flatten)]
+    pub options: SandboxOptions,
     pub cpu_count: u32,
     pub memory_mb: u64,
     /// The writable disk's size in MiB, when the create named one.
@@ -129,8 +142,8 @@ impl SandboxRecord {
         spec.cpu_count = self.cpu_count;
         spec.memory_mb = self.memory_mb;
         spec.disk_size_mb = self.disk_size_mb;
-        spec.env = self.env_vars.clone();
-        spec.allow_internet_access = self.allow_internet_access.unwrap_or(true);
+        spec.env = self.options.env_vars.clone();
+        spec.allow_internet_access = self.options.allow_internet_access.unwrap_or(true);
         spec.kept = self.kept.clone();
         spec
     }

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use super::{LifecycleError, Op, Orchestrator};
 use crate::backend::KeptState;
-use crate::config::BackendKind;
 use crate::snapshot::{SnapshotError, SnapshotRecord, SnapshotRepo, SnapshotSpec};
 
 impl Orchestrator {
@@ -60,7 +59,7 @@ impl Orchestrator {
                 template: rec.template.clone(),
                 cpu_count: rec.cpu_count,
                 memory_mb: rec.memory_mb,
-                env: rec.env_vars.clone(),
+                env: rec.options.env_vars.clone(),
             };
             let published = repo.publish(&spec, capture, dir.path()).await;
             timer.finish(published.is_ok());
@@ -97,11 +96,11 @@ impl Orchestrator {
         snap: &SnapshotRecord,
     ) -> Result<KeptState, LifecycleError> {
         let repo = self.snapshot_repository()?;
-        let taken = &snap.committed.capture.backend;
-        if taken.parse::<BackendKind>().ok() != Some(self.kind) {
+        let capture = &snap.committed.capture;
+        if capture.kind() != Some(self.kind) {
             return Err(SnapshotError::WrongBackend {
                 id: snap.id.clone(),
-                taken: taken.clone(),
+                taken: capture.backend.clone(),
                 here: self.kind.to_string(),
             }
             .into());

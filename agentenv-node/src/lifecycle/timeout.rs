@@ -47,7 +47,7 @@ impl Orchestrator {
             .list()
             .into_iter()
             .filter(|r| r.is_due(now))
-            .map(|r| (r.id, r.on_timeout))
+            .map(|r| (r.id, r.options.on_timeout))
             .collect();
         for (id, action) in due {
             let this = self.clone();

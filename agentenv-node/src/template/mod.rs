@@ -502,6 +502,17 @@ mod tests {
         );
     }
 
+    /// Asserts that `dir` holds nothing but lock files.
+    fn assert_nothing_left(dir: &Path) {
+        let left: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .filter(|n| !n.to_string_lossy().ends_with(".lock"))
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
     #[tokio::test]
     async fn missing_debootstrap_is_a_clear_error_and_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
@@ -518,13 +529,7 @@ mod tests {
             err.to_string().contains("apt-get install debootstrap"),
             "{err}"
         );
-        let left: Vec<_> = std::fs::read_dir(dir.path().join("templates"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name())
-            .filter(|n| !n.to_string_lossy().ends_with(".lock"))
-            .collect();
-        assert!(left.is_empty(), "left behind: {left:?}");
+        assert_nothing_left(&dir.path().join("templates"));
     }
 
     #[tokio::test]
@@ -558,13 +563,7 @@ mod tests {
             lines.iter().any(|l| l.contains("I: Retrieving InRelease")),
             "{lines:?}"
         );
-        let left: Vec<_> = std::fs::read_dir(dir.path().join("templates"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name())
-            .filter(|n| !n.to_string_lossy().ends_with(".lock"))
-            .collect();
-        assert!(left.is_empty(), "left behind: {left:?}");
+        assert_nothing_left(&dir.path().join("templates"));
         assert!(matches!(
             store.get(BASE_TEMPLATE),
             Err(TemplateError::NotFound(_))

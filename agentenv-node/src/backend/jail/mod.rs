@@ -18,7 +18,7 @@
 //! and per-process limits
 //! ([`spawn::SANDBOX_RLIMITS`]) apply to every process.
 //!
-//! A sandbox's writable layer outlives it when [`JailBackend::keep`] moves `upper/` and
+//! A sandbox's writable layer outlives it when [`SandboxBackend::keep`] moves `upper/` and
 //! `work/` to `<data>/jail/kept/<id>.<nonce>/`; a create whose spec names that directory
 //! builds its overlay on it instead of on empty directories. The node writes into a
 //! layer only through [`layer`], which never follows the tenant's links.
@@ -27,13 +27,15 @@
 //! rest of the PID namespace) and gives the slot back.
 //!
 //! The backend's configuration ([`JailConfig`] and its defaults) is in `config`,
-//! re-exported here.
+//! re-exported here. What the jail shares with the microvm backend is the
+//! [`HostedBackend`]; [`JailRuntime`] is what is its own.
+//!
+//! [`SandboxBackend::keep`]: crate::backend::SandboxBackend::keep
 
 mod config;
 pub mod layer;
 pub mod snapshot;
 
-use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -44,15 +46,15 @@ use nix::sys::wait::WaitStatus;
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
-use super::{
-    BackendError, KeptState, ReconcileReport, ResourceUsage, SandboxAddress, SandboxBackend,
-    SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
-};
-use crate::host::cgroup::{Limits, SandboxCgroup};
+use super::{BackendError, KeptState, ReconcileReport, SandboxSpec, SnapshotCapture};
+use crate::config::BackendKind;
+use crate::host::cgroup::Limits;
 use crate::host::disk::{self, LayerPool, MountOptions, MountedLayer};
-use crate::host::table::{SandboxTable, TableSandbox};
-use crate::host::{HostSlot, Phases, SandboxHost, netpool, setup, spawn, watch_exit};
-use crate::template::{Progress, TemplateError, TemplateStore};
+use crate::host::{
+    HostedBackend, HostedConfig, HostedSandbox, Phases, Runtime, SandboxHost, setup, spawn,
+    watch_exit,
+};
+use crate::template::Progress;
 
 pub use config::{
     DEFAULT_DISK_SIZE_MB, DEFAULT_LAYER_POOL_SIZE, DEFAULT_NET_POOL_SIZE, JailConfig,
@@ -61,9 +63,6 @@ pub use config::{
 /// Where the agent binary appears inside every sandbox.
 pub const AGENT_GUEST_PATH: &str = "/agentenv/agentenv-guest";
 
-/// What a kept layer holds: the writable layer's file system image.
-const KEPT_FILES: &[&str] = &["disk/layer.img"];
-
 /// The directory of a sandbox (or kept layer) that holds the layer's image and mount.
 const DISK_DIR: &str = "disk";
 
@@ -71,37 +70,29 @@ const DISK_DIR: &str = "disk";
 pub fn layer_mount(dir: &Path) -> PathBuf {
     dir.join(DISK_DIR).join(disk::LAYER_DIR)
 }
-struct Sandbox {
-    info: Mutex<SandboxInfo>,
-    pid: Pid,
-    host: HostSlot,
-    /// The writable layer's file system (unmounted when the sandbox goes).
-    layer: Mutex<Option<MountedLayer>>,
-    exited: watch::Receiver<Option<WaitStatus>>,
-    op: tokio::sync::Mutex<()>,
-}
 
-impl TableSandbox for Sandbox {
-    fn info(&self) -> &Mutex<SandboxInfo> {
-        &self.info
-    }
+/// The jail backend: a [`HostedBackend`] whose sandboxes are run by a [`JailRuntime`].
+pub type JailBackend = HostedBackend<JailRuntime>;
 
-    fn cgroup(&self) -> &SandboxCgroup {
-        &self.host.cgroup
-    }
-}
-
-/// The jail backend.
-pub struct JailBackend {
+/// What runs jail sandboxes: the agent as PID 1 of a process tree on an overlay root
+/// over a writable layer of its own.
+pub struct JailRuntime {
     cfg: JailConfig,
-    templates: TemplateStore,
-    host: SandboxHost,
     /// Blank layer file systems, one per size.
     blank_dir: PathBuf,
     layers: Option<Arc<LayerPool>>,
     filters: Arc<Vec<seccompiler::BpfProgram>>,
-    sandboxes: SandboxTable<Sandbox>,
 }
+
+/// What a jail sandbox holds besides its host slot.
+pub struct Pid1 {
+    pid: Pid,
+    /// The writable layer's file system (unmounted when the sandbox goes).
+    layer: Mutex<Option<MountedLayer>>,
+    exited: watch::Receiver<Option<WaitStatus>>,
+}
+
+type Sandbox = HostedSandbox<Pid1>;
 
 impl JailBackend {
     /// Checks the host (id-mapped mounts, cgroups), prepares directories, cgroup parents,
@@ -164,97 +155,27 @@ impl JailBackend {
             data = %cfg.data_dir.display(),
             "jail backend ready"
         );
-        Ok(Self {
-            templates: TemplateStore::new(cfg.templates.clone()),
+        let runtime = JailRuntime {
             cfg,
-            host,
             blank_dir,
             layers,
             filters,
-            sandboxes: SandboxTable::new(),
-        })
+        };
+        Ok(Self::assemble(runtime, host))
     }
 
-    /// The template store sandboxes are created from.
-    pub fn templates(&self) -> &TemplateStore {
-        &self.templates
-    }
-
-    /// The host side of the backend.
-    pub fn host(&self) -> &SandboxHost {
-        &self.host
-    }
-
-    /// The cgroup version in use (1 or 2).
-    pub fn cgroup_version(&self) -> u8 {
-        self.host.hierarchy().version()
-    }
-
-    /// The directory of a sandbox.
-    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
-        self.host.sandbox_dir(id)
-    }
-
-    /// Where kept writable layers live (see [`SandboxBackend::keep`]).
-    pub fn kept_dir(&self) -> &Path {
-        self.host.kept_dir()
-    }
-
-    /// The cgroup directories of a sandbox (present while it exists).
-    pub fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
-        self.host.cgroup_dirs(id)
-    }
-
-    /// The host interface of a running sandbox.
-    pub fn host_interface(&self, id: &str) -> Option<String> {
-        let sbx = self.sandboxes.ready(id).ok()?;
-        sbx.host.with_net(|n| n.host_if.clone())
+    fn cfg(&self) -> &JailConfig {
+        &self.runtime.cfg
     }
 
     /// PID 1 of a sandbox, as seen from the host.
     pub fn pid(&self, id: &str) -> Option<i32> {
-        self.sandboxes.ready(id).ok().map(|s| s.pid.as_raw())
-    }
-
-    /// The base of a sandbox's id range: root inside is this host uid.
-    pub fn id_base(&self, id: &str) -> Option<u32> {
-        self.sandboxes.ready(id).ok().map(|s| s.host.ids.base)
-    }
-
-    /// Whether an address of the pool is reserved (by any node process on this host).
-    pub fn address_reserved(&self, ip: Ipv4Addr) -> bool {
-        self.host.address_reserved(ip)
-    }
-
-    /// Who holds the reservation of an address of the pool (a sandbox's directory, or a
-    /// namespace pool's), if anyone does.
-    pub fn address_owner(&self, ip: Ipv4Addr) -> Option<PathBuf> {
-        self.host.address_owner(ip)
-    }
-
-    /// Names of host interfaces of sandboxes (of every node process on this host).
-    pub async fn host_interfaces(&self) -> Vec<String> {
-        self.host.host_interfaces().await
-    }
-
-    /// What the pool of ready network namespaces did so far.
-    pub fn net_pool_stats(&self) -> netpool::NetPoolStats {
-        self.host.netpool().stats()
-    }
-
-    /// Where the namespace pools of this data directory keep their owner directories.
-    pub fn net_pool_dir(&self) -> &Path {
-        self.host.net_pool_dir()
-    }
-
-    /// Host interfaces of the pooled network namespaces ready now.
-    pub fn pooled_interfaces(&self) -> Vec<String> {
-        self.host.netpool().interfaces()
+        self.sandboxes.ready(id).ok().map(|s| s.run.pid.as_raw())
     }
 
     /// What the pool of ready writable layers did so far (`None`: no pool).
     pub fn layer_pool_stats(&self) -> Option<disk::LayerPoolStats> {
-        self.layers.as_ref().map(|p| p.stats())
+        self.runtime.layers.as_ref().map(|p| p.stats())
     }
 
     /// Where a sandbox's writable layer is mounted while it exists.
@@ -267,14 +188,14 @@ impl JailBackend {
     /// and the pooled writable layers. Creates after this make them themselves.
     pub async fn shutdown(&self) {
         self.host.shutdown().await;
-        if let Some(pool) = self.layers.clone() {
+        if let Some(pool) = self.runtime.layers.clone() {
             let _ = tokio::task::spawn_blocking(move || pool.shutdown()).await;
         }
     }
 
     /// The size of a sandbox's writable layer, checked.
     fn disk_size(&self, spec: &SandboxSpec) -> Result<u64, BackendError> {
-        disk::check_size(spec.disk_size_mb.unwrap_or(self.cfg.disk_size_mb))
+        disk::check_size(spec.disk_size_mb.unwrap_or(self.cfg().disk_size_mb))
             .map_err(|e| BackendError::InvalidLimits(format!("diskSizeMB: {e}")))
     }
 
@@ -316,19 +237,12 @@ impl JailBackend {
         Ok(layer)
     }
 
-    /// Checks that `kept` is a layer this backend kept (its image, or the plain
-    /// directories of the older layout).
-    fn check_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
-        if self.host.check_kept(kept, KEPT_FILES).is_ok() {
-            return Ok(());
-        }
-        self.host.check_kept(kept, &["upper", "work"])
-    }
-
     fn check_limits(&self, spec: &SandboxSpec) -> Result<Limits, BackendError> {
         self.host.check_cpus_and_memory(spec)?;
         let memory_bytes = spec.memory_mb.saturating_mul(1 << 20);
-        let max_processes = spec.max_processes.unwrap_or(self.cfg.default_max_processes);
+        let max_processes = spec
+            .max_processes
+            .unwrap_or(self.cfg().default_max_processes);
         if max_processes == 0 {
             return Err(BackendError::InvalidLimits(
                 "the process limit must be at least 1".into(),
@@ -342,42 +256,13 @@ impl JailBackend {
         })
     }
 
-    /// Creates a sandbox, building the template first if needed, with progress reported.
-    pub async fn create_with_progress(
-        &self,
-        spec: SandboxSpec,
-        progress: Progress,
-    ) -> Result<SandboxInfo, BackendError> {
-        validate_sandbox_id(&spec.id)?;
-        let limits = self.check_limits(&spec)?;
-        if let Some(kept) = &spec.kept {
-            self.check_kept(kept)?;
-        }
-        self.sandboxes
-            .begin(&spec.id, self.sandbox_dir(&spec.id).exists())?;
-        let result = async {
-            let template = self
-                .templates
-                .ensure(&spec.template, progress)
-                .await
-                .map_err(|e| match e {
-                    TemplateError::NotFound(n) | TemplateError::InvalidName(n) => {
-                        BackendError::UnknownTemplate(n)
-                    }
-                    other => BackendError::Template(other),
-                })?;
-            self.start(&spec, limits, &template.rootfs).await
-        }
-        .await;
-        self.sandboxes.finish(&spec.id, result)
-    }
-
-    async fn start(
+    /// Starts the sandbox of `spec` on the template root `lower`.
+    async fn start_on(
         &self,
         spec: &SandboxSpec,
         limits: Limits,
         lower: &Path,
-    ) -> Result<Arc<Sandbox>, BackendError> {
+    ) -> Result<Sandbox, BackendError> {
         let mut phases = Phases::new();
         let mut claim = self.host.claim(spec, limits).await?;
         phases.mark("claim");
@@ -396,9 +281,9 @@ impl JailBackend {
         });
         let (d, blank, mb, pool) = (
             dir.clone(),
-            self.blank_dir.clone(),
+            self.runtime.blank_dir.clone(),
             self.disk_size(spec)?,
-            self.layers.clone(),
+            self.runtime.layers.clone(),
         );
         let layer =
             tokio::task::spawn_blocking(move || Self::open_layer(&d, &blank, mb, pool.as_deref()))
@@ -469,15 +354,15 @@ impl JailBackend {
                 work: &work,
                 root: &root,
                 base_id: ids.base,
-                agent_host_path: &self.cfg.agent_binary,
+                agent_host_path: &self.cfg().agent_binary,
                 agent_guest_path: AGENT_GUEST_PATH,
             },
             identity: spawn::Identity::UserNs(userns.as_fd()),
             program: spawn::Program::Inside(AGENT_GUEST_PATH),
-            args: &self.cfg.agent_args,
+            args: &self.cfg().agent_args,
             env,
             log: log.as_fd(),
-            filters: self.filters.as_ref().clone(),
+            filters: self.runtime.filters.as_ref().clone(),
             rlimits: spawn::SANDBOX_RLIMITS,
             umask: 0o022,
         })
@@ -509,42 +394,30 @@ impl JailBackend {
             // The sandbox runs; reconciliation finds it by its directory either way.
             tracing::warn!(id = %spec.id, error = %e, "updating state.json");
         }
-        let info = SandboxInfo {
-            id: spec.id.clone(),
-            template: spec.template.clone(),
-            state: SandboxState::Running,
-            address: SandboxAddress {
-                ip: host.ip(),
-                agent_port: self.cfg.agent_port,
-            },
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
-            allow_internet_access: spec.allow_internet_access,
-            created_at: host.created_at,
-        };
         phases.mark("watch");
         tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %host.ip(), ids = ids.base, phases = %phases, "sandbox started");
         let layer = layer_cell.lock().unwrap_or_else(|e| e.into_inner()).take();
-        Ok(Arc::new(Sandbox {
-            info: Mutex::new(info),
-            pid,
+        Ok(self.running(
+            spec,
             host,
-            layer: Mutex::new(layer),
-            exited,
-            op: tokio::sync::Mutex::new(()),
-        }))
+            Pid1 {
+                pid,
+                layer: Mutex::new(layer),
+                exited,
+            },
+        ))
     }
 
     /// Kills a sandbox and gives back all it holds, except its writable layer when `keep`
     /// names where to move it. Every step runs; errors are collected.
     async fn teardown(&self, sbx: &Sandbox, keep: Option<&Path>) -> Result<(), BackendError> {
-        let timeout = self.cfg.op_timeout;
-        let _ = kill(sbx.pid, Signal::SIGKILL);
+        let timeout = self.cfg().op_timeout;
+        let _ = kill(sbx.run.pid, Signal::SIGKILL);
         // Frozen processes die only once thawed.
         if sbx.host.cgroup.is_frozen() {
             let _ = sbx.host.cgroup.thaw(timeout).await;
         }
-        let mut exited = sbx.exited.clone();
+        let mut exited = sbx.run.exited.clone();
         let _ = tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await;
         // The layer's file system outlives the sandbox's mount namespace only as long as
         // a process of it does.
@@ -552,7 +425,12 @@ impl JailBackend {
         if let Err(e) = self.host.stop_processes(&sbx.host).await {
             errors.push(e.to_string());
         }
-        let layer = sbx.layer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let layer = sbx
+            .run
+            .layer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         if let Some(layer) = layer {
             let durable = keep.is_some();
             let r = tokio::task::spawn_blocking(move || {
@@ -589,124 +467,100 @@ impl JailBackend {
     }
 }
 
-impl Drop for JailBackend {
-    /// With no sandbox left, the pooled layers and the data directory's own mount go:
-    /// nothing of the backend stays mounted (a later backend on the directory makes them
-    /// again).
-    fn drop(&mut self) {
-        if !self.sandboxes.ids().is_empty() {
-            return;
-        }
-        if let Some(pool) = self.layers.take() {
-            pool.shutdown();
-        }
-        let dir = self.cfg.data_dir.join("jail");
-        if let Err(e) = disk::remove_shared_mount_if_unused(&dir) {
-            tracing::warn!(dir = %dir.display(), error = %e, "unmounting the jail directory");
-        }
-    }
-}
-
 #[async_trait]
-impl SandboxBackend for JailBackend {
-    fn kind(&self) -> &'static str {
-        "jail"
+impl Runtime for JailRuntime {
+    const KIND: BackendKind = BackendKind::Jail;
+    /// The writable layer's file system image.
+    const KEPT_FILES: &'static [&'static str] = &["disk/layer.img"];
+    type Run = Pid1;
+
+    fn config(&self) -> &HostedConfig {
+        &self.cfg
     }
 
-    async fn create(&self, spec: SandboxSpec) -> Result<SandboxInfo, BackendError> {
-        self.create_with_progress(spec, crate::template::log_progress())
-            .await
-    }
-
-    async fn pause(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
-            return Ok(());
+    fn admit(b: &JailBackend, spec: &mut SandboxSpec) -> Result<Limits, BackendError> {
+        let limits = b.check_limits(spec)?;
+        if let Some(kept) = &spec.kept {
+            Self::check_kept(b, kept)?;
         }
+        Ok(limits)
+    }
+
+    async fn start(
+        b: &JailBackend,
+        spec: &SandboxSpec,
+        limits: Limits,
+        progress: Progress,
+    ) -> Result<Sandbox, BackendError> {
+        let template = b.template(&spec.template, progress).await?;
+        b.start_on(spec, limits, &template.rootfs).await
+    }
+
+    /// Freezes the cgroup.
+    async fn pause(b: &JailBackend, sbx: &Sandbox) -> Result<(), BackendError> {
         sbx.host
             .cgroup
-            .freeze(self.cfg.op_timeout)
+            .freeze(b.cfg().op_timeout)
             .await
-            .map_err(setup)?;
-        sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state = SandboxState::Paused;
-        Ok(())
+            .map_err(setup)
     }
 
-    async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
-            sbx.host
-                .cgroup
-                .thaw(self.cfg.op_timeout)
-                .await
-                .map_err(setup)?;
-        }
-        let mut info = sbx.info.lock().unwrap_or_else(|e| e.into_inner());
-        info.state = SandboxState::Running;
-        Ok(info.clone())
+    /// Thaws the cgroup.
+    async fn resume(b: &JailBackend, sbx: &Sandbox) -> Result<(), BackendError> {
+        sbx.host
+            .cgroup
+            .thaw(b.cfg().op_timeout)
+            .await
+            .map_err(setup)
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.sandboxes.remove_ready(id)?;
-        let _op = sbx.op.lock().await;
-        self.teardown(&sbx, None).await
+    async fn teardown(
+        b: &JailBackend,
+        sbx: &Sandbox,
+        keep: Option<&Path>,
+    ) -> Result<(), BackendError> {
+        b.teardown(sbx, keep).await
     }
 
-    async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
-        let sbx = self.sandboxes.remove_paused(id)?;
-        let _op = sbx.op.lock().await;
-        let path = self.host.new_kept_path(id);
-        self.teardown(&sbx, Some(&path)).await?;
-        tracing::debug!(id, path = %path.display(), "sandbox stopped, writable layer kept");
-        Ok(KeptState { path })
+    async fn capture(
+        b: &JailBackend,
+        sbx: &Sandbox,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        b.capture(sbx, dir).await
     }
 
-    async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
-        self.capture(id, dir).await
-    }
-
-    async fn import_snapshot(
-        &self,
+    async fn import(
+        b: &JailBackend,
         capture: &SnapshotCapture,
         dir: &Path,
     ) -> Result<KeptState, BackendError> {
-        self.import(capture, dir).await
+        b.import(capture, dir).await
     }
 
-    async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
-        if !kept.path.exists() {
+    /// A kept layer: its image, or the plain directories of the older layout.
+    fn check_kept(b: &JailBackend, kept: &KeptState) -> Result<(), BackendError> {
+        if b.host.check_kept(kept, Self::KEPT_FILES).is_ok() {
             return Ok(());
         }
-        self.check_kept(kept)?;
-        self.host.remove_dir(&kept.path).map_err(setup)
+        b.host.check_kept(kept, &["upper", "work"])
     }
 
-    async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        self.sandboxes.get(id)
-    }
-
-    async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
-        self.sandboxes.usage(id)
-    }
-
-    async fn list(&self) -> Vec<SandboxInfo> {
-        self.sandboxes.list()
-    }
-
-    async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
+    async fn reconcile(
+        b: &JailBackend,
+        kept: &[KeptState],
+    ) -> Result<ReconcileReport, BackendError> {
         // A layer still mounted in a leftover directory goes before the directory.
         let unmount = |dir: &Path| -> Result<(), String> {
             disk::unmount_leftover(&layer_mount(dir))
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         };
-        let mut report = self
+        let mut report = b
             .host
-            .reconcile(&self.sandboxes.ids(), kept, Some(&unmount))
+            .reconcile(&b.sandboxes.ids(), kept, Some(&unmount))
             .await?;
-        if let Some(pool) = &self.layers {
+        if let Some(pool) = &b.runtime.layers {
             let own = pool.dir().to_path_buf();
             let removed = tokio::task::spawn_blocking(move || {
                 own.parent()
@@ -718,5 +572,17 @@ impl SandboxBackend for JailBackend {
             report.removed_other.extend(removed);
         }
         Ok(report)
+    }
+
+    /// The pooled layers and the data directory's own mount go: nothing of the backend
+    /// stays mounted (a later backend on the directory makes them again).
+    fn release_unused(&mut self) {
+        if let Some(pool) = self.layers.take() {
+            pool.shutdown();
+        }
+        let dir = self.cfg.data_dir.join("jail");
+        if let Err(e) = disk::remove_shared_mount_if_unused(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "unmounting the jail directory");
+        }
     }
 }

@@ -26,12 +26,13 @@ use std::time::{Duration, SystemTime};
 
 use nix::sys::stat::{SFlag, major, makedev, minor};
 
-use super::JailBackend;
-use crate::backend::{BackendError, KeptState, SandboxState, SnapshotCapture};
-use crate::host::disk;
+use super::{JailBackend, JailRuntime, Sandbox};
+use crate::backend::{BackendError, KeptState, SnapshotCapture};
+use crate::config::BackendKind;
 use crate::host::ids::IDS_PER_SANDBOX;
 use crate::host::safefs::{SafeDir, SafeFsError};
 use crate::host::setup;
+use crate::host::{Runtime, disk, foreign_capture};
 
 /// Name of the layer archive in a capture (tar, zstd-compressed).
 pub const LAYER_FILE: &str = "layer.tar.zst";
@@ -467,24 +468,10 @@ impl JailBackend {
     /// Freezes the sandbox, archives its writable layer into `dir`, thaws it.
     pub(super) async fn capture(
         &self,
-        id: &str,
+        sbx: &Sandbox,
         dir: &Path,
     ) -> Result<SnapshotCapture, BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        let state = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state;
-        if state != SandboxState::Running {
-            return Err(BackendError::InvalidState {
-                id: id.to_string(),
-                state,
-                needed: SandboxState::Running,
-            });
-        }
-        sbx.host
-            .cgroup
-            .freeze(self.cfg.op_timeout)
-            .await
-            .map_err(setup)?;
+        JailRuntime::pause(self, sbx).await?;
         let upper = super::layer_mount(&sbx.host.dir).join(disk::UPPER_DIR);
         let out = dir.join(LAYER_FILE);
         // Owners relative to the sandbox's id range (as the sandbox sees them): a sandbox
@@ -493,19 +480,14 @@ impl JailBackend {
         let archived = tokio::task::spawn_blocking(move || archive_layer(&upper, &out, Some(base)))
             .await
             .map_err(|e| setup(format!("archive task: {e}")));
-        let thawed = sbx
-            .host
-            .cgroup
-            .thaw(self.cfg.op_timeout)
-            .await
-            .map_err(setup);
+        let thawed = JailRuntime::resume(self, sbx).await;
         let size = archived?.map_err(|e| setup(format!("archiving the writable layer: {e}")))?;
         thawed?;
-        tracing::debug!(id, size, "writable layer captured");
-        Ok(SnapshotCapture {
-            backend: "jail".into(),
-            files: vec![LAYER_FILE.into()],
-        })
+        tracing::debug!(id = %sbx.id(), size, "writable layer captured");
+        Ok(SnapshotCapture::new(
+            BackendKind::Jail,
+            vec![LAYER_FILE.into()],
+        ))
     }
 
     /// Unpacks a capture's layer into a new kept directory a create can start from.
@@ -517,18 +499,16 @@ impl JailBackend {
         let layer = [LAYER_FILE, LAYER_FILE_PLAIN]
             .into_iter()
             .find(|l| capture.files.iter().any(|f| f == l));
-        let (true, Some(layer)) = (capture.backend == "jail", layer) else {
-            return Err(BackendError::BadKeptState {
-                path: dir.to_path_buf(),
-                reason: format!(
-                    "it was taken by the {} backend, not by a jail (files {:?})",
-                    capture.backend, capture.files
-                ),
-            });
+        let (Some(BackendKind::Jail), Some(layer)) = (capture.kind(), layer) else {
+            return Err(foreign_capture(capture, dir, "a jail"));
         };
-        let path = self.host().new_kept_path("snapshot");
+        let path = self.host.new_kept_path("snapshot");
         let archive = dir.join(layer);
-        let (p, blank, mb) = (path.clone(), self.blank_dir.clone(), self.cfg.disk_size_mb);
+        let (p, blank, mb) = (
+            path.clone(),
+            self.runtime.blank_dir.clone(),
+            self.cfg().disk_size_mb,
+        );
         let result = tokio::task::spawn_blocking(move || -> Result<(), String> {
             let disk_dir = p.join(super::DISK_DIR);
             std::fs::create_dir_all(&disk_dir)
@@ -551,7 +531,7 @@ impl JailBackend {
         .map_err(|e| setup(format!("unpack task: {e}")))?;
         if let Err(e) = result {
             // Whatever the archive made goes (removal never follows its links).
-            let _ = self.host().remove_dir(&path);
+            let _ = self.host.remove_dir(&path);
             return Err(setup(format!(
                 "unpacking the snapshot's writable layer: {e}"
             )));

@@ -2,15 +2,12 @@
 //! layer's configuration derived from it, and [`unavailable_reason`], which says why a
 //! host cannot run microVMs.
 
-use std::net::Ipv4Addr;
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::backend::AGENT_PORT;
-use crate::host::ids::IdPoolRange;
-use crate::host::net::Ipv4Net;
-use crate::host::{HostConfig, devices};
-use crate::template::TemplateStoreConfig;
+use crate::config::BackendKind;
+use crate::host::{HostConfig, HostedConfig, devices};
 
 /// The kernel arguments every guest gets before the backend's own.
 /// (The VMM adds the serial console and the virtio-mmio devices itself.)
@@ -18,14 +15,10 @@ pub const DEFAULT_BOOT_ARGS: &str = "reboot=k panic=1 pci=off";
 /// Configuration of the microvm backend.
 #[derive(Clone, Debug)]
 pub struct MicrovmConfig {
-    /// The node's data directory; sandboxes live in `<data_dir>/microvm`.
-    pub data_dir: PathBuf,
-    /// Host-wide runtime state (address reservations), shared with the jail backend.
-    pub runtime_dir: PathBuf,
-    /// The template store.
-    pub templates: TemplateStoreConfig,
-    /// The agent binary installed into template images as init.
-    pub agent_binary: PathBuf,
+    /// The settings both backends have (`data_dir`, `address_pool`, …), reached through
+    /// `Deref`: sandboxes live in `<data_dir>/microvm`; the agent binary is installed
+    /// into template images as init.
+    pub hosted: HostedConfig,
     /// The `agentenv-vmm` binary.
     pub vmm_binary: PathBuf,
     /// The guest kernel (an uncompressed vmlinux or a bzImage).
@@ -34,18 +27,6 @@ pub struct MicrovmConfig {
     pub boot_args: String,
     /// Where template disk images are cached.
     pub image_dir: PathBuf,
-    /// The agent's port inside the guest.
-    pub agent_port: u16,
-    /// Sandbox addresses: carved into /30 networks (shared with the jail backend).
-    pub address_pool: Ipv4Net,
-    /// Host interface names start with this (at most 6 characters).
-    pub iface_prefix: String,
-    /// Networks sandboxes never reach.
-    pub denied_networks: Vec<Ipv4Net>,
-    /// Nameservers the guest is told about; `None` takes the host's.
-    pub dns_servers: Option<Vec<Ipv4Addr>>,
-    /// Parent of the sandbox cgroups.
-    pub cgroup_parent: String,
     /// Memory the VMM process itself may use beyond the guest's, in MiB.
     pub vmm_overhead_mib: u64,
     /// Most threads of one VMM process.
@@ -55,12 +36,8 @@ pub struct MicrovmConfig {
     /// Attach the root disk and network device to the VM (a guest program without
     /// drivers may run without them).
     pub attach_devices: bool,
-    /// How long a VMM may take to answer, start or stop.
-    pub op_timeout: Duration,
     /// How long a snapshot may take.
     pub snapshot_timeout: Duration,
-    /// Host ids VMM processes run as, 65,536 per sandbox (`AENV_JAIL_ID_POOL`).
-    pub id_pool: IdPoolRange,
 }
 
 impl MicrovmConfig {
@@ -71,48 +48,42 @@ impl MicrovmConfig {
         vmm_binary: impl Into<PathBuf>,
         kernel: impl Into<PathBuf>,
     ) -> Self {
-        let data_dir = data_dir.into();
+        let hosted = HostedConfig {
+            iface_prefix: "av".into(),
+            cgroup_parent: "agentenv-vm".into(),
+            op_timeout: Duration::from_secs(10),
+            ..HostedConfig::new(data_dir, agent_binary)
+        };
         Self {
-            templates: TemplateStoreConfig::new(data_dir.join("templates")),
-            image_dir: data_dir.join("microvm").join("images"),
-            data_dir,
-            runtime_dir: PathBuf::from("/run/agentenv"),
-            agent_binary: agent_binary.into(),
+            image_dir: hosted.data_dir.join("microvm").join("images"),
+            hosted,
             vmm_binary: vmm_binary.into(),
             kernel: kernel.into(),
             boot_args: DEFAULT_BOOT_ARGS.into(),
-            agent_port: AGENT_PORT,
-            address_pool: Ipv4Net::new(Ipv4Addr::new(10, 12, 0, 0), 16)
-                .expect("10.12.0.0/16 is a valid network"),
-            iface_prefix: "av".into(),
-            denied_networks: Ipv4Net::default_denied(),
-            dns_servers: None,
-            cgroup_parent: "agentenv-vm".into(),
             vmm_overhead_mib: 64,
             vmm_max_threads: 256,
             seccomp: true,
             attach_devices: true,
-            op_timeout: Duration::from_secs(10),
             snapshot_timeout: Duration::from_secs(120),
-            id_pool: IdPoolRange::default(),
         }
     }
 
     pub(super) fn host(&self) -> HostConfig {
-        HostConfig {
-            kind: "microvm",
-            data_dir: self.data_dir.clone(),
-            runtime_dir: self.runtime_dir.clone(),
-            address_pool: self.address_pool,
-            iface_prefix: self.iface_prefix.clone(),
-            denied_networks: self.denied_networks.clone(),
-            dns_servers: self.dns_servers.clone(),
-            cgroup_parent: self.cgroup_parent.clone(),
-            op_timeout: self.op_timeout,
-            net_pool_size: 0,
-            id_pool: self.id_pool,
-            devices: devices::MICROVM,
-        }
+        self.hosted.host(BackendKind::Microvm, 0, devices::MICROVM)
+    }
+}
+
+impl Deref for MicrovmConfig {
+    type Target = HostedConfig;
+
+    fn deref(&self) -> &HostedConfig {
+        &self.hosted
+    }
+}
+
+impl DerefMut for MicrovmConfig {
+    fn deref_mut(&mut self) -> &mut HostedConfig {
+        &mut self.hosted
     }
 }
 

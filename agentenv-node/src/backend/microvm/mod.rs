@@ -34,16 +34,20 @@
 //! The backend's configuration ([`MicrovmConfig`], [`unavailable_reason`]) is in `config`,
 //! re-exported here; `vm` checks a spec's limits and builds the VM configuration of a
 //! sandbox.
+//! What the backend shares with the jail is the [`HostedBackend`]; [`MicrovmRuntime`] is
+//! what is its own.
+//!
+//! [`SandboxBackend::snapshot`]: crate::backend::SandboxBackend::snapshot
+//! [`SandboxBackend::import_snapshot`]: crate::backend::SandboxBackend::import_snapshot
 
 mod config;
 pub mod jail;
 pub mod net;
 mod vm;
 
-use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::Path;
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use agentenv_vmm::control::{SnapshotKind, VmmClient};
@@ -56,62 +60,53 @@ use nix::unistd::Pid;
 use tokio::sync::watch;
 
 use self::jail::Jail;
-use crate::host::table::{SandboxTable, TableSandbox};
 
-use super::{
-    BackendError, KeptState, ReconcileReport, ResourceUsage, SandboxAddress, SandboxBackend,
-    SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
-};
+use super::{BackendError, KeptState, SandboxSpec, SnapshotCapture};
+use crate::config::BackendKind;
 use crate::host::cgroup::{Limits, SandboxCgroup};
 use crate::host::ids::IdRange;
-use crate::host::{HostSlot, SandboxHost, StateFile, setup, spawn, watch_exit, write_json};
-use crate::template::image;
-use crate::template::{Progress, TemplateError, TemplateStore};
+use crate::host::{
+    HostedBackend, HostedConfig, HostedSandbox, Runtime, SandboxHost, StateFile, foreign_capture,
+    setup, spawn, watch_exit, write_json,
+};
+use crate::template::{Progress, image};
 
 pub use config::{DEFAULT_BOOT_ARGS, MicrovmConfig, unavailable_reason};
 
 /// The sandbox's disk in its directory (and in captures).
 const ROOTFS_FILE: &str = "rootfs.ext4";
 
-/// What a kept sandbox directory holds.
-const KEPT_FILES: &[&str] = &["jail/run/snapshot", "jail/rootfs.ext4", "state.json"];
-
 /// The files of a capture ([`SandboxBackend::snapshot`]).
+///
+/// [`SandboxBackend::snapshot`]: crate::backend::SandboxBackend::snapshot
 const CAPTURE_FILES: &[&str] = &[STATE_FILE, MEMORY_FILE, ROOTFS_FILE, "state.json"];
 
 /// Longest unix socket path.
 const MAX_SOCKET_PATH: usize = 107;
+
 /// A running VMM process.
 struct VmmProcess {
     pid: i32,
     exited: watch::Receiver<Option<WaitStatus>>,
 }
 
-struct Sandbox {
-    info: Mutex<SandboxInfo>,
-    host: HostSlot,
-    vmm: Mutex<Option<VmmProcess>>,
-    client: VmmClient,
-    op: tokio::sync::Mutex<()>,
-}
+/// The microvm backend: a [`HostedBackend`] whose sandboxes are run by a
+/// [`MicrovmRuntime`].
+pub type MicrovmBackend = HostedBackend<MicrovmRuntime>;
 
-impl TableSandbox for Sandbox {
-    fn info(&self) -> &Mutex<SandboxInfo> {
-        &self.info
-    }
-
-    fn cgroup(&self) -> &SandboxCgroup {
-        &self.host.cgroup
-    }
-}
-
-/// The microvm backend.
-pub struct MicrovmBackend {
+/// What runs microVM sandboxes: a jailed VMM process each.
+pub struct MicrovmRuntime {
     cfg: MicrovmConfig,
-    templates: TemplateStore,
-    host: SandboxHost,
-    sandboxes: SandboxTable<Sandbox>,
 }
+
+/// What a microVM sandbox holds besides its host slot.
+pub struct Vmm {
+    /// The VMM process, while one runs (not while paused).
+    process: Mutex<Option<VmmProcess>>,
+    client: VmmClient,
+}
+
+type Sandbox = HostedSandbox<Vmm>;
 
 impl MicrovmBackend {
     /// Checks the host (KVM, kernel, VMM binary), prepares directories, the cgroup parent
@@ -147,50 +142,23 @@ impl MicrovmBackend {
             pool = %cfg.address_pool,
             "microvm backend ready"
         );
-        Ok(Self {
-            templates: TemplateStore::new(cfg.templates.clone()),
-            cfg,
-            host,
-            sandboxes: SandboxTable::new(),
-        })
+        Ok(Self::assemble(MicrovmRuntime { cfg }, host))
     }
 
-    /// The template store.
-    pub fn templates(&self) -> &TemplateStore {
-        &self.templates
-    }
-
-    /// The directory of a sandbox.
-    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
-        self.host.sandbox_dir(id)
-    }
-
-    /// Where kept snapshots live.
-    pub fn kept_dir(&self) -> &Path {
-        self.host.kept_dir()
+    fn cfg(&self) -> &MicrovmConfig {
+        &self.runtime.cfg
     }
 
     /// The PID of a sandbox's VMM process, while one runs.
     pub fn vmm_pid(&self, id: &str) -> Option<i32> {
         let sbx = self.sandboxes.ready(id).ok()?;
-        let vmm = sbx.vmm.lock().unwrap_or_else(|e| e.into_inner());
+        let vmm = sbx.run.process.lock().unwrap_or_else(|e| e.into_inner());
         vmm.as_ref().map(|v| v.pid)
     }
 
     /// The control client of a sandbox's VMM.
     pub fn vmm_client(&self, id: &str) -> Option<VmmClient> {
-        self.sandboxes.ready(id).ok().map(|s| s.client.clone())
-    }
-
-    /// The cgroup directories of a sandbox.
-    pub fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
-        self.host.cgroup_dirs(id)
-    }
-
-    /// The host interface of a sandbox.
-    pub fn host_interface(&self, id: &str) -> Option<String> {
-        let sbx = self.sandboxes.ready(id).ok()?;
-        sbx.host.with_net(|n| n.host_if.clone())
+        self.sandboxes.ready(id).ok().map(|s| s.run.client.clone())
     }
 
     /// Runs `program` with `args` inside a sandbox's network namespace; its output.
@@ -206,83 +174,14 @@ impl MicrovmBackend {
             .ok_or_else(|| setup(format!("sandbox {id} has no network namespace")))?
     }
 
-    /// Whether an address of the pool is reserved (by any node process on this host).
-    pub fn address_reserved(&self, ip: Ipv4Addr) -> bool {
-        self.host.address_reserved(ip)
-    }
-
-    /// Names of host interfaces of microVM sandboxes.
-    pub async fn host_interfaces(&self) -> Vec<String> {
-        self.host.host_interfaces().await
-    }
-    /// Creates a sandbox, building the template and its image first if needed.
-    pub async fn create_with_progress(
-        &self,
-        mut spec: SandboxSpec,
-        progress: Progress,
-    ) -> Result<SandboxInfo, BackendError> {
-        validate_sandbox_id(&spec.id)?;
-        if let Some(kept) = &spec.kept {
-            self.host.check_kept(kept, KEPT_FILES)?;
-            // A snapshot restores the memory size and vCPUs it was taken with.
-            let st = StateFile::read(&kept.path).ok_or_else(|| BackendError::BadKeptState {
-                path: kept.path.clone(),
-                reason: "state.json is unreadable".into(),
-            })?;
-            if let Some(c) = st.cpu_count {
-                spec.cpu_count = c;
-            }
-            if let Some(m) = st.memory_mb {
-                spec.memory_mb = m;
-            }
-        }
-        let limits = self.check_limits(&spec)?;
-        let sock = Jail::of(&self.sandbox_dir(&spec.id)).host_path(jail::API_SOCK);
-        if sock.as_os_str().len() > MAX_SOCKET_PATH {
-            return Err(setup(format!(
-                "the VMM socket path {} is longer than {MAX_SOCKET_PATH} bytes: use a shorter data directory",
-                sock.display()
-            )));
-        }
-        self.sandboxes
-            .begin(&spec.id, self.sandbox_dir(&spec.id).exists())?;
-        let result = async {
-            let disk = if spec.kept.is_some() {
-                None
-            } else {
-                let template = self
-                    .templates
-                    .ensure(&spec.template, progress.clone())
-                    .await
-                    .map_err(|e| match e {
-                        TemplateError::NotFound(n) | TemplateError::InvalidName(n) => {
-                            BackendError::UnknownTemplate(n)
-                        }
-                        other => BackendError::Template(other),
-                    })?;
-                Some(
-                    image::ensure_image(
-                        &template,
-                        &self.cfg.agent_binary,
-                        &self.cfg.image_dir,
-                        progress,
-                    )
-                    .await
-                    .map_err(setup)?,
-                )
-            };
-            self.start(&spec, limits, disk.as_deref()).await
-        }
-        .await;
-        self.sandboxes.finish(&spec.id, result)
-    }
-
-    async fn start(
+    /// Starts the sandbox of `spec`, booting from the template image `disk`, or restoring
+    /// its kept snapshot when there is none.
+    async fn start_from(
         &self,
         spec: &SandboxSpec,
         limits: Limits,
         disk: Option<&Path>,
-    ) -> Result<Arc<Sandbox>, BackendError> {
+    ) -> Result<Sandbox, BackendError> {
         let mut claim = self.host.claim(spec, limits).await?;
         let dir = claim.dir().to_path_buf();
         let ids = claim.ids();
@@ -318,7 +217,7 @@ impl MicrovmBackend {
         state.write(&dir)?;
 
         let client = VmmClient::new(jail.host_path(jail::API_SOCK), spec.id.clone())
-            .with_timeout(self.cfg.op_timeout);
+            .with_timeout(self.cfg().op_timeout);
         let restore = spec.kept.is_some();
         let vmm = self
             .spawn_vmm(
@@ -338,27 +237,15 @@ impl MicrovmBackend {
             let _ = std::fs::remove_dir_all(jail.host_path(jail::SNAPSHOT));
         }
         let host = claim.commit();
-        let info = SandboxInfo {
-            id: spec.id.clone(),
-            template: spec.template.clone(),
-            state: SandboxState::Running,
-            address: SandboxAddress {
-                ip: host.ip(),
-                agent_port: self.cfg.agent_port,
-            },
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
-            allow_internet_access: spec.allow_internet_access,
-            created_at: host.created_at,
-        };
         tracing::debug!(id = %spec.id, pid = vmm.pid, ip = %host.ip(), "microVM started");
-        Ok(Arc::new(Sandbox {
-            info: Mutex::new(info),
+        Ok(self.running(
+            spec,
             host,
-            vmm: Mutex::new(Some(vmm)),
-            client,
-            op: tokio::sync::Mutex::new(()),
-        }))
+            Vmm {
+                process: Mutex::new(Some(vmm)),
+                client,
+            },
+        ))
     }
 
     /// Starts a jailed VMM (see [`jail`]) inside the sandbox's namespace and cgroup,
@@ -388,7 +275,7 @@ impl MicrovmBackend {
             "--api-sock",
             jail::API_SOCK,
             "--seccomp",
-            if self.cfg.seccomp { "strict" } else { "off" },
+            if self.cfg().seccomp { "strict" } else { "off" },
             "--start",
         ]
         .iter()
@@ -398,7 +285,7 @@ impl MicrovmBackend {
             args.extend(["--restore".to_string(), jail::SNAPSHOT.to_string()]);
         }
         let root = jail.root().to_path_buf();
-        let binds = [(self.cfg.kernel.as_path(), jail::KERNEL, false)];
+        let binds = [(self.cfg().kernel.as_path(), jail::KERNEL, false)];
         let plan = spawn::ChildPlan::new(spawn::PlanInput {
             netns,
             cgroup_procs: cg.join_files(),
@@ -413,7 +300,7 @@ impl MicrovmBackend {
                 uid: ids.base,
                 gid: ids.base,
             },
-            program: spawn::Program::Host(&self.cfg.vmm_binary),
+            program: spawn::Program::Host(&self.cfg().vmm_binary),
             args: &args,
             // Nothing of the node's environment (keys, seeds, credentials) reaches it.
             env: Vec::new(),
@@ -430,7 +317,7 @@ impl MicrovmBackend {
         })
         .await
         .map_err(|e| setup(format!("spawn task: {e}")))?
-        .map_err(|e| setup(format!("starting {}: {e}", self.cfg.vmm_binary.display())))?;
+        .map_err(|e| setup(format!("starting {}: {e}", self.cfg().vmm_binary.display())))?;
         drop(log);
         let exited = watch_exit(pid).map_err(|e| BackendError::io("watching the VMM", e))?;
         let proc = VmmProcess {
@@ -439,7 +326,7 @@ impl MicrovmBackend {
         };
         let mut exited = proc.exited.clone();
         let ready = tokio::select! {
-            r = client.wait_ready(self.cfg.op_timeout) => r.map_err(|e| e.to_string()),
+            r = client.wait_ready(self.cfg().op_timeout) => r.map_err(|e| e.to_string()),
             _ = exited.wait_for(|s| s.is_some()) => Err("it exited".to_string()),
         };
         match ready {
@@ -451,8 +338,9 @@ impl MicrovmBackend {
                 };
                 let _ = kill(pid, Signal::SIGKILL);
                 let mut exited = proc.exited.clone();
-                let _ = tokio::time::timeout(self.cfg.op_timeout, exited.wait_for(|s| s.is_some()))
-                    .await;
+                let _ =
+                    tokio::time::timeout(self.cfg().op_timeout, exited.wait_for(|s| s.is_some()))
+                        .await;
                 Err(setup(format!(
                     "the VMM of {} did not start ({why}); its log: {}",
                     dir.display(),
@@ -464,16 +352,21 @@ impl MicrovmBackend {
 
     /// Stops the VMM of `sbx` (asks, then kills) and waits for it to exit.
     async fn stop_vmm(&self, sbx: &Sandbox, ask: bool) -> Result<(), BackendError> {
-        let proc = sbx.vmm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let proc = sbx
+            .run
+            .process
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         let Some(proc) = proc else {
             return Ok(());
         };
         let mut exited = proc.exited.clone();
         if ask {
-            if let Err(e) = sbx.client.stop().await {
+            if let Err(e) = sbx.run.client.stop().await {
                 tracing::warn!(error = %e, "stopping the VMM over its socket; killing it");
             }
-            if tokio::time::timeout(self.cfg.op_timeout, exited.wait_for(|s| s.is_some()))
+            if tokio::time::timeout(self.cfg().op_timeout, exited.wait_for(|s| s.is_some()))
                 .await
                 .is_ok()
             {
@@ -481,11 +374,12 @@ impl MicrovmBackend {
             }
         }
         let _ = kill(Pid::from_raw(proc.pid), Signal::SIGKILL);
-        match tokio::time::timeout(self.cfg.op_timeout, exited.wait_for(|s| s.is_some())).await {
+        match tokio::time::timeout(self.cfg().op_timeout, exited.wait_for(|s| s.is_some())).await {
             Ok(_) => Ok(()),
             Err(_) => Err(setup(format!(
                 "the VMM (pid {}) did not exit within {:?}",
-                proc.pid, self.cfg.op_timeout
+                proc.pid,
+                self.cfg().op_timeout
             ))),
         }
     }
@@ -553,126 +447,161 @@ async fn copy_sparse(from: &Path, to: &Path) -> Result<(), BackendError> {
 }
 
 #[async_trait]
-impl SandboxBackend for MicrovmBackend {
-    fn kind(&self) -> &'static str {
-        "microvm"
+impl Runtime for MicrovmRuntime {
+    const KIND: BackendKind = BackendKind::Microvm;
+    /// A kept sandbox directory: its snapshot, disk and state.
+    const KEPT_FILES: &'static [&'static str] =
+        &["jail/run/snapshot", "jail/rootfs.ext4", "state.json"];
+    type Run = Vmm;
+
+    fn config(&self) -> &HostedConfig {
+        &self.cfg
     }
 
-    async fn create(&self, spec: SandboxSpec) -> Result<SandboxInfo, BackendError> {
-        self.create_with_progress(spec, crate::template::log_progress())
-            .await
-    }
-
-    async fn pause(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
-            return Ok(());
+    fn admit(b: &MicrovmBackend, spec: &mut SandboxSpec) -> Result<Limits, BackendError> {
+        if let Some(kept) = &spec.kept {
+            Self::check_kept(b, kept)?;
+            // A snapshot restores the memory size and vCPUs it was taken with.
+            let st = StateFile::read(&kept.path).ok_or_else(|| BackendError::BadKeptState {
+                path: kept.path.clone(),
+                reason: "state.json is unreadable".into(),
+            })?;
+            if let Some(c) = st.cpu_count {
+                spec.cpu_count = c;
+            }
+            if let Some(m) = st.memory_mb {
+                spec.memory_mb = m;
+            }
         }
-        sbx.client.pause().await.map_err(setup)?;
+        let limits = b.check_limits(spec)?;
+        let sock = Jail::of(&b.sandbox_dir(&spec.id)).host_path(jail::API_SOCK);
+        if sock.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(setup(format!(
+                "the VMM socket path {} is longer than {MAX_SOCKET_PATH} bytes: use a shorter data directory",
+                sock.display()
+            )));
+        }
+        Ok(limits)
+    }
+
+    /// Boots from the template's image, built first if needed; a kept snapshot restores
+    /// instead.
+    async fn start(
+        b: &MicrovmBackend,
+        spec: &SandboxSpec,
+        limits: Limits,
+        progress: Progress,
+    ) -> Result<Sandbox, BackendError> {
+        let disk = if spec.kept.is_some() {
+            None
+        } else {
+            let template = b.template(&spec.template, progress.clone()).await?;
+            Some(
+                image::ensure_image(
+                    &template,
+                    &b.cfg().agent_binary,
+                    &b.cfg().image_dir,
+                    progress,
+                )
+                .await
+                .map_err(setup)?,
+            )
+        };
+        b.start_from(spec, limits, disk.as_deref()).await
+    }
+
+    /// Pauses the vCPUs, writes a full snapshot and stops the VMM.
+    async fn pause(b: &MicrovmBackend, sbx: &Sandbox) -> Result<(), BackendError> {
+        let client = &sbx.run.client;
+        client.pause().await.map_err(setup)?;
         let jail = Jail::of(&sbx.host.dir);
         let snap = jail.host_path(jail::SNAPSHOT);
         let staging = jail.host_path(jail::SNAPSHOT_STAGING);
         let _ = std::fs::remove_dir_all(&staging);
-        let taken = sbx
-            .client
+        let taken = client
             .snapshot(
                 Path::new(jail::SNAPSHOT_STAGING),
                 SnapshotKind::Full,
-                self.cfg.snapshot_timeout,
+                b.cfg().snapshot_timeout,
             )
             .await;
         if let Err(e) = taken {
             // The VM keeps running: nothing is lost.
-            let _ = sbx.client.resume().await;
+            let _ = client.resume().await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(setup(e));
         }
         let _ = std::fs::remove_dir_all(&snap);
         if let Err(e) = std::fs::rename(&staging, &snap) {
-            let _ = sbx.client.resume().await;
+            let _ = client.resume().await;
             let _ = std::fs::remove_dir_all(&staging);
             return Err(BackendError::io(
                 format!("publishing {}", snap.display()),
                 e,
             ));
         }
-        self.stop_vmm(&sbx, true).await?;
-        sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state = SandboxState::Paused;
-        tracing::debug!(id, snapshot = %snap.display(), "microVM paused into a snapshot");
+        b.stop_vmm(sbx, true).await?;
+        tracing::debug!(id = %sbx.id(), snapshot = %snap.display(), "microVM paused into a snapshot");
         Ok(())
     }
 
-    async fn resume(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        if sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state == SandboxState::Paused {
-            // A duplicate of the namespace descriptor: the lock is not held across awaits.
-            let netns = sbx
-                .host
-                .with_net(|n| n.netns.try_clone())
-                .ok_or_else(|| setup(format!("sandbox {id} lost its network namespace")))?
-                .map_err(|e| BackendError::io("duplicating the namespace descriptor", e))?;
-            let vmm = self
-                .spawn_vmm(
-                    id,
-                    &sbx.host.dir,
-                    sbx.host.ids,
-                    netns.as_fd(),
-                    &sbx.host.cgroup,
-                    true,
-                    &sbx.client,
-                )
-                .await?;
-            let pid = vmm.pid;
-            *sbx.vmm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vmm);
-            if let Some(mut st) = StateFile::read(&sbx.host.dir) {
-                st.pid = Some(pid);
-                st.write(&sbx.host.dir)?;
-            }
-            let _ = std::fs::remove_dir_all(Jail::of(&sbx.host.dir).host_path(jail::SNAPSHOT));
+    /// Restores a new VMM from the snapshot.
+    async fn resume(b: &MicrovmBackend, sbx: &Sandbox) -> Result<(), BackendError> {
+        let id = sbx.id();
+        // A duplicate of the namespace descriptor: the lock is not held across awaits.
+        let netns = sbx
+            .host
+            .with_net(|n| n.netns.try_clone())
+            .ok_or_else(|| setup(format!("sandbox {id} lost its network namespace")))?
+            .map_err(|e| BackendError::io("duplicating the namespace descriptor", e))?;
+        let vmm = b
+            .spawn_vmm(
+                &id,
+                &sbx.host.dir,
+                sbx.host.ids,
+                netns.as_fd(),
+                &sbx.host.cgroup,
+                true,
+                &sbx.run.client,
+            )
+            .await?;
+        let pid = vmm.pid;
+        *sbx.run.process.lock().unwrap_or_else(|e| e.into_inner()) = Some(vmm);
+        if let Some(mut st) = StateFile::read(&sbx.host.dir) {
+            st.pid = Some(pid);
+            st.write(&sbx.host.dir)?;
         }
-        let mut info = sbx.info.lock().unwrap_or_else(|e| e.into_inner());
-        info.state = SandboxState::Running;
-        Ok(info.clone())
+        let _ = std::fs::remove_dir_all(Jail::of(&sbx.host.dir).host_path(jail::SNAPSHOT));
+        Ok(())
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), BackendError> {
-        let sbx = self.sandboxes.remove_ready(id)?;
-        let _op = sbx.op.lock().await;
-        self.teardown(&sbx, None).await
+    async fn teardown(
+        b: &MicrovmBackend,
+        sbx: &Sandbox,
+        keep: Option<&Path>,
+    ) -> Result<(), BackendError> {
+        b.teardown(sbx, keep).await
     }
 
-    async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
-        let sbx = self.sandboxes.remove_paused(id)?;
-        let _op = sbx.op.lock().await;
-        let path = self.host.new_kept_path(id);
-        self.teardown(&sbx, Some(&path)).await?;
-        Ok(KeptState { path })
-    }
-
-    async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
-        let sbx = self.sandboxes.ready(id)?;
-        let _op = sbx.op.lock().await;
-        let state = sbx.info.lock().unwrap_or_else(|e| e.into_inner()).state;
-        if state != SandboxState::Running {
-            return Err(BackendError::InvalidState {
-                id: id.to_string(),
-                state,
-                needed: SandboxState::Running,
-            });
-        }
+    /// The VM snapshot (paused for the moment of the capture), a copy of its disk and
+    /// `state.json`.
+    async fn capture(
+        b: &MicrovmBackend,
+        sbx: &Sandbox,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        let client = &sbx.run.client;
         let jail = Jail::of(&sbx.host.dir);
         let capture = jail.host_path(jail::CAPTURE);
         let _ = std::fs::remove_dir_all(&capture);
-        sbx.client.pause().await.map_err(setup)?;
+        client.pause().await.map_err(setup)?;
         // While the vCPUs are parked the disk and the memory agree.
         let captured = async {
-            sbx.client
+            client
                 .snapshot(
                     Path::new(jail::CAPTURE),
                     SnapshotKind::Full,
-                    self.cfg.snapshot_timeout,
+                    b.cfg().snapshot_timeout,
                 )
                 .await
                 .map_err(setup)?;
@@ -689,36 +618,29 @@ impl SandboxBackend for MicrovmBackend {
             write_json(&dir.join("state.json"), &st)
         }
         .await;
-        let resumed = sbx.client.resume().await.map_err(setup);
+        let resumed = client.resume().await.map_err(setup);
         let _ = std::fs::remove_dir_all(&capture);
         captured?;
         resumed?;
-        tracing::debug!(id, dir = %dir.display(), "microVM captured");
-        Ok(SnapshotCapture {
-            backend: "microvm".into(),
-            files: CAPTURE_FILES.iter().map(|f| f.to_string()).collect(),
-        })
+        tracing::debug!(id = %sbx.id(), dir = %dir.display(), "microVM captured");
+        Ok(SnapshotCapture::new(
+            BackendKind::Microvm,
+            CAPTURE_FILES.iter().map(|f| f.to_string()).collect(),
+        ))
     }
 
-    async fn import_snapshot(
-        &self,
+    async fn import(
+        b: &MicrovmBackend,
         capture: &SnapshotCapture,
         dir: &Path,
     ) -> Result<KeptState, BackendError> {
-        let missing: Vec<&&str> = CAPTURE_FILES
+        let complete = CAPTURE_FILES
             .iter()
-            .filter(|f| !capture.files.iter().any(|c| c == **f))
-            .collect();
-        if capture.backend != "microvm" || !missing.is_empty() {
-            return Err(BackendError::BadKeptState {
-                path: dir.to_path_buf(),
-                reason: format!(
-                    "it was taken by the {} backend, not by a microVM (files {:?})",
-                    capture.backend, capture.files
-                ),
-            });
+            .all(|f| capture.files.iter().any(|c| c == f));
+        if capture.kind() != Some(BackendKind::Microvm) || !complete {
+            return Err(foreign_capture(capture, dir, "a microVM"));
         }
-        let path = self.host.new_kept_path("snapshot");
+        let path = b.host.new_kept_path("snapshot");
         let jail = Jail::of(&path);
         let snap = jail.host_path(jail::SNAPSHOT);
         std::fs::create_dir_all(&snap)
@@ -736,25 +658,5 @@ impl SandboxBackend for MicrovmBackend {
             return Err(e);
         }
         Ok(KeptState { path })
-    }
-
-    async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {
-        self.host.discard_kept(kept, KEPT_FILES)
-    }
-
-    async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {
-        self.sandboxes.get(id)
-    }
-
-    async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
-        self.sandboxes.usage(id)
-    }
-
-    async fn list(&self) -> Vec<SandboxInfo> {
-        self.sandboxes.list()
-    }
-
-    async fn reconcile(&self, kept: &[KeptState]) -> Result<ReconcileReport, BackendError> {
-        self.host.reconcile(&self.sandboxes.ids(), kept, None).await
     }
 }

@@ -22,8 +22,8 @@ impl MicrovmBackend {
         self.host.check_cpus_and_memory(spec)?;
         Ok(Limits {
             cpus: spec.cpu_count,
-            memory_bytes: (spec.memory_mb + self.cfg.vmm_overhead_mib).saturating_mul(1 << 20),
-            max_processes: self.cfg.vmm_max_threads,
+            memory_bytes: (spec.memory_mb + self.cfg().vmm_overhead_mib).saturating_mul(1 << 20),
+            max_processes: self.cfg().vmm_max_threads,
         })
     }
 
@@ -40,13 +40,13 @@ impl MicrovmBackend {
             .unwrap_or_default();
         let mut cmdline = format!(
             "{} ip={}::{}:255.255.255.252:{}:eth0:off:{dns}",
-            self.cfg.boot_args,
+            self.cfg().boot_args,
             net::GUEST_IP,
             net::TAP_IP,
             // The kernel sets its host name from here (ids are valid host names).
             spec.id,
         );
-        if self.cfg.attach_devices {
+        if self.cfg().attach_devices {
             cmdline.push_str(" root=/dev/vda rw rootwait");
         }
         // The kernel hands unknown `KEY=VALUE` arguments to init as its environment; a
@@ -65,7 +65,7 @@ impl MicrovmBackend {
         cmdline.push_str(&image::init_cmdline());
         let mut drives = Vec::new();
         let mut nets = Vec::new();
-        if self.cfg.attach_devices {
+        if self.cfg().attach_devices {
             drives.push(agentenv_vmm::config::DriveConfig {
                 id: "rootfs".into(),
                 path: PathBuf::from(jail::DISK),
@@ -81,14 +81,14 @@ impl MicrovmBackend {
         let cfg: agentenv_vmm::VmConfig = serde_json::from_value(serde_json::json!({
             "vcpus": spec.cpu_count,
             "memory_mib": spec.memory_mb,
-            "kernel": self.cfg.kernel,
+            "kernel": self.cfg().kernel,
             "cmdline": cmdline,
             "drives": drives,
             "net": nets,
             "serial_output": jail::SERIAL_LOG,
             // A balloon the node can inflate to take memory back (empty at start; the
             // guest gets pages back when it runs short), and entropy for the guest.
-            "balloon": if self.cfg.attach_devices {
+            "balloon": if self.cfg().attach_devices {
                 serde_json::json!({
                     "amount_mib": 0,
                     "deflate_on_oom": true,
@@ -97,7 +97,7 @@ impl MicrovmBackend {
             } else {
                 serde_json::Value::Null
             },
-            "rng": self.cfg.attach_devices,
+            "rng": self.cfg().attach_devices,
         }))
         .map_err(|e| setup(format!("building the VM configuration: {e}")))?;
         // Checked with the host's view of the files; the VMM sees them in its jail.

@@ -85,25 +85,54 @@ impl Steps {
                 path: target.clone(),
             },
         );
+        self.bind([what, what], src, target, MsFlags::empty(), flags, false)
+    }
+
+    /// Binds `src` onto `target` (`rec`: with the mounts beneath, `MS_REC`), then
+    /// remounts the bind with `flags` added when there are any; `what` names the two
+    /// steps.
+    fn bind(
+        &mut self,
+        what: [&'static str; 2],
+        src: CString,
+        target: CString,
+        rec: MsFlags,
+        flags: MsFlags,
+        optional: bool,
+    ) -> Result<(), SpawnError> {
+        let bind = MsFlags::MS_BIND | rec;
         self.mount(
-            what,
+            what[0],
             Some(src),
             target.clone(),
             None,
-            MsFlags::MS_BIND,
+            bind,
             None,
-            false,
+            optional,
         )?;
         if flags.is_empty() {
             return Ok(());
         }
+        let remount = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | flags;
+        self.mount(what[1], None, target, None, remount, None, optional)
+    }
+
+    /// Mounts a new file system of type `fstype`, named after its type, on `target`.
+    fn filesystem(
+        &mut self,
+        what: &'static str,
+        fstype: &str,
+        target: CString,
+        flags: MsFlags,
+        data: Option<String>,
+    ) -> Result<(), SpawnError> {
         self.mount(
             what,
-            None,
+            Some(cstr(fstype)?),
             target,
-            None,
-            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | flags,
-            None,
+            Some(fstype),
+            flags,
+            data,
             false,
         )
     }
@@ -161,33 +190,15 @@ pub(super) fn overlay_steps(
         Some(overlay_opts),
         false,
     )?;
-    steps.mount(
-        "mount /proc",
-        Some(cstr("proc")?),
-        at("proc")?,
-        Some("proc"),
-        NOSUID_NODEV_NOEXEC,
-        None,
-        false,
-    )?;
-    steps.mount(
-        "mount /sys",
-        Some(cstr("sysfs")?),
-        at("sys")?,
-        Some("sysfs"),
-        NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY,
-        None,
-        false,
-    )?;
-    steps.mount(
-        "mount /dev",
-        Some(cstr("tmpfs")?),
-        at("dev")?,
-        Some("tmpfs"),
-        NOSUID_NODEV_NOEXEC,
-        Some(format!("mode=755,size=65536k,uid={base_id},gid={base_id}")),
-        false,
-    )?;
+    let dev = format!("mode=755,size=65536k,uid={base_id},gid={base_id}");
+    let read_only = NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY;
+    for (what, fstype, dir, flags, data) in [
+        ("mount /proc", "proc", "proc", NOSUID_NODEV_NOEXEC, None),
+        ("mount /sys", "sysfs", "sys", read_only, None),
+        ("mount /dev", "tmpfs", "dev", NOSUID_NODEV_NOEXEC, Some(dev)),
+    ] {
+        steps.filesystem(what, fstype, at(dir)?, flags, data)?;
+    }
     // A bind keeps the host's /dev mount flags (set-id and exec bits mean nothing on a
     // device node): no remount.
     for (name, _, _) in STANDARD_DEVICES {
@@ -227,17 +238,14 @@ pub(super) fn overlay_steps(
         );
     }
     // Ptys belong to the sandbox's tty group (gid 5 inside).
-    steps.mount(
+    let pts = format!("newinstance,ptmxmode=0666,mode=0620,gid={}", base_id + 5);
+    let nosuid_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+    steps.filesystem(
         "mount /dev/pts",
-        Some(cstr("devpts")?),
+        "devpts",
         at("dev/pts")?,
-        Some("devpts"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-        Some(format!(
-            "newinstance,ptmxmode=0666,mode=0620,gid={}",
-            base_id + 5
-        )),
-        false,
+        nosuid_noexec,
+        Some(pts),
     )?;
     steps.mount(
         "mount /dev/shm",
@@ -248,27 +256,12 @@ pub(super) fn overlay_steps(
         Some(format!("mode=1777,size=65536k,uid={base_id},gid={base_id}")),
         false,
     )?;
-    let agent_target = at(agent_guest_path.trim_start_matches('/'))?;
-    steps.mount(
-        "bind the agent binary",
-        Some(cpath(agent_host_path)?),
-        agent_target.clone(),
-        None,
-        MsFlags::MS_BIND,
-        None,
-        false,
-    )?;
-    steps.mount(
-        "make the agent binary read-only",
-        None,
-        agent_target,
-        None,
-        MsFlags::MS_BIND
-            | MsFlags::MS_REMOUNT
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV,
-        None,
+    steps.bind(
+        ["bind the agent binary", "make the agent binary read-only"],
+        cpath(agent_host_path)?,
+        at(agent_guest_path.trim_start_matches('/'))?,
+        MsFlags::empty(),
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         false,
     )?;
     for p in MASKED_PATHS {
@@ -298,22 +291,12 @@ pub(super) fn overlay_steps(
     }
     for p in READONLY_PATHS {
         let target = at(p)?;
-        steps.mount(
-            "bind a read-only /proc path",
-            Some(target.clone()),
+        steps.bind(
+            ["bind a read-only /proc path", "make a /proc path read-only"],
             target.clone(),
-            None,
-            MsFlags::MS_BIND | MsFlags::MS_REC,
-            None,
-            true,
-        )?;
-        steps.mount(
-            "make a /proc path read-only",
-            None,
             target,
-            None,
-            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
-            None,
+            MsFlags::MS_REC,
+            MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
             true,
         )?;
     }
@@ -332,32 +315,23 @@ pub(super) fn minimal_steps(steps: &mut Steps, input: &Root<'_>) -> Result<(), S
     };
     let at = |rel: &str| cpath(&root.join(rel.trim_start_matches('/')));
     // pivot_root needs the new root to be a mount point.
-    steps.mount(
-        "bind the jail directory onto itself",
-        Some(cpath(root)?),
+    steps.bind(
+        [
+            "bind the jail directory onto itself",
+            "restrict the jail directory",
+        ],
         cpath(root)?,
-        None,
-        MsFlags::MS_BIND,
-        None,
+        cpath(root)?,
+        MsFlags::empty(),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         false,
     )?;
-    steps.mount(
-        "restrict the jail directory",
-        None,
-        cpath(root)?,
-        None,
-        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        None,
-        false,
-    )?;
-    steps.mount(
+    steps.filesystem(
         "mount the jail's /dev",
-        Some(cstr("tmpfs")?),
+        "tmpfs",
         at("dev")?,
-        Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
         Some("mode=755,size=64k".into()),
-        false,
     )?;
     for (name, major, minor) in devices.iter() {
         let path = at(&format!("dev/{name}"))?;
@@ -394,22 +368,15 @@ pub(super) fn minimal_steps(steps: &mut Steps, input: &Root<'_>) -> Result<(), S
         if !writable {
             flags |= MsFlags::MS_RDONLY;
         }
-        steps.mount(
-            "bind a file into the jail",
-            Some(cpath(src)?),
+        steps.bind(
+            [
+                "bind a file into the jail",
+                "restrict a file bound into the jail",
+            ],
+            cpath(src)?,
             at(target)?,
-            None,
-            MsFlags::MS_BIND,
-            None,
-            false,
-        )?;
-        steps.mount(
-            "restrict a file bound into the jail",
-            None,
-            at(target)?,
-            None,
-            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | flags,
-            None,
+            MsFlags::empty(),
+            flags,
             false,
         )?;
     }
