@@ -14,8 +14,13 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 
 use crate::duration::{parse_go_duration_nanos, parse_positive_duration};
+use crate::logging::{LogFormat, LogLevel};
 
-/// Placement strategies the scheduler ships with.
+mod choices;
+
+pub use choices::{DiscoveryMode, Strategy};
+
+/// Placement strategies the scheduler ships with (the spellings of [`Strategy`]).
 pub const BUILTIN_STRATEGIES: [&str; 4] = ["round_robin", "random", "least_loaded", "power_of_two"];
 
 /// Which binary is loading the config; only its section is validated and
@@ -106,20 +111,11 @@ impl Default for KubernetesConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(default)]
 pub struct DiscoveryConfig {
-    pub mode: String,
+    pub mode: DiscoveryMode,
     pub kubernetes: KubernetesConfig,
-}
-
-impl Default for DiscoveryConfig {
-    fn default() -> Self {
-        Self {
-            mode: "static".into(),
-            kubernetes: KubernetesConfig::default(),
-        }
-    }
 }
 
 /// Per-node capacity limits applied before placement. A node whose last
@@ -143,7 +139,7 @@ pub struct NodeResourceLimit {
 pub struct SchedulerConfig {
     pub grpc_listen_addr: String,
     pub metrics_listen_addr: String,
-    pub strategy: String,
+    pub strategy: Strategy,
     #[serde(deserialize_with = "de_duration")]
     pub report_ttl: Duration,
     #[serde(deserialize_with = "de_duration")]
@@ -161,7 +157,7 @@ impl Default for SchedulerConfig {
         Self {
             grpc_listen_addr: ":9090".into(),
             metrics_listen_addr: ":9101".into(),
-            strategy: "round_robin".into(),
+            strategy: Strategy::RoundRobin,
             report_ttl: Duration::from_secs(30),
             binding_ttl: Duration::from_secs(30),
             redis_addr: String::new(),
@@ -212,8 +208,8 @@ impl Default for GatewayConfig {
 pub struct Config {
     #[serde(skip)]
     pub service: Option<Service>,
-    pub log_level: String,
-    pub log_format: String,
+    pub log_level: LogLevel,
+    pub log_format: LogFormat,
     pub scheduler: SchedulerConfig,
     pub gateway: GatewayConfig,
 }
@@ -222,8 +218,8 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             service: None,
-            log_level: "info".into(),
-            log_format: "auto".into(),
+            log_level: LogLevel::Info,
+            log_format: LogFormat::Auto,
             scheduler: SchedulerConfig::default(),
             gateway: GatewayConfig::default(),
         }
@@ -330,10 +326,10 @@ impl Config {
                 .filter(|v| !v.is_empty())
         };
         if let Some(v) = get("LOG_LEVEL") {
-            self.log_level = v;
+            self.log_level = v.into();
         }
         if let Some(v) = get("LOG_FORMAT") {
-            self.log_format = v;
+            self.log_format = v.into();
         }
         match service {
             Service::Scheduler => {
@@ -341,12 +337,14 @@ impl Config {
                 for (var, field) in [
                     ("SCHEDULER_GRPC_LISTEN_ADDR", &mut s.grpc_listen_addr),
                     ("SCHEDULER_METRICS_LISTEN_ADDR", &mut s.metrics_listen_addr),
-                    ("SCHEDULER_STRATEGY", &mut s.strategy),
                     ("SCHEDULER_REDIS_ADDR", &mut s.redis_addr),
                 ] {
                     if let Some(v) = get(var) {
                         *field = v;
                     }
+                }
+                if let Some(v) = get("SCHEDULER_STRATEGY") {
+                    s.strategy = v.into();
                 }
                 if let Some(v) = get("SCHEDULER_BINDING_TTL") {
                     s.binding_ttl = env_duration("SCHEDULER_BINDING_TTL", &v)?;
@@ -386,11 +384,12 @@ impl Config {
                     g.request_timeout = env_duration("GATEWAY_REQUEST_TIMEOUT", &v)?;
                 }
                 if let Some(v) = get("GATEWAY_DEBUG_MODE") {
-                    g.debug_mode = parse_go_bool(&v).ok_or_else(|| ConfigError::Env {
-                        var: "GATEWAY_DEBUG_MODE",
-                        value: v.clone(),
-                        message: "expected true or false (also 1/0, t/f)".into(),
-                    })?;
+                    g.debug_mode =
+                        parse_bool(&v, BoolSyntax::Plain).ok_or_else(|| ConfigError::Env {
+                            var: "GATEWAY_DEBUG_MODE",
+                            value: v.clone(),
+                            message: "expected true or false (also 1/0, t/f)".into(),
+                        })?;
                 }
             }
         }
@@ -398,22 +397,18 @@ impl Config {
     }
 
     fn validate(&mut self, opts: LoadOptions) -> Result<(), ConfigError> {
-        if self.log_level.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                "log_level",
-                "is required (one of debug, info, warn, error)",
-            ));
-        }
-        crate::logging::parse_level(&self.log_level)
-            .map_err(|m| ConfigError::invalid("log_level", m))?;
-        if self.log_format.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                "log_format",
-                "is required (one of auto, console, json)",
-            ));
-        }
-        crate::logging::LogFormat::parse(&self.log_format)
-            .map_err(|m| ConfigError::invalid("log_format", m))?;
+        self.log_level = required_choice(
+            "log_level",
+            "debug, info, warn, error",
+            self.log_level.as_str(),
+            LogLevel::parse,
+        )?;
+        self.log_format = required_choice(
+            "log_format",
+            "auto, console, json",
+            self.log_format.as_str(),
+            LogFormat::parse,
+        )?;
         match opts.service {
             Service::Scheduler => self.validate_scheduler(opts.query_only),
             Service::Gateway => self.validate_gateway(),
@@ -436,18 +431,8 @@ impl Config {
             }
             return Ok(());
         }
-        let strategy = s.strategy.trim().to_ascii_lowercase();
-        if !BUILTIN_STRATEGIES.contains(&strategy.as_str()) {
-            return Err(ConfigError::invalid(
-                "scheduler.strategy",
-                format!(
-                    "unknown strategy {:?}: use one of {}",
-                    s.strategy,
-                    BUILTIN_STRATEGIES.join(", ")
-                ),
-            ));
-        }
-        s.strategy = strategy;
+        s.strategy = Strategy::parse(s.strategy.as_str())
+            .map_err(|m| ConfigError::invalid("scheduler.strategy", m))?;
         if s.artifact_store_capacity <= 0 {
             return Err(ConfigError::invalid(
                 "scheduler.artifact_store_capacity",
@@ -457,19 +442,14 @@ impl Config {
                 ),
             ));
         }
-        let mode = s.discovery.mode.trim().to_ascii_lowercase();
-        let mode = if mode.is_empty() {
-            "static".to_string()
-        } else {
-            mode
-        };
-        s.discovery.mode = mode.clone();
+        s.discovery.mode = DiscoveryMode::parse(s.discovery.mode.as_str())
+            .map_err(|m| ConfigError::invalid("scheduler.discovery.mode", m))?;
         if s.discovery.kubernetes.scheme.trim().is_empty() {
             s.discovery.kubernetes.scheme = "http".into();
         }
-        match mode.as_str() {
-            "static" => validate_nodes(&s.nodes),
-            "kubernetes" => {
+        match s.discovery.mode {
+            DiscoveryMode::Static | DiscoveryMode::Unknown(_) => validate_nodes(&s.nodes),
+            DiscoveryMode::Kubernetes => {
                 let k = &s.discovery.kubernetes;
                 let key = |f: &str| format!("scheduler.discovery.kubernetes.{f}");
                 if k.namespace.trim().is_empty() {
@@ -492,10 +472,6 @@ impl Config {
                 }
                 Ok(())
             }
-            other => Err(ConfigError::invalid(
-                "scheduler.discovery.mode",
-                format!("unknown mode {other:?}: use static or kubernetes"),
-            )),
         }
     }
 
@@ -658,13 +634,48 @@ fn env_int(var: &'static str, value: &str) -> Result<i64, ConfigError> {
     })
 }
 
-/// Go's `strconv.ParseBool`.
-pub fn parse_go_bool(v: &str) -> Option<bool> {
-    match v {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+/// Which spellings a boolean setting accepts (see [`parse_bool`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoolSyntax {
+    /// `1`/`0`, `t`/`f`, `true`/`false` only (the control-plane environment,
+    /// e.g. `GATEWAY_DEBUG_MODE`, where `yes` is an error).
+    Plain,
+    /// Also `yes`/`no`, `on`/`off`, and blank text as false (the node's
+    /// environment variables).
+    WithWords,
+}
+
+/// The boolean parser of every config layer (environment variables, files):
+/// `1`, `t`, `true` and `0`, `f`, `false`, compared case-insensitively after
+/// trimming, plus the words of [`BoolSyntax::WithWords`] where `syntax`
+/// allows them. Anything else is `None`, for the caller to report with the
+/// key.
+pub fn parse_bool(v: &str, syntax: BoolSyntax) -> Option<bool> {
+    let words = syntax == BoolSyntax::WithWords;
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" => Some(true),
+        "0" | "f" | "false" => Some(false),
+        "yes" | "on" if words => Some(true),
+        "no" | "off" | "" if words => Some(false),
         _ => None,
     }
+}
+
+/// A required choice: blank text says which values exist, other text must
+/// parse.
+fn required_choice<T>(
+    key: &str,
+    choices: &str,
+    text: &str,
+    parse: fn(&str) -> Result<T, String>,
+) -> Result<T, ConfigError> {
+    if text.trim().is_empty() {
+        return Err(ConfigError::invalid(
+            key,
+            format!("is required (one of {choices})"),
+        ));
+    }
+    parse(text).map_err(|m| ConfigError::invalid(key, m))
 }
 
 fn strip_position(e: &serde_json::Error) -> String {

@@ -2,8 +2,12 @@
 //! syntax, logging and metrics setup, the JSON error body, and the generated
 //! protobuf types.
 
+#![forbid(unsafe_code)]
+
 pub mod api_key;
+mod choice;
 pub mod config;
+pub mod cpu_template;
 pub mod duration;
 pub mod error;
 pub mod logging;

@@ -6,25 +6,24 @@ use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::LevelFilter;
 
-/// Output format of the log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    Auto,
-    Console,
-    Json,
+crate::choice::text_enum! {
+    /// Output format of the log (`log_format`).
+    pub enum LogFormat {
+        /// Console on a terminal, JSON otherwise.
+        #[default]
+        Auto = "auto",
+        /// Human-readable lines.
+        Console = "console",
+        /// One JSON object per line.
+        Json = "json",
+    }
 }
 
 impl LogFormat {
     /// Parses `auto`, `console` or `json`, case-insensitively.
     pub fn parse(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "console" => Ok(Self::Console),
-            "json" => Ok(Self::Json),
-            _ => Err(format!(
-                "unsupported log format {s:?}: use auto, console or json"
-            )),
-        }
+        Self::from_name(&crate::choice::normalize(s))
+            .ok_or_else(|| format!("unsupported log format {s:?}: use auto, console or json"))
     }
 
     /// Resolves `auto`: console when stdout is a terminal, JSON otherwise.
@@ -37,26 +36,51 @@ impl LogFormat {
     }
 }
 
+crate::choice::text_enum! {
+    /// Verbosity of the log (`log_level`). `warning` reads as `warn`;
+    /// `dpanic`, `panic` and `fatal` read as `error` for compatibility.
+    pub enum LogLevel {
+        Trace = "trace",
+        Debug = "debug",
+        #[default]
+        Info = "info",
+        Warn = "warn" | "warning",
+        Error = "error" | "dpanic" | "panic" | "fatal",
+    }
+}
+
+impl LogLevel {
+    /// Parses a log level name, case-insensitively.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Self::from_name(&crate::choice::normalize(s))
+            .ok_or_else(|| format!("unknown log level {s:?}: use debug, info, warn or error"))
+    }
+
+    /// The tracing filter of this level; an `Unknown` level is an error.
+    pub fn filter(&self) -> Result<LevelFilter, String> {
+        Ok(match self {
+            Self::Trace => LevelFilter::TRACE,
+            Self::Debug => LevelFilter::DEBUG,
+            Self::Info => LevelFilter::INFO,
+            Self::Warn => LevelFilter::WARN,
+            Self::Error => LevelFilter::ERROR,
+            Self::Unknown(text) => return Self::parse(text).and_then(|l| l.filter()),
+        })
+    }
+}
+
 /// Parses a log level name (`debug`, `info`, `warn`, `error`; `dpanic`,
 /// `panic` and `fatal` are accepted as `error` for compatibility).
 pub fn parse_level(s: &str) -> Result<LevelFilter, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "trace" => Ok(LevelFilter::TRACE),
-        "debug" => Ok(LevelFilter::DEBUG),
-        "info" => Ok(LevelFilter::INFO),
-        "warn" | "warning" => Ok(LevelFilter::WARN),
-        "error" | "dpanic" | "panic" | "fatal" => Ok(LevelFilter::ERROR),
-        _ => Err(format!(
-            "unknown log level {s:?}: use debug, info, warn or error"
-        )),
-    }
+    LogLevel::parse(s)?.filter()
 }
 
 /// Installs the global subscriber. `RUST_LOG`, when set, refines the level
 /// per module. Calling it twice is harmless (the second call does nothing).
-pub fn init(level: &str, format: &str) -> Result<(), String> {
-    let level = parse_level(level)?;
-    let format = LogFormat::parse(format)?.resolve(std::io::stdout().is_terminal());
+/// An `Unknown` level or format is an error.
+pub fn init(level: &LogLevel, format: &LogFormat) -> Result<(), String> {
+    let level = level.filter()?;
+    let format = LogFormat::parse(format.as_str())?.resolve(std::io::stdout().is_terminal());
     let filter = EnvFilter::builder()
         .with_default_directive(level.into())
         .from_env_lossy();
@@ -106,5 +130,16 @@ mod tests {
         assert_eq!(parse_level("WARN"), Ok(LevelFilter::WARN));
         assert_eq!(parse_level("fatal"), Ok(LevelFilter::ERROR));
         assert!(parse_level("verbose").is_err());
+    }
+
+    #[test]
+    fn unknown_text_is_kept_and_rejected_with_the_parse_message() {
+        assert_eq!(LogLevel::from(" Warning "), LogLevel::Warn);
+        let chatty = LogLevel::from("chatty");
+        assert_eq!(chatty, LogLevel::Unknown("chatty".into()));
+        assert_eq!(chatty, "chatty");
+        assert_eq!(chatty.filter(), Err(LogLevel::parse("chatty").unwrap_err()));
+        assert_eq!(LogFormat::from("JSON").to_string(), "json");
+        assert!(!LogFormat::from("pretty").is_known());
     }
 }

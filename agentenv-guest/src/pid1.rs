@@ -88,6 +88,21 @@ fn mount(
     Ok(())
 }
 
+/// Mounts a `fstype` file system (named by its type) on `target` unless something
+/// is mounted there already; says whether it mounted.
+fn mount_unless_mounted(
+    fstype: &'static str,
+    target: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<bool, Pid1Error> {
+    if is_mountpoint(target) {
+        return Ok(false);
+    }
+    mount(fstype, fstype, target, flags, data)?;
+    Ok(true)
+}
+
 /// Mounts /proc, /sys, /dev, /dev/pts, /dev/shm and (when not writable)
 /// /tmp, skipping those already mounted.
 pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
@@ -118,27 +133,23 @@ pub fn mount_pseudo_filesystems() -> Result<(), Pid1Error> {
         mount("tmpfs", "tmpfs", "/dev", libc::MS_NOSUID, "mode=0755")?;
         make_basic_devices();
     }
-    if !is_mountpoint("/dev/pts") {
-        mount(
-            "devpts",
-            "devpts",
-            "/dev/pts",
-            libc::MS_NOSUID | libc::MS_NOEXEC,
-            "newinstance,ptmxmode=0666,mode=0620",
-        )?;
+    let devpts = "newinstance,ptmxmode=0666,mode=0620";
+    if mount_unless_mounted(
+        "devpts",
+        "/dev/pts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        devpts,
+    )? {
         // The namespace's own pty instance is reached through /dev/ptmx.
         let _ = std::fs::remove_file("/dev/ptmx");
         let _ = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx");
     }
-    if !is_mountpoint("/dev/shm") {
-        mount(
-            "tmpfs",
-            "tmpfs",
-            "/dev/shm",
-            libc::MS_NOSUID | libc::MS_NODEV,
-            "mode=1777",
-        )?;
-    }
+    mount_unless_mounted(
+        "tmpfs",
+        "/dev/shm",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=1777",
+    )?;
     let tmp_writable = {
         let probe = Path::new("/tmp/.agentenv-guest-probe");
         let ok = std::fs::write(probe, b"").is_ok();

@@ -112,15 +112,23 @@ pub fn caused_by_client_body(err: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Replays frames that were already read, then continues with the rest of
-/// the original body. Nothing is lost when a prefix was inspected.
-pub struct ReplayBody {
+/// the original body. Nothing is lost when a prefix was inspected (or a first
+/// frame awaited).
+pub struct ReplayBody<B = GatewayBody> {
     buffered: VecDeque<Frame<Bytes>>,
     buffered_len: u64,
-    rest: Option<GatewayBody>,
+    rest: Option<B>,
 }
 
 impl ReplayBody {
+    /// `buffered`, then `rest` (if the body had more).
     pub fn new(buffered: Vec<Frame<Bytes>>, rest: Option<GatewayBody>) -> Self {
+        Self::replaying(buffered, rest)
+    }
+}
+
+impl<B> ReplayBody<B> {
+    fn replaying(buffered: Vec<Frame<Bytes>>, rest: Option<B>) -> Self {
         let buffered_len = buffered
             .iter()
             .filter_map(|f| f.data_ref())
@@ -132,9 +140,18 @@ impl ReplayBody {
             rest,
         }
     }
+
+    /// One frame already read, then the rest of the body it came from.
+    pub fn prefixed(first: Frame<Bytes>, rest: B) -> Self {
+        Self::replaying(vec![first], Some(rest))
+    }
 }
 
-impl Body for ReplayBody {
+impl<B> Body for ReplayBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -149,7 +166,9 @@ impl Body for ReplayBody {
             return Poll::Ready(Some(Ok(frame)));
         }
         match self.rest.as_mut() {
-            Some(rest) => Pin::new(rest).poll_frame(cx),
+            Some(rest) => Pin::new(rest)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(Into::into))),
             None => Poll::Ready(None),
         }
     }
@@ -168,61 +187,6 @@ impl Body for ReplayBody {
         hint.set_lower(rest.lower() + self.buffered_len);
         if let Some(upper) = rest.upper() {
             hint.set_upper(upper + self.buffered_len);
-        }
-        hint
-    }
-}
-
-/// One frame already read, then the rest of the body it came from.
-pub struct PrefixedBody<B> {
-    first: Option<Frame<Bytes>>,
-    rest: B,
-}
-
-impl<B> PrefixedBody<B> {
-    pub fn new(first: Frame<Bytes>, rest: B) -> Self {
-        Self {
-            first: Some(first),
-            rest,
-        }
-    }
-}
-
-impl<B> Body for PrefixedBody<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(first) = self.first.take() {
-            return Poll::Ready(Some(Ok(first)));
-        }
-        Pin::new(&mut self.rest)
-            .poll_frame(cx)
-            .map(|f| f.map(|r| r.map_err(Into::into)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.first.is_none() && self.rest.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        let first = self
-            .first
-            .as_ref()
-            .and_then(|f| f.data_ref())
-            .map_or(0, |d| d.len() as u64);
-        let rest = self.rest.size_hint();
-        let mut hint = SizeHint::new();
-        hint.set_lower(rest.lower() + first);
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper + first);
         }
         hint
     }

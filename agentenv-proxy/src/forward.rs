@@ -356,21 +356,19 @@ mod tests {
 
     #[test]
     fn request_headers_are_rewritten_for_the_upstream() {
-        let mut h = HeaderMap::new();
-        h.insert("host", HeaderValue::from_static("gw.example:8080"));
-        h.insert(
-            "connection",
-            HeaderValue::from_static("keep-alive, x-drop-me"),
-        );
-        h.insert("x-drop-me", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("te", HeaderValue::from_static("trailers"));
-        h.insert(
-            "x-forwarded-for",
-            HeaderValue::from_static("1.2.3.4, 5.6.7.8"),
-        );
-        h.insert("forwarded", HeaderValue::from_static("for=1.2.3.4"));
-        h.insert("x-api-key", HeaderValue::from_static("k"));
+        let mut h: HeaderMap = [
+            ("host", "gw.example:8080"),
+            ("connection", "keep-alive, x-drop-me"),
+            ("x-drop-me", "1"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("x-forwarded-for", "1.2.3.4, 5.6.7.8"),
+            ("forwarded", "for=1.2.3.4"),
+            ("x-api-key", "k"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (HeaderName::from_static(k), HeaderValue::from_static(v)))
+        .collect();
         let host = h.get("host").cloned();
         rewrite_request_headers(
             &mut h,

@@ -264,13 +264,7 @@ impl BindingStore for MemoryBindingStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn node(id: &str) -> Node {
-        Node {
-            node_id: id.into(),
-            endpoint: format!("http://{id}:8000"),
-        }
-    }
+    use crate::test_support::node;
 
     fn ids(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()

@@ -20,6 +20,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod artifacts;
 pub mod bindings;
 pub mod cpu_template;
@@ -27,12 +29,14 @@ pub mod metrics;
 pub mod placement;
 pub mod registry;
 pub mod service;
+#[cfg(test)]
+mod test_support;
 
 use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use agentenv_core::config::SchedulerConfig;
+use agentenv_core::config::{DiscoveryMode, SchedulerConfig};
 use agentenv_core::metrics::SharedRegistry;
 use agentenv_core::proto::scheduler_v1::Node;
 use agentenv_core::proto::scheduler_v1::scheduler_server::SchedulerServer;
@@ -47,7 +51,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 
 pub use bindings::{BindingStore, MemoryBindingStore, StoreError};
 pub use placement::{Candidate, Placement};
-pub use registry::{NodeRegistry, StaticRegistry};
+pub use registry::{NodeRegistry, P2pQuery, StaticRegistry};
 pub use service::SchedulerService;
 
 /// How often the observed-nodes gauge is refreshed.
@@ -110,9 +114,9 @@ impl SchedulerBuilder {
         let c = &self.config;
         let placement: Arc<dyn Placement> = match self.placement {
             Some(p) => p,
-            None => placement::builtin(c.strategy.trim())
+            None => placement::builtin(&c.strategy)
                 .map(Arc::from)
-                .ok_or_else(|| BuildError::UnknownStrategy(c.strategy.clone()))?,
+                .ok_or_else(|| BuildError::UnknownStrategy(c.strategy.to_string()))?,
         };
         let store: Arc<dyn BindingStore> = match self.store {
             Some(s) => s,
@@ -124,7 +128,7 @@ impl SchedulerBuilder {
         } else {
             Some(match self.registry {
                 Some(r) => r,
-                None if c.discovery.mode.eq_ignore_ascii_case("kubernetes") => {
+                None if c.discovery.mode == DiscoveryMode::Kubernetes => {
                     return Err(BuildError::KubernetesUnsupported);
                 }
                 None => Arc::new(StaticRegistry::new(

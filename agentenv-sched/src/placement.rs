@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use agentenv_core::config::NodeResourceLimit;
+use agentenv_core::config::{NodeResourceLimit, Strategy};
 use agentenv_core::proto::scheduler_v1::{Node, NodeSnapshot, ScheduleRequestHint};
 use rand::Rng;
 
@@ -46,14 +46,15 @@ pub trait Placement: Send + Sync + 'static {
     fn pick(&self, candidates: &[Candidate], hint: Option<&ScheduleRequestHint>) -> Option<usize>;
 }
 
-/// Builds a built-in strategy by its config name.
-pub fn builtin(name: &str) -> Option<Box<dyn Placement>> {
-    match name {
-        "round_robin" => Some(Box::new(RoundRobin::default())),
-        "random" => Some(Box::new(Random)),
-        "least_loaded" => Some(Box::new(LeastLoaded)),
-        "power_of_two" => Some(Box::new(PowerOfTwo)),
-        _ => None,
+/// Builds the built-in placement of a configured strategy (`None` for an
+/// unknown one). Its [`Placement::name`] is the strategy's config spelling.
+pub fn builtin(strategy: &Strategy) -> Option<Box<dyn Placement>> {
+    match strategy {
+        Strategy::RoundRobin => Some(Box::new(RoundRobin::default())),
+        Strategy::Random => Some(Box::new(Random)),
+        Strategy::LeastLoaded => Some(Box::new(LeastLoaded)),
+        Strategy::PowerOfTwo => Some(Box::new(PowerOfTwo)),
+        Strategy::Unknown(_) => None,
     }
 }
 
@@ -194,13 +195,7 @@ pub fn passes_limits(limit: &NodeResourceLimit, s: &NodeSnapshot) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn node(id: &str) -> Node {
-        Node {
-            node_id: id.into(),
-            endpoint: format!("http://{id}:8000"),
-        }
-    }
+    use crate::test_support::node;
 
     fn snap(count: u32) -> NodeSnapshot {
         NodeSnapshot {
@@ -272,9 +267,9 @@ mod tests {
     #[test]
     fn builtins_are_found_by_name() {
         for name in agentenv_core::config::BUILTIN_STRATEGIES {
-            assert_eq!(builtin(name).unwrap().name(), name);
+            assert_eq!(builtin(&Strategy::from(name)).unwrap().name(), name);
         }
-        assert!(builtin("nope").is_none());
+        assert!(builtin(&Strategy::from("nope")).is_none());
     }
 
     fn limit() -> NodeResourceLimit {

@@ -97,19 +97,50 @@ pub trait NodeRegistry: Send + Sync + 'static {
     /// One observed node, if it exists and matches the cluster filter.
     fn observed_node(&self, node_id: &str, cluster_id: &str, now: Instant) -> Option<ObservedNode>;
 
-    /// READY nodes with a P2P endpoint for `backend` (blank = any), optionally
-    /// restricted to `only`, without `exclude`.
-    fn p2p_peers(
-        &self,
-        cluster_id: &str,
-        backend: &str,
-        exclude: &str,
-        only: Option<&HashSet<String>>,
-        now: Instant,
-    ) -> Vec<P2pPeer>;
+    /// READY nodes with a P2P endpoint that `query` selects.
+    fn p2p_peers(&self, query: &P2pQuery<'_>, now: Instant) -> Vec<P2pPeer>;
 
     /// Observed nodes per derived status.
     fn status_counts(&self, now: Instant) -> StatusCounts;
+}
+
+/// Which P2P peers [`NodeRegistry::p2p_peers`] returns. Blank strings select
+/// everything (after trimming).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct P2pQuery<'a> {
+    /// Only nodes of this cluster.
+    pub cluster_id: &'a str,
+    /// Only endpoints for this backend.
+    pub backend: &'a str,
+    /// Not this node.
+    pub exclude_node_id: &'a str,
+    /// Only these nodes, when set.
+    pub only: Option<&'a HashSet<String>>,
+}
+
+impl<'a> P2pQuery<'a> {
+    /// Peers of `cluster_id` for `backend`, except `exclude_node_id`.
+    pub fn new(cluster_id: &'a str, backend: &'a str, exclude_node_id: &'a str) -> Self {
+        Self {
+            cluster_id,
+            backend,
+            exclude_node_id,
+            only: None,
+        }
+    }
+
+    /// Restricts the peers to `nodes`.
+    pub fn only(self, nodes: &'a HashSet<String>) -> Self {
+        Self {
+            only: Some(nodes),
+            ..self
+        }
+    }
+}
+
+/// Whether an observed node belongs to `cluster` (trimmed; blank means every cluster).
+fn in_cluster(o: &Observation, cluster: &str) -> bool {
+    cluster.is_empty() || o.view.cluster_id == cluster
 }
 
 #[derive(Debug, Clone)]
@@ -493,7 +524,7 @@ impl NodeRegistry for StaticRegistry {
             .iter()
             .filter_map(|e| {
                 let o = e.observed.as_ref()?;
-                (cluster.is_empty() || o.view.cluster_id == cluster).then(|| self.view(e, o, now))
+                in_cluster(o, cluster).then(|| self.view(e, o, now))
             })
             .collect()
     }
@@ -503,26 +534,20 @@ impl NodeRegistry for StaticRegistry {
         let st = self.state.read();
         let e = st.entry(node_id)?;
         let o = e.observed.as_ref()?;
-        (cluster.is_empty() || o.view.cluster_id == cluster).then(|| self.view(e, o, now))
+        in_cluster(o, cluster).then(|| self.view(e, o, now))
     }
 
-    fn p2p_peers(
-        &self,
-        cluster_id: &str,
-        backend: &str,
-        exclude: &str,
-        only: Option<&HashSet<String>>,
-        now: Instant,
-    ) -> Vec<P2pPeer> {
-        let cluster = cluster_id.trim();
-        let backend = backend.trim();
-        let exclude = exclude.trim();
+    fn p2p_peers(&self, query: &P2pQuery<'_>, now: Instant) -> Vec<P2pPeer> {
+        let cluster = query.cluster_id.trim();
+        let backend = query.backend.trim();
+        let exclude = query.exclude_node_id.trim();
+        let only = query.only;
         let st = self.state.read();
         st.entries
             .iter()
             .filter_map(|e| {
                 let o = e.observed.as_ref()?;
-                if (!cluster.is_empty() && o.view.cluster_id != cluster)
+                if !in_cluster(o, cluster)
                     || (!exclude.is_empty() && e.node.node_id == exclude)
                     || only.is_some_and(|s| !s.contains(&e.node.node_id))
                 {

@@ -18,7 +18,7 @@ use crate::artifacts::{ArtifactKey, ArtifactStore};
 use crate::bindings::BindingStore;
 use crate::metrics::{RpcLabels, ScheduleLabels, SchedulerMetrics, StrategyLabel};
 use crate::placement::Placement;
-use crate::registry::{NodeRegistry, RegistryError};
+use crate::registry::{NodeRegistry, P2pQuery, RegistryError};
 
 const NOT_IN_NODE_LIST: &str = "node is not in scheduler node list";
 const STORE_UNAVAILABLE: &str = "binding store unavailable";
@@ -374,13 +374,8 @@ impl SchedulerRpc for SchedulerService {
     ) -> Result<Response<ListP2pPeersResponse>, Status> {
         let registry = self.registry_or_unimplemented("ListP2pPeers")?;
         let req = request.into_inner();
-        let peers = registry.p2p_peers(
-            &req.cluster_id,
-            &req.backend,
-            &req.exclude_node_id,
-            None,
-            Instant::now(),
-        );
+        let query = P2pQuery::new(&req.cluster_id, &req.backend, &req.exclude_node_id);
+        let peers = registry.p2p_peers(&query, Instant::now());
         Ok(Response::new(ListP2pPeersResponse { peers }))
     }
 
@@ -442,13 +437,9 @@ impl SchedulerRpc for SchedulerService {
             .lookup(&artifact_key(&req.cluster_id, &req.backend, &req.key))
             .into_iter()
             .collect();
-        let peers = registry.p2p_peers(
-            &req.cluster_id,
-            &req.backend,
-            &req.exclude_node_id,
-            Some(&providers),
-            Instant::now(),
-        );
+        let query =
+            P2pQuery::new(&req.cluster_id, &req.backend, &req.exclude_node_id).only(&providers);
+        let peers = registry.p2p_peers(&query, Instant::now());
         Ok(Response::new(LookupP2pArtifactResponse { peers }))
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use agentenv_core::logging::{LogFormat, LogLevel};
 use agentenv_node::config::NodeConfig;
 use agentenv_node::daemon::Daemon;
 use anyhow::Context;
@@ -28,16 +29,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let level = "info";
     let format = std::env::var("AENV_LOG_FORMAT")
         .or_else(|_| std::env::var("LOG_FORMAT"))
-        .unwrap_or_else(|_| "auto".into());
-    let format = if format == "compact" || format == "pretty" {
-        "console".to_string()
-    } else {
-        format
-    };
-    agentenv_core::logging::init(level, &format).map_err(anyhow::Error::msg)?;
+        .map_or(LogFormat::Auto, |f| match f.as_str() {
+            "compact" | "pretty" => LogFormat::Console,
+            _ => LogFormat::from(f),
+        });
+    agentenv_core::logging::init(&LogLevel::Info, &format).map_err(anyhow::Error::msg)?;
     let cfg = NodeConfig::from_env(args.config.as_deref()).context("invalid configuration")?;
     let node_id = cfg.node_id.clone();
     let daemon = Daemon::start(cfg).await.context("node start failed")?;

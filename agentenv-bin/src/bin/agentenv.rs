@@ -58,7 +58,9 @@ struct UpArgs {
     /// First two octets of the sandbox address pools (node i gets <prefix>.<i>.0/24).
     #[arg(long, default_value = "10.13")]
     pool_prefix: String,
-    /// Prefix of the host interfaces of sandboxes (node i appends a letter).
+    /// Prefix of the host interfaces of sandboxes (node i appends a letter); node i's
+    /// cgroup parent is agentenv-<prefix><letter>. Clusters sharing a host need distinct
+    /// prefixes.
     #[arg(long, default_value = "up")]
     iface_prefix: String,
     /// Show every log line of the child processes.

@@ -45,20 +45,18 @@ pub(crate) fn check(opts: &UpOptions) -> Result<(), UpError> {
     Ok(())
 }
 
-/// A fresh API key: 32 random bytes in hex.
-pub fn generate_api_key() -> Result<String, UpError> {
-    let mut buf = [0u8; 32];
-    let path = Path::new("/dev/urandom");
-    let mut f = std::fs::File::open(path).map_err(fs_err("reading", path))?;
-    std::io::Read::read_exact(&mut f, &mut buf).map_err(fs_err("reading", path))?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+/// A fresh API key: 32 random bytes (from `rand`'s thread-local CSPRNG, seeded by the
+/// OS) in hex.
+pub fn generate_api_key() -> String {
+    let buf: [u8; 32] = rand::random();
+    buf.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The API key of the options, else a fresh one; checked either way.
 pub(crate) fn api_key(opts: &UpOptions) -> Result<String, UpError> {
     let key = match &opts.api_key {
         Some(k) => k.clone(),
-        None => generate_api_key()?,
+        None => generate_api_key(),
     };
     agentenv_core::api_key::validate(&key, "--api-key")?;
     Ok(key)
@@ -86,11 +84,24 @@ pub(crate) fn node_letter(i: u8) -> char {
     (b'a' + i) as char
 }
 
+/// The interface prefix of node `i`: `<iface_prefix><a+i>`.
+pub(crate) fn node_iface_prefix(iface_prefix: &str, i: u8) -> String {
+    format!("{iface_prefix}{}", node_letter(i))
+}
+
 /// The interface prefixes of the nodes: `<iface_prefix><a+i>`.
 pub fn node_iface_prefixes(iface_prefix: &str, nodes: u8) -> Vec<String> {
     (0..nodes)
-        .map(|i| format!("{iface_prefix}{}", node_letter(i)))
+        .map(|i| node_iface_prefix(iface_prefix, i))
         .collect()
+}
+
+/// The cgroup parent of node `i`: `agentenv-<iface_prefix><a+i>`. It is unique per
+/// cluster (clusters on one host need distinct interface prefixes anyway), because a
+/// node's reconcile treats every cgroup under its parent as one of its own sandboxes:
+/// two clusters sharing a parent would kill each other's sandboxes.
+pub(crate) fn node_cgroup_parent(iface_prefix: &str, i: u8) -> String {
+    format!("agentenv-{}", node_iface_prefix(iface_prefix, i))
 }
 
 /// The static guest agent: the given path, else `AENV_GUEST_BINARY_PATH`, else the
@@ -246,7 +257,8 @@ impl NodeSetup<'_> {
     }
 
     /// `agentenv-node` with a clean environment (PATH, HOME and TMPDIR kept) and its
-    /// configuration: the jail backend, its own pool, interfaces and cgroup parent, the
+    /// configuration: the jail backend, its own pool, interfaces and cgroup parent (both
+    /// derived from the cluster's interface prefix, see [`node_cgroup_parent`]), the
     /// shared templates and snapshot store, heartbeats to the scheduler every second.
     pub fn command(&self, opts: &UpOptions) -> Command {
         let mut cmd = Command::new(opts.bin_dir.join("agentenv-node"));
@@ -256,7 +268,6 @@ impl NodeSetup<'_> {
                 cmd.env(k, v);
             }
         }
-        let letter = node_letter(self.index);
         cmd.env("API_ADDR", self.addr.to_string())
             .env("AENV_NODE_ID", self.id)
             .env("AENV_API_KEY", self.api_key)
@@ -273,9 +284,12 @@ impl NodeSetup<'_> {
             .env("AENV_JAIL_ADDRESS_POOL", self.pool(opts))
             .env(
                 "AENV_JAIL_IFACE_PREFIX",
-                format!("{}{letter}", opts.iface_prefix),
+                node_iface_prefix(&opts.iface_prefix, self.index),
             )
-            .env("AENV_JAIL_CGROUP_PARENT", format!("agentenv-up-{letter}"))
+            .env(
+                "AENV_JAIL_CGROUP_PARENT",
+                node_cgroup_parent(&opts.iface_prefix, self.index),
+            )
             .env("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true")
             .env(
                 "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
@@ -313,5 +327,43 @@ mod tests {
     #[test]
     fn nodes_are_lettered() {
         assert_eq!(node_iface_prefixes("up", 3), ["upa", "upb", "upc"]);
+    }
+
+    #[test]
+    fn cgroup_parents_are_unique_per_cluster_and_node() {
+        assert_eq!(node_cgroup_parent("up", 0), "agentenv-upa");
+        assert_eq!(node_cgroup_parent("up", 1), "agentenv-upb");
+        assert_ne!(node_cgroup_parent("up", 0), node_cgroup_parent("xy", 0));
+    }
+
+    #[test]
+    fn node_command_gets_the_clusters_own_cgroup_parent_and_interfaces() {
+        let opts = UpOptions {
+            iface_prefix: "qz".into(),
+            ..UpOptions::new(PathBuf::from("/nonexistent"))
+        };
+        let setup = NodeSetup {
+            index: 1,
+            id: "node-b",
+            addr: "127.0.0.1:7002".parse().unwrap(),
+            home: Path::new("/tmp/home"),
+            api_key: "k",
+            guest: Path::new("/tmp/guest"),
+            data_dir: Path::new("/tmp/data"),
+            scheduler_grpc: "127.0.0.1:9090",
+        };
+        let cmd = setup.command(&opts);
+        let env = |k: &str| {
+            cmd.as_std()
+                .get_envs()
+                .find(|(key, _)| *key == k)
+                .and_then(|(_, v)| v)
+                .map(|v| v.to_string_lossy().into_owned())
+        };
+        assert_eq!(
+            env("AENV_JAIL_CGROUP_PARENT").as_deref(),
+            Some("agentenv-qzb")
+        );
+        assert_eq!(env("AENV_JAIL_IFACE_PREFIX").as_deref(), Some("qzb"));
     }
 }

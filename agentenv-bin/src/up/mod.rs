@@ -128,7 +128,9 @@ pub struct UpOptions {
     pub check: bool,
     /// First two octets of the sandbox address pools: node `i` gets `<prefix>.<i>.0/24`.
     pub pool_prefix: String,
-    /// Host interface prefix (1–5 lowercase letters); node `i` uses `<prefix><a+i>`.
+    /// Host interface prefix (1–5 lowercase letters); node `i` uses `<prefix><a+i>` for
+    /// its interfaces and `agentenv-<prefix><a+i>` as its cgroup parent, so clusters
+    /// with distinct prefixes on one host keep apart.
     pub iface_prefix: String,
     /// Echo every log line of the children, not only warnings, errors and progress.
     pub verbose: bool,

@@ -108,6 +108,22 @@ fn check_request(
     })
 }
 
+/// Checks the request (see [`check_request`]) and runs `handle` on the call's info
+/// and the request body; a refused request gets its refusal.
+async fn checked<Fut>(
+    req: Request<hyper::body::Incoming>,
+    framing: Framing,
+    handle: impl FnOnce(CallInfo, hyper::body::Incoming) -> Fut,
+) -> Response<RespBody>
+where
+    Fut: Future<Output = Response<RespBody>>,
+{
+    match check_request(&req, framing) {
+        Ok(info) => handle(info, req.into_body()).await,
+        Err(refusal) => *refusal,
+    }
+}
+
 /// The answer to a call that failed before its handler ran.
 fn error_response(framing: Framing, codec: Codec, err: ConnectError) -> Response<RespBody> {
     match framing {
@@ -188,23 +204,21 @@ where
     F: FnOnce(CallInfo, Req) -> Fut,
     Fut: Future<Output = Result<Resp, ConnectError>>,
 {
-    let info = match check_request(&req, Framing::Unary) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    let codec = info.codec;
-    let timeout = info.timeout;
-    let work = async move {
-        let body = read_bounded(req.into_body(), MAX_MESSAGE_BYTES).await?;
-        let msg: Req = codec.decode(&body)?;
-        let resp = f(info, msg).await?;
-        codec.encode(&resp)
-    };
-    let result = within(timeout, work).await;
-    match result {
-        Ok(bytes) => typed_response(full(bytes), codec.unary_content_type()),
-        Err(e) => e.into_unary_response(),
-    }
+    checked(req, Framing::Unary, |info, body| async move {
+        let codec = info.codec;
+        let timeout = info.timeout;
+        let work = async move {
+            let body = read_bounded(body, MAX_MESSAGE_BYTES).await?;
+            let msg: Req = codec.decode(&body)?;
+            let resp = f(info, msg).await?;
+            codec.encode(&resp)
+        };
+        match within(timeout, work).await {
+            Ok(bytes) => typed_response(full(bytes), codec.unary_content_type()),
+            Err(e) => e.into_unary_response(),
+        }
+    })
+    .await
 }
 
 /// Output stream type of server-streaming handlers.
@@ -245,54 +259,53 @@ where
     F: FnOnce(CallInfo, Req) -> Fut,
     Fut: Future<Output = Result<MessageStream<Resp>, ConnectError>>,
 {
-    let info = match check_request(&req, Framing::Stream) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    let codec = info.codec;
-    let deadline = info.timeout.map(|t| tokio::time::Instant::now() + t);
-    let first = async {
-        let mut envs = envelope_stream(req.into_body(), MAX_MESSAGE_BYTES);
-        let env = match envs.next().await {
-            Some(r) => r?,
-            None => {
+    checked(req, Framing::Stream, |info, body| async move {
+        let codec = info.codec;
+        let deadline = info.timeout.map(|t| tokio::time::Instant::now() + t);
+        let first = async {
+            let mut envs = envelope_stream(body, MAX_MESSAGE_BYTES);
+            let env = match envs.next().await {
+                Some(r) => r?,
+                None => {
+                    return Err(ConnectError::invalid_argument(
+                        "the request body holds no message envelope",
+                    ));
+                }
+            };
+            if env.flags != 0 {
+                return Err(ConnectError::invalid_argument(format!(
+                    "request envelope has flags {:#04x}; expected a plain message (0x00)",
+                    env.flags
+                )));
+            }
+            if let Some(extra) = envs.next().await {
+                extra?;
                 return Err(ConnectError::invalid_argument(
-                    "the request body holds no message envelope",
+                    "a server-streaming call takes exactly one request message",
                 ));
             }
+            codec.decode::<Req>(&env.payload)
         };
-        if env.flags != 0 {
-            return Err(ConnectError::invalid_argument(format!(
-                "request envelope has flags {:#04x}; expected a plain message (0x00)",
-                env.flags
-            )));
-        }
-        if let Some(extra) = envs.next().await {
-            extra?;
-            return Err(ConnectError::invalid_argument(
-                "a server-streaming call takes exactly one request message",
-            ));
-        }
-        codec.decode::<Req>(&env.payload)
-    };
-    let msg = match first.await {
-        Ok(m) => m,
-        Err(e) => return stream_error_response(codec, e),
-    };
-    let stream = match f(info, msg).await {
-        Ok(s) => s,
-        Err(e) => return stream_error_response(codec, e),
-    };
-    let body = EnvelopeBody {
-        inner: stream,
-        codec,
-        deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-        done: false,
-    };
-    typed_response(
-        StreamBody::new(body).boxed_unsync(),
-        codec.stream_content_type(),
-    )
+        let msg = match first.await {
+            Ok(m) => m,
+            Err(e) => return stream_error_response(codec, e),
+        };
+        let stream = match f(info, msg).await {
+            Ok(s) => s,
+            Err(e) => return stream_error_response(codec, e),
+        };
+        let body = EnvelopeBody {
+            inner: stream,
+            codec,
+            deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            done: false,
+        };
+        typed_response(
+            StreamBody::new(body).boxed_unsync(),
+            codec.stream_content_type(),
+        )
+    })
+    .await
 }
 
 /// Turns a message stream into envelope frames with an end-of-stream
@@ -347,41 +360,40 @@ where
     F: FnOnce(CallInfo, MessageStream<Req>) -> Fut,
     Fut: Future<Output = Result<Resp, ConnectError>>,
 {
-    let info = match check_request(&req, Framing::Stream) {
-        Ok(i) => i,
-        Err(r) => return *r,
-    };
-    let codec = info.codec;
-    let timeout = info.timeout;
-    let msgs = envelope_stream(req.into_body(), MAX_MESSAGE_BYTES)
-        .map(move |env| {
-            let env = env?;
-            if env.flags & FLAG_COMPRESSED != 0 {
-                return Err(ConnectError::new(
-                    Code::Unimplemented,
-                    "compressed envelopes are not supported",
-                ));
+    checked(req, Framing::Stream, |info, body| async move {
+        let codec = info.codec;
+        let timeout = info.timeout;
+        let msgs = envelope_stream(body, MAX_MESSAGE_BYTES)
+            .map(move |env| {
+                let env = env?;
+                if env.flags & FLAG_COMPRESSED != 0 {
+                    return Err(ConnectError::new(
+                        Code::Unimplemented,
+                        "compressed envelopes are not supported",
+                    ));
+                }
+                if env.flags & FLAG_END_STREAM != 0 {
+                    return Err(ConnectError::invalid_argument(
+                        "clients must not send an end-of-stream envelope",
+                    ));
+                }
+                codec.decode::<Req>(&env.payload)
+            })
+            .boxed();
+        let work = f(info, msgs);
+        let result = within(timeout, work).await;
+        let body = match result.and_then(|resp| codec.encode(&resp)) {
+            Ok(b) => {
+                let mut out = BytesMut::new();
+                out.extend_from_slice(&encode_envelope(0, &b));
+                out.extend_from_slice(&end_stream_envelope(None));
+                out.freeze()
             }
-            if env.flags & FLAG_END_STREAM != 0 {
-                return Err(ConnectError::invalid_argument(
-                    "clients must not send an end-of-stream envelope",
-                ));
-            }
-            codec.decode::<Req>(&env.payload)
-        })
-        .boxed();
-    let work = f(info, msgs);
-    let result = within(timeout, work).await;
-    let body = match result.and_then(|resp| codec.encode(&resp)) {
-        Ok(b) => {
-            let mut out = BytesMut::new();
-            out.extend_from_slice(&encode_envelope(0, &b));
-            out.extend_from_slice(&end_stream_envelope(None));
-            out.freeze()
-        }
-        Err(e) => end_stream_envelope(Some(&e)),
-    };
-    typed_response(full(body), codec.stream_content_type())
+            Err(e) => end_stream_envelope(Some(&e)),
+        };
+        typed_response(full(body), codec.stream_content_type())
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -230,6 +230,19 @@ fn start_watch(
     }))
 }
 
+/// The [`WatchSpec`] of a request message: `WatchDirRequest` and
+/// `CreateWatcherRequest` carry the same watch fields.
+macro_rules! watch_spec {
+    ($req:expr) => {
+        WatchSpec {
+            path: &$req.path,
+            recursive: $req.recursive,
+            include_entry: $req.include_entry,
+            allow_network_mounts: $req.allow_network_mounts,
+        }
+    };
+}
+
 pub(super) async fn watch_dir(
     state: Arc<AgentState>,
     info: CallInfo,
@@ -241,12 +254,7 @@ pub(super) async fn watch_dir(
     start_watch(
         &state,
         &user,
-        WatchSpec {
-            path: &req.path,
-            recursive: req.recursive,
-            include_entry: req.include_entry,
-            allow_network_mounts: req.allow_network_mounts,
-        },
+        watch_spec!(req),
         move |fe| tx.send(fe).is_ok(),
         async move { closed_tx.closed().await },
     )?;
@@ -271,12 +279,7 @@ pub(super) fn create_watcher(
     let task = start_watch(
         state,
         &user,
-        WatchSpec {
-            path: &req.path,
-            recursive: req.recursive,
-            include_entry: req.include_entry,
-            allow_network_mounts: req.allow_network_mounts,
-        },
+        watch_spec!(req),
         move |fe| {
             sink.push(fe);
             true

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use super::route::{Decision, RoutingFacts, decode_path};
 use super::{Gateway, Inner, SNIFF_CAP, record_timeout, scheduler_error, upstream_unavailable};
 use crate::body::{
-    BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, PrefixedBody, ReplayBody, boxed,
+    BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, ReplayBody, boxed,
     caused_by_client_body, client_body, concat, empty, error_response, full, read_prefix,
 };
 use crate::client::SchedulerClient;
@@ -459,7 +459,7 @@ impl Gateway {
                     match body.frame().await {
                         Some(Ok(first)) => {
                             *body_complete = body.is_end_stream();
-                            boxed(PrefixedBody::new(first, body))
+                            boxed(ReplayBody::prefixed(first, body))
                         }
                         Some(Err(e)) if e.is::<BodyDeadlineExceeded>() => {
                             return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
