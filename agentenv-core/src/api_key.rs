@@ -74,7 +74,7 @@ pub fn validate(key: &str, origin: &str) -> Result<(), ApiKeyError> {
 /// Reads a secret file: symlinks are followed, anything but a regular file
 /// (a FIFO, a directory) is refused before it is opened, at most 259 bytes
 /// are read, and one trailing `\n` then one trailing `\r` are removed.
-fn read_secret(path: &Path) -> Result<String, ApiKeyError> {
+pub(crate) fn read_secret(path: &Path) -> Result<String, ApiKeyError> {
     let read_err = |source: std::io::Error| ApiKeyError::Read {
         path: path.to_path_buf(),
         source,

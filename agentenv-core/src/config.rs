@@ -150,6 +150,16 @@ pub struct SchedulerConfig {
     pub nodes: Vec<NodeConfig>,
     pub discovery: DiscoveryConfig,
     pub node_resource_limit: Option<NodeResourceLimit>,
+    /// A file holding the cluster credential every gRPC call must carry.
+    pub cluster_token_file: String,
+    /// Answer the read-only lookups (Schedule, LookupNode, ListNodes, GetNode,
+    /// ListObservedNodes) without the credential.
+    pub open_lookups: bool,
+    /// Run without a cluster credential although the gRPC address is reachable
+    /// from other hosts.
+    pub insecure_no_auth: bool,
+    /// TLS of the gRPC listener (`client_ca_file`: mutual TLS).
+    pub tls: TlsListen,
 }
 
 impl Default for SchedulerConfig {
@@ -169,7 +179,83 @@ impl Default for SchedulerConfig {
             }],
             discovery: DiscoveryConfig::default(),
             node_resource_limit: None,
+            cluster_token_file: String::new(),
+            open_lookups: false,
+            insecure_no_auth: false,
+            tls: TlsListen::default(),
         }
+    }
+}
+
+/// A TLS listener: its certificate chain and key (PEM files) and, for mutual
+/// TLS, the CA that client certificates must chain to. An empty `cert_file`
+/// means plain TCP.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct TlsListen {
+    pub cert_file: String,
+    pub key_file: String,
+    pub client_ca_file: String,
+}
+
+impl TlsListen {
+    /// Whether TLS is configured.
+    pub fn enabled(&self) -> bool {
+        !self.cert_file.trim().is_empty()
+    }
+
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        match (
+            self.cert_file.trim().is_empty(),
+            self.key_file.trim().is_empty(),
+        ) {
+            (true, true) if self.client_ca_file.trim().is_empty() => Ok(()),
+            (false, false) => Ok(()),
+            _ => Err(ConfigError::invalid(
+                key,
+                "set cert_file and key_file together (PEM files); client_ca_file needs them too",
+            )),
+        }
+    }
+}
+
+/// A TLS client link: the CA file that the server's certificate must chain to
+/// (a private PKI) and, for mutual TLS, this side's certificate and key. An
+/// empty `ca_file` means plain TCP.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct TlsConnect {
+    pub ca_file: String,
+    pub cert_file: String,
+    pub key_file: String,
+}
+
+impl TlsConnect {
+    /// Whether TLS is configured.
+    pub fn enabled(&self) -> bool {
+        !self.ca_file.trim().is_empty()
+    }
+
+    /// The client certificate and key files, when both are set.
+    pub fn identity(&self) -> Option<(&str, &str)> {
+        let (c, k) = (self.cert_file.trim(), self.key_file.trim());
+        (!c.is_empty() && !k.is_empty()).then_some((c, k))
+    }
+
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if self.cert_file.trim().is_empty() != self.key_file.trim().is_empty() {
+            return Err(ConfigError::invalid(
+                key,
+                "set cert_file and key_file together (the client certificate for mutual TLS)",
+            ));
+        }
+        if !self.enabled() && !self.cert_file.trim().is_empty() {
+            return Err(ConfigError::invalid(
+                key,
+                "a client certificate needs ca_file (the CA the server's certificate chains to)",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -185,6 +271,22 @@ pub struct GatewayConfig {
     pub forward_response_size: i64,
     pub sandbox_proxy_domains: Vec<String>,
     pub debug_mode: bool,
+    /// How long a client may take to send a request head; also how long an idle
+    /// keep-alive connection is kept.
+    #[serde(deserialize_with = "de_duration")]
+    pub client_header_timeout: Duration,
+    /// Open client connections at most, in all.
+    pub max_connections: usize,
+    /// Open client connections at most from one client address.
+    pub max_connections_per_client: usize,
+    /// A file holding the cluster credential sent to the scheduler.
+    pub cluster_token_file: String,
+    /// TLS of the client listener (the certificate is reloaded on SIGHUP).
+    pub tls: TlsListen,
+    /// TLS to `https://` nodes: the CA that their certificates chain to.
+    pub node_tls: TlsConnect,
+    /// TLS to the scheduler.
+    pub scheduler_tls: TlsConnect,
 }
 
 impl Default for GatewayConfig {
@@ -198,6 +300,13 @@ impl Default for GatewayConfig {
             forward_response_size: 4 * 1024 * 1024,
             sandbox_proxy_domains: Vec::new(),
             debug_mode: false,
+            client_header_timeout: Duration::from_secs(30),
+            max_connections: 16_384,
+            max_connections_per_client: 1_024,
+            cluster_token_file: String::new(),
+            tls: TlsListen::default(),
+            node_tls: TlsConnect::default(),
+            scheduler_tls: TlsConnect::default(),
         }
     }
 }
@@ -338,6 +447,9 @@ impl Config {
                     ("SCHEDULER_GRPC_LISTEN_ADDR", &mut s.grpc_listen_addr),
                     ("SCHEDULER_METRICS_LISTEN_ADDR", &mut s.metrics_listen_addr),
                     ("SCHEDULER_REDIS_ADDR", &mut s.redis_addr),
+                    ("SCHEDULER_CLUSTER_TOKEN_FILE", &mut s.cluster_token_file),
+                    ("SCHEDULER_TLS_CERT_FILE", &mut s.tls.cert_file),
+                    ("SCHEDULER_TLS_KEY_FILE", &mut s.tls.key_file),
                 ] {
                     if let Some(v) = get(var) {
                         *field = v;
@@ -367,6 +479,9 @@ impl Config {
                         "GATEWAY_QUERY_ONLY_SCHEDULER_ADDR",
                         &mut g.query_only_scheduler_addr,
                     ),
+                    ("GATEWAY_CLUSTER_TOKEN_FILE", &mut g.cluster_token_file),
+                    ("GATEWAY_TLS_CERT_FILE", &mut g.tls.cert_file),
+                    ("GATEWAY_TLS_KEY_FILE", &mut g.tls.key_file),
                 ] {
                     if let Some(v) = get(var) {
                         *field = v;
@@ -382,6 +497,9 @@ impl Config {
                 }
                 if let Some(v) = get("GATEWAY_REQUEST_TIMEOUT") {
                     g.request_timeout = env_duration("GATEWAY_REQUEST_TIMEOUT", &v)?;
+                }
+                if let Some(v) = get("GATEWAY_CLIENT_HEADER_TIMEOUT") {
+                    g.client_header_timeout = env_duration("GATEWAY_CLIENT_HEADER_TIMEOUT", &v)?;
                 }
                 if let Some(v) = get("GATEWAY_DEBUG_MODE") {
                     g.debug_mode =
@@ -422,6 +540,7 @@ impl Config {
         }
         require_listen_addr("scheduler.grpc_listen_addr", &s.grpc_listen_addr)?;
         require_listen_addr("scheduler.metrics_listen_addr", &s.metrics_listen_addr)?;
+        s.tls.validate("scheduler.tls")?;
         if query_only {
             if s.redis_addr.trim().is_empty() {
                 return Err(ConfigError::invalid(
@@ -488,8 +607,41 @@ impl Config {
             &g.query_only_scheduler_addr,
             false,
         )?;
+        g.tls.validate("gateway.tls")?;
+        g.node_tls.validate("gateway.node_tls")?;
+        g.scheduler_tls.validate("gateway.scheduler_tls")?;
+        if g.client_header_timeout.is_zero() {
+            return Err(ConfigError::invalid(
+                "gateway.client_header_timeout",
+                "must be greater than zero (such as \"30s\"): it ends idle and slow client connections",
+            ));
+        }
+        for (key, v) in [
+            ("gateway.max_connections", g.max_connections),
+            (
+                "gateway.max_connections_per_client",
+                g.max_connections_per_client,
+            ),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::invalid(
+                    key,
+                    "must be greater than zero (it caps open client connections)",
+                ));
+            }
+        }
         Ok(())
     }
+}
+
+/// Whether a listen address (`host:port`, `:port`) binds a loopback address only.
+pub fn is_loopback_listen_addr(addr: &str) -> bool {
+    let host = addr.trim().rsplit_once(':').map_or("", |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn validate_nodes(nodes: &[NodeConfig]) -> Result<(), ConfigError> {

@@ -6,6 +6,7 @@
 
 pub mod api_key;
 mod choice;
+pub mod cluster_auth;
 pub mod config;
 pub mod cpu_template;
 pub mod duration;
@@ -13,6 +14,8 @@ pub mod error;
 pub mod logging;
 pub mod metrics;
 pub mod proto;
+pub mod serving;
 pub mod storage;
+pub mod tls;
 
 pub use config::{Config, ConfigError, LoadOptions, Loaded, Service};

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::histogram::Histogram;
@@ -94,7 +94,7 @@ pub async fn serve(
                     Ok::<_, Infallible>(resp.expect("static response parts are valid"))
                 }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+            let _ = crate::serving::server_builder(crate::serving::DEFAULT_HEADER_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
@@ -109,6 +109,34 @@ pub async fn bind_and_serve(
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let listener = TcpListener::bind(addr).await?;
     Ok(tokio::spawn(serve(listener, registry, shutdown)))
+}
+
+/// The `method` label of a request: one of the standard methods, or `OTHER`, so
+/// clients cannot grow the number of series by inventing methods.
+pub fn method_label(method: &hyper::Method) -> &'static str {
+    use hyper::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "OTHER",
+    }
+}
+
+/// The `status` label of an HTTP status: its class (`2xx`…), or `other`.
+pub fn status_label(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
 }
 
 #[cfg(test)]

@@ -107,6 +107,14 @@ pub struct NodeConfig {
     pub token_seed: Option<String>,
     pub report_enabled: bool,
     pub scheduler_endpoint: Option<String>,
+    /// The cluster credential's file (`AENV_CLUSTER_TOKEN_FILE`), sent to the scheduler.
+    pub cluster_token_file: Option<PathBuf>,
+    /// TLS to an `https://` scheduler endpoint (`AENV_SCHEDULER_CA_FILE`, and
+    /// `AENV_SCHEDULER_CLIENT_CERT_FILE` / `_KEY_FILE` for mutual TLS).
+    pub scheduler_tls: agentenv_core::config::TlsConnect,
+    /// TLS of the API listener (`AENV_TLS_CERT_FILE`, `AENV_TLS_KEY_FILE`, and
+    /// `AENV_TLS_CLIENT_CA_FILE` to require client certificates).
+    pub tls: agentenv_core::config::TlsListen,
     pub report_interval: Duration,
     /// Data directory (`AENV_HOME_PATH`).
     pub home: PathBuf,
@@ -212,6 +220,7 @@ struct FileIdentity {
 #[serde(deny_unknown_fields)]
 struct FileCluster {
     scheduler_endpoint: Option<String>,
+    cluster_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -630,6 +639,20 @@ impl NodeConfig {
                 .or(file.sandbox.access_token_hash_seed),
             report_enabled,
             scheduler_endpoint,
+            cluster_token_file: env("AENV_CLUSTER_TOKEN_FILE")
+                .map(PathBuf::from)
+                .or(file.cluster.cluster_token_file)
+                .filter(|p| !p.as_os_str().is_empty()),
+            scheduler_tls: agentenv_core::config::TlsConnect {
+                ca_file: env("AENV_SCHEDULER_CA_FILE").unwrap_or_default(),
+                cert_file: env("AENV_SCHEDULER_CLIENT_CERT_FILE").unwrap_or_default(),
+                key_file: env("AENV_SCHEDULER_CLIENT_KEY_FILE").unwrap_or_default(),
+            },
+            tls: agentenv_core::config::TlsListen {
+                cert_file: env("AENV_TLS_CERT_FILE").unwrap_or_default(),
+                key_file: env("AENV_TLS_KEY_FILE").unwrap_or_default(),
+                client_ca_file: env("AENV_TLS_CLIENT_CA_FILE").unwrap_or_default(),
+            },
             report_interval: Duration::from_secs(interval_secs),
             home,
             runtime_path,

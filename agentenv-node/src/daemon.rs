@@ -42,10 +42,14 @@ pub enum DaemonError {
         source: std::io::Error,
     },
     #[error(
-        "the token seed file {} is missing but paused sandboxes need it (secure or private): restore the file or set AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED",
+        "the token seed file {} is missing but paused sandboxes need it (their access tokens derive from it): restore the file or set AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED",
         .0.display()
     )]
     SeedMissing(std::path::PathBuf),
+    #[error("AENV_TLS_CERT_FILE / AENV_TLS_KEY_FILE / AENV_TLS_CLIENT_CA_FILE: {0}")]
+    Tls(String),
+    #[error("AENV_CLUSTER_TOKEN_FILE / AENV_SCHEDULER_CA_FILE: {0}")]
+    ClusterToken(String),
     #[error("heartbeat reporter: {0}")]
     Reporter(#[from] crate::reporter::ReporterError),
     #[error("{0}")]
@@ -60,6 +64,8 @@ pub struct Daemon {
     reporter: Option<ReporterHandle>,
     event_task: Option<tokio::task::JoinHandle<ReporterHandle>>,
     ticker: tokio::task::JoinHandle<()>,
+    /// TLS of the API listener (`AENV_TLS_CERT_FILE`…).
+    tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Builds the jail backend of `cfg`; reconciliation keeps the layers in `kept` (what the
@@ -182,12 +188,9 @@ impl Daemon {
             .map_err(LifecycleError::from)?;
         let seed_file = cfg.home.join("secrets").join(access::SEED_FILE);
         if cfg.token_seed.is_none() && !seed_file.exists() {
-            // A new seed would lock clients out of restored secure or private sandboxes.
-            let needs_seed = store
-                .load_all()
-                .map_err(LifecycleError::from)?
-                .iter()
-                .any(|r| r.options.secure || !r.options.allow_public_traffic);
+            // A new seed would lock clients out of every restored sandbox: each
+            // agent requires the token derived from the seed.
+            let needs_seed = !store.load_all().map_err(LifecycleError::from)?.is_empty();
             if needs_seed {
                 return Err(DaemonError::SeedMissing(seed_file));
             }
@@ -262,6 +265,14 @@ impl Daemon {
                 rc.cluster_id = cfg.cluster_id.clone();
                 rc.service_instance_id = cfg.service_instance_id.clone();
                 rc.disk_paths = vec![cfg.home.clone()];
+                rc.link = agentenv_core::cluster_auth::SchedulerLink::from_config(
+                    &cfg.cluster_token_file
+                        .as_deref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default(),
+                    &cfg.scheduler_tls,
+                )
+                .map_err(|e| DaemonError::ClusterToken(e.to_string()))?;
                 let handle = ReporterHandle::start(rc, Arc::new(ReporterSource(orch.clone())))?;
                 let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                 orch.set_event_sink(tx);
@@ -282,6 +293,22 @@ impl Daemon {
             }
         };
         let ticker = orch.start_ticker();
+        let tls = if cfg.tls.enabled() {
+            let cert = agentenv_core::tls::ReloadingCert::load(
+                std::path::Path::new(cfg.tls.cert_file.trim()),
+                std::path::Path::new(cfg.tls.key_file.trim()),
+            )
+            .map_err(|e| DaemonError::Tls(e.to_string()))?;
+            let client_ca = Some(cfg.tls.client_ca_file.trim())
+                .filter(|p| !p.is_empty())
+                .map(std::path::Path::new);
+            Some(
+                agentenv_core::tls::server_config(cert, client_ca, &[b"h2", b"http/1.1"])
+                    .map_err(|e| DaemonError::Tls(e.to_string()))?,
+            )
+        } else {
+            None
+        };
         Ok(Self {
             state,
             listener,
@@ -289,6 +316,7 @@ impl Daemon {
             reporter,
             event_task,
             ticker,
+            tls,
         })
     }
 
@@ -316,6 +344,7 @@ impl Daemon {
         let server = tokio::spawn(api::serve(
             state,
             self.listener,
+            self.tls.map(tokio_rustls::TlsAcceptor::from),
             async move {
                 let _ = stop_rx.await;
             },

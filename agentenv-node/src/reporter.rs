@@ -10,7 +10,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
+use agentenv_core::cluster_auth::{SchedulerLink, SendClusterToken};
+use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient as GrpcClient;
 use agentenv_core::proto::scheduler_v1::{
     DiskMetric, HeartbeatRequest, MachineInfo, NodeSnapshot, NodeStatus, ReportSandboxEventRequest,
     SandboxEvent, UnregisterNodeRequest,
@@ -19,7 +20,11 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Duration, sleep, timeout};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+
+/// The scheduler connection: every call carries the cluster credential.
+type SchedulerClient = GrpcClient<InterceptedService<Channel, SendClusterToken>>;
 
 /// The scheduler's rejection of an unlisted node contains this text.
 const NOT_IN_NODE_LIST: &str = "node is not in scheduler node list";
@@ -55,6 +60,9 @@ pub struct ReporterConfig {
     pub rpc_timeout: Duration,
     /// Filesystems whose usage is reported (e.g. the node's data directory).
     pub disk_paths: Vec<PathBuf>,
+    /// The cluster credential sent with every call (`AENV_CLUSTER_TOKEN_FILE`) and
+    /// the TLS of `https://` endpoints.
+    pub link: SchedulerLink,
 }
 
 impl ReporterConfig {
@@ -77,6 +85,7 @@ impl ReporterConfig {
             max_backoff: Duration::from_secs(60),
             rpc_timeout: Duration::from_secs(10),
             disk_paths: Vec::new(),
+            link: SchedulerLink::default(),
         }
     }
 }
@@ -131,7 +140,7 @@ pub struct ReporterHandle {
     events: mpsc::Sender<SandboxEvent>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
-    client: SchedulerClient<Channel>,
+    client: SchedulerClient,
     config: ReporterConfig,
 }
 
@@ -151,12 +160,20 @@ impl ReporterHandle {
         if config.node_id.trim().is_empty() {
             return Err(ReporterError::NodeId);
         }
-        let channel = Endpoint::from_shared(endpoint.clone())
-            .map_err(|_| ReporterError::Endpoint(config.endpoint.clone()))?
+        let mut channel = Endpoint::from_shared(endpoint.clone())
+            .map_err(|_| ReporterError::Endpoint(config.endpoint.clone()))?;
+        if endpoint.starts_with("https://") {
+            let tls = config.link.tls.clone().unwrap_or_default();
+            channel = channel
+                .tls_config(tls)
+                .map_err(|_| ReporterError::Endpoint(config.endpoint.clone()))?;
+        }
+        let channel = channel
             .tcp_nodelay(true)
             .connect_timeout(config.rpc_timeout)
             .connect_lazy();
-        let client = SchedulerClient::new(channel);
+        let client =
+            GrpcClient::with_interceptor(channel, SendClusterToken(config.link.token.clone()));
         let status = Arc::new(Mutex::new(ReporterStatus::default()));
         let (stop, stop_rx) = watch::channel(false);
         let (events, events_rx) = mpsc::channel(EVENT_QUEUE);
@@ -335,7 +352,7 @@ fn machine_info(cpu_config_json: String) -> MachineInfo {
 
 async fn heartbeat_loop(
     config: ReporterConfig,
-    mut client: SchedulerClient<Channel>,
+    mut client: SchedulerClient,
     source: Arc<dyn NodeSource>,
     status: Arc<Mutex<ReporterStatus>>,
     mut stop: watch::Receiver<bool>,
@@ -442,7 +459,7 @@ async fn heartbeat_loop(
 
 async fn event_loop(
     config: ReporterConfig,
-    mut client: SchedulerClient<Channel>,
+    mut client: SchedulerClient,
     mut events: mpsc::Receiver<SandboxEvent>,
     status: Arc<Mutex<ReporterStatus>>,
     mut stop: watch::Receiver<bool>,

@@ -54,7 +54,15 @@ async fn create_get_list_delete_and_commands_through_the_data_plane() {
     );
 
     // /proxy/... forwards the rest of the path to the agent.
-    let h = request(addr, "GET", "/proxy/health", &[("e2b-sandbox-id", &id)], "").await;
+    let token = node_common::envd_token(&id);
+    let h = request(
+        addr,
+        "GET",
+        "/proxy/health",
+        &[("e2b-sandbox-id", &id), ("x-access-token", &token)],
+        "",
+    )
+    .await;
     assert_eq!(h.status, 204, "{}", h.text());
 
     // GET /health with routing headers stays the node's own health.
@@ -107,7 +115,7 @@ async fn create_get_list_delete_and_commands_through_the_data_plane() {
         addr,
         "POST",
         "/process.Process/List",
-        &[("e2b-sandbox-id", &id)],
+        &[("e2b-sandbox-id", &id), ("x-access-token", &token)],
         "{}",
     )
     .await;

@@ -65,8 +65,12 @@ async fn create_with_token(
     )
 }
 
+fn path_list() -> &'static str {
+    "/proxy/process.Process/List"
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envd_token_is_required_for_secure_sandboxes_and_scoped_to_one() {
+async fn envd_token_is_required_for_every_sandbox_and_scoped_to_one() {
     require_node!();
     let home = tempfile::tempdir().unwrap();
     let node = Node::start(node_common::config(home.path(), 21)).await;
@@ -88,13 +92,27 @@ async fn envd_token_is_required_for_secure_sandboxes_and_scoped_to_one() {
     .await;
     let b = r.json()["sandboxID"].as_str().unwrap().to_string();
     let token_b = r.json()["envdAccessToken"].as_str().unwrap().to_string();
+    // A create without `secure` (as the current E2B SDK sends it) gets a token too,
+    // and its agent requires it.
     let open = create(addr, r#"{"templateID":"base"}"#).await;
-    assert!(
+    assert_eq!(
         api(addr, "GET", &format!("/sandboxes/{open}"), "")
             .await
-            .json()["envdAccessToken"]
-            .is_null()
+            .json()["envdAccessToken"],
+        node.orch.tokens().envd_token(&open)
     );
+    let r = request(
+        addr,
+        "POST",
+        path_list(),
+        &[
+            ("e2b-sandbox-id", open.as_str()),
+            ("content-type", "application/json"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(r.status, 401, "a sandbox created without `secure` is open");
 
     // No token, the API key, another sandbox's token, two tokens: 401.
     let path = "/proxy/process.Process/List";
@@ -121,7 +139,6 @@ async fn envd_token_is_required_for_secure_sandboxes_and_scoped_to_one() {
         .await;
         assert_eq!((r.status, r.body.len()), (401, 0), "{h:?}");
     }
-    assert!(run(addr, &a, None, "true").await.is_err());
     assert!(run(addr, &a, Some(&token_b), "true").await.is_err());
     let out = run(addr, &a, Some(&token_a), "echo secure").await.unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "secure\n");

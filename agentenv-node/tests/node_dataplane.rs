@@ -142,13 +142,21 @@ async fn host_routes_reach_guest_ports() {
     let id = r.json()["sandboxID"].as_str().unwrap().to_string();
     // Even /health and /sandboxes go to the sandbox under its host.
     let host = format!("49983-{id}.sbx.test");
-    let h = request(addr, "GET", "/health", &[("host", &host)], "").await;
+    let token = node_common::envd_token(&id);
+    let h = request(
+        addr,
+        "GET",
+        "/health",
+        &[("host", &host), ("x-access-token", &token)],
+        "",
+    )
+    .await;
     assert_eq!(h.status, 204);
     let f = request(
         addr,
         "GET",
         "/files?path=/etc/hostname",
-        &[("host", &host)],
+        &[("host", &host), ("x-access-token", &token)],
         "",
     )
     .await;

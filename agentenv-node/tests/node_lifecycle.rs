@@ -311,18 +311,25 @@ async fn paused_sandboxes_survive_a_node_restart() {
     node.stop().await;
 }
 
+/// A test node whose token seed is the managed one (generated under its home).
+fn managed_seed_config(home: &std::path::Path) -> agentenv_node::config::NodeConfig {
+    let mut c = node_common::config(home, 15);
+    c.token_seed = None;
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restart_refuses_a_new_seed_when_secure_paused_sandboxes_exist() {
+async fn restart_refuses_a_new_seed_when_paused_sandboxes_exist() {
     require_node!();
     let home = tempfile::tempdir().unwrap();
-    let node = Node::start(node_common::config(home.path(), 15)).await;
-    let id = create(node.addr, r#"{"templateID":"base","secure":true}"#).await;
+    let node = Node::start(managed_seed_config(home.path())).await;
+    let id = create(node.addr, r#"{"templateID":"base"}"#).await;
     node.stop().await;
     let seed = home.path().join("secrets/sandbox-access-token-hash-seed");
     assert!(seed.is_file(), "the managed seed was created");
     let kept = std::fs::read(&seed).unwrap();
     std::fs::remove_file(&seed).unwrap();
-    let e = match agentenv_node::daemon::Daemon::start(node_common::config(home.path(), 15)).await {
+    let e = match agentenv_node::daemon::Daemon::start(managed_seed_config(home.path())).await {
         Ok(_) => panic!("start must fail without the seed"),
         Err(e) => e.to_string(),
     };
@@ -331,7 +338,7 @@ async fn restart_refuses_a_new_seed_when_secure_paused_sandboxes_exist() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::write(&seed, &kept).unwrap();
     std::fs::set_permissions(&seed, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let node = Node::start(node_common::config(home.path(), 15)).await;
+    let node = Node::start(managed_seed_config(home.path())).await;
     let r = api(node.addr, "POST", &format!("/sandboxes/{id}/connect"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(

@@ -319,7 +319,7 @@ async fn forged_records_and_escaping_layers_are_refused() {
     );
 
     // A layer whose `etc` is a link to a host directory, with a file through it.
-    let seed = agentenv_node::access::resolve_seed(None, home.path()).unwrap();
+    let seed = node_common::TEST_SEED.to_string();
     let cache = tempfile::tempdir().unwrap();
     let repo = SnapshotRepo::new(
         std::sync::Arc::new(OpendalStorage::open(&store_cfg).unwrap()),

@@ -446,6 +446,7 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
             forward_response_size: 4 << 20,
             sandbox_proxy_domains: Vec::new(),
             debug_mode: false,
+            limits: Default::default(),
         },
     )
     .expect("gateway");

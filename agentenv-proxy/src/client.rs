@@ -3,10 +3,12 @@
 
 use std::sync::Arc;
 
+use agentenv_core::cluster_auth::{SchedulerLink, SendClusterToken};
 use agentenv_core::proto::scheduler_v1 as pb;
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient as GrpcClient;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler;
 use async_trait::async_trait;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
@@ -59,25 +61,42 @@ impl<T: SchedulerClient + ?Sized> SchedulerClient for Arc<T> {
     }
 }
 
+/// A scheduler connection that sends the cluster credential with every call.
+type Grpc = GrpcClient<InterceptedService<Channel, SendClusterToken>>;
+
 /// The scheduler over plaintext gRPC: a primary, plus an optional query-only
 /// replica used for `LookupNode` alone. Connections are made lazily, so a
 /// scheduler that is down at start-up only fails the requests that need it.
 #[derive(Clone)]
 pub struct GrpcSchedulerClient {
-    primary: GrpcClient<Channel>,
+    primary: Grpc,
     primary_addr: String,
-    query: Option<(GrpcClient<Channel>, String)>,
+    query: Option<(Grpc, String)>,
 }
 
 impl GrpcSchedulerClient {
     /// `primary` and `query_only` are gRPC targets without a scheme
     /// (`host:port`); an empty `query_only` means lookups use the primary.
+    /// Calls carry no cluster credential and use plain TCP (see
+    /// [`Self::connect_lazy_with`]).
     pub fn connect_lazy(primary: &str, query_only: &str) -> Result<Self, ClientError> {
+        Self::connect_lazy_with(primary, query_only, &SchedulerLink::default())
+    }
+
+    /// Like [`Self::connect_lazy`], over `link`: its cluster credential with
+    /// every call, and TLS when it has a TLS configuration.
+    pub fn connect_lazy_with(
+        primary: &str,
+        query_only: &str,
+        link: &SchedulerLink,
+    ) -> Result<Self, ClientError> {
+        let auth = SendClusterToken(link.token.clone());
+        let client = |channel| GrpcClient::with_interceptor(channel, auth.clone());
         let primary_addr = primary.trim().to_string();
-        let primary = GrpcClient::new(lazy_channel(primary)?);
+        let primary = client(lazy_channel(primary, link)?);
         let query = match query_only.trim() {
             "" => None,
-            addr => Some((GrpcClient::new(lazy_channel(addr)?), addr.to_string())),
+            addr => Some((client(lazy_channel(addr, link)?), addr.to_string())),
         };
         Ok(Self {
             primary,
@@ -87,7 +106,7 @@ impl GrpcSchedulerClient {
     }
 }
 
-fn lazy_channel(addr: &str) -> Result<Channel, ClientError> {
+fn lazy_channel(addr: &str, link: &SchedulerLink) -> Result<Channel, ClientError> {
     let addr = addr.trim();
     if addr.contains("://") {
         return Err(ClientError::InvalidAddress {
@@ -95,12 +114,15 @@ fn lazy_channel(addr: &str) -> Result<Channel, ClientError> {
             message: "a scheme is not allowed".into(),
         });
     }
-    let endpoint = Endpoint::from_shared(format!("http://{addr}")).map_err(|e| {
-        ClientError::InvalidAddress {
-            addr: addr.into(),
-            message: e.to_string(),
-        }
-    })?;
+    let invalid = |e: &dyn std::fmt::Display| ClientError::InvalidAddress {
+        addr: addr.into(),
+        message: e.to_string(),
+    };
+    let mut endpoint =
+        Endpoint::from_shared(format!("{}://{addr}", link.scheme())).map_err(|e| invalid(&e))?;
+    if let Some(tls) = &link.tls {
+        endpoint = endpoint.tls_config(tls.clone()).map_err(|e| invalid(&e))?;
+    }
     Ok(endpoint.tcp_nodelay(true).connect_lazy())
 }
 

@@ -23,4 +23,6 @@ pub mod server;
 
 pub use client::{ClientError, GrpcSchedulerClient, InProcessScheduler, SchedulerClient};
 pub use metrics::GatewayMetrics;
-pub use server::{Gateway, GatewayError, GatewayOptions, GatewayService, ServeHandle};
+pub use server::{
+    ClientLimits, Gateway, GatewayError, GatewayOptions, GatewayService, ServeHandle,
+};

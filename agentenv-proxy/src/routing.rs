@@ -48,7 +48,8 @@ impl RouteSource {
         }
     }
 
-    /// Data-plane routes are forwarded under `/proxy`.
+    /// Data-plane routes (for a sandbox's ports, checked by the node against
+    /// the sandbox's tokens) are forwarded under `/proxy`, without the API key.
     pub fn is_data_plane(self) -> bool {
         matches!(self, Self::Host | Self::Header)
     }
@@ -268,31 +269,7 @@ pub fn route_label(path: &str) -> &'static str {
     }
 }
 
-/// The `method` metric label.
-pub fn method_label(method: &Method) -> &'static str {
-    match *method {
-        Method::GET => "GET",
-        Method::POST => "POST",
-        Method::PUT => "PUT",
-        Method::PATCH => "PATCH",
-        Method::DELETE => "DELETE",
-        Method::HEAD => "HEAD",
-        Method::OPTIONS => "OPTIONS",
-        _ => "OTHER",
-    }
-}
-
-/// The `status` metric label of an HTTP status.
-pub fn status_label(status: u16) -> &'static str {
-    match status {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        500..=599 => "5xx",
-        _ => "other",
-    }
-}
+pub use agentenv_core::metrics::{method_label, status_label};
 
 #[cfg(test)]
 mod tests {

@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod artifacts;
+pub mod auth;
 pub mod bindings;
 pub mod cpu_template;
 pub mod metrics;
@@ -36,6 +37,7 @@ use std::future::Future;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
+use agentenv_core::cluster_auth::ClusterToken;
 use agentenv_core::config::{DiscoveryMode, SchedulerConfig};
 use agentenv_core::metrics::SharedRegistry;
 use agentenv_core::proto::scheduler_v1::Node;
@@ -74,11 +76,16 @@ pub enum BuildError {
     RedisUnsupported,
     #[error("scheduler.artifact_store_capacity: must be greater than zero")]
     ArtifactCapacity,
+    #[error("scheduler.{0}")]
+    ClusterToken(#[from] agentenv_core::cluster_auth::ClusterTokenError),
+    #[error("scheduler.tls: {0}")]
+    Tls(String),
 }
 
 /// Assembles a [`Scheduler`]; every part has a default from the config.
 pub struct SchedulerBuilder {
     config: SchedulerConfig,
+    auth: Option<auth::ClusterAuth>,
     query_only: bool,
     placement: Option<Arc<dyn Placement>>,
     store: Option<Arc<dyn BindingStore>>,
@@ -101,6 +108,13 @@ impl SchedulerBuilder {
     /// Use this binding store instead of the in-memory one.
     pub fn binding_store(mut self, store: Arc<dyn BindingStore>) -> Self {
         self.store = Some(store);
+        self
+    }
+
+    /// Check calls against this credential instead of the config's
+    /// `cluster_token_file` and `open_lookups`.
+    pub fn cluster_auth(mut self, auth: auth::ClusterAuth) -> Self {
+        self.auth = Some(auth);
         self
     }
 
@@ -164,8 +178,36 @@ impl SchedulerBuilder {
             metrics,
         });
         let health = HealthReporter::new();
+        let auth = match self.auth {
+            Some(a) => a,
+            None => auth::ClusterAuth {
+                token: ClusterToken::from_optional_file(&c.cluster_token_file)?,
+                open_lookups: c.open_lookups,
+            },
+        };
+        let tls = if c.tls.enabled() {
+            let read = |path: &str| {
+                std::fs::read(path.trim()).map_err(|e| BuildError::Tls(format!("{path}: {e}")))
+            };
+            let mut tls = tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(
+                    read(&c.tls.cert_file)?,
+                    read(&c.tls.key_file)?,
+                ),
+            );
+            if !c.tls.client_ca_file.trim().is_empty() {
+                tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(
+                    &c.tls.client_ca_file,
+                )?));
+            }
+            Some(tls)
+        } else {
+            None
+        };
         Ok(Scheduler {
             service,
+            auth,
+            tls,
             metrics_registry: Arc::new(Mutex::new(prom)),
             health,
             binding_ttl: c.binding_ttl,
@@ -176,6 +218,9 @@ impl SchedulerBuilder {
 /// A scheduler ready to serve.
 pub struct Scheduler {
     service: SchedulerService,
+    auth: auth::ClusterAuth,
+    /// TLS of the gRPC listener (`scheduler.tls`).
+    tls: Option<tonic::transport::ServerTlsConfig>,
     metrics_registry: SharedRegistry,
     health: HealthReporter,
     binding_ttl: Duration,
@@ -187,6 +232,7 @@ impl Scheduler {
     pub fn builder(config: SchedulerConfig) -> SchedulerBuilder {
         SchedulerBuilder {
             config,
+            auth: None,
             query_only: false,
             placement: None,
             store: None,
@@ -230,11 +276,18 @@ impl Scheduler {
             s
         });
         let health = self.health.clone();
-        let result = tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &self.tls {
+            server = server.tls_config(tls.clone())?;
+        }
+        let result = server
             .add_service(HealthServer::new(HealthService::from_health_reporter(
                 self.health.clone(),
             )))
-            .add_service(SchedulerServer::new(self.service.clone()))
+            .add_service(auth::Authenticated::new(
+                SchedulerServer::new(self.service.clone()),
+                self.auth.clone(),
+            ))
             .serve_with_incoming_shutdown(incoming, async move {
                 shutdown.await;
                 health.set_not_serving::<Server>().await;

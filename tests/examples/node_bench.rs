@@ -54,6 +54,7 @@ fn client(addr: SocketAddr, id: &str) -> GuestClient {
         .expect("header")
         .with_header("e2b-sandbox-port", "49983")
         .expect("header")
+        .with_access_token(&agentenv_tests::envd_token(id))
 }
 
 /// Create, run `true`, return the time to the command's end; the sandbox is deleted after.

@@ -13,6 +13,11 @@ use std::time::{Duration, Instant};
 pub const API_KEY: &str = "cluster-test-key-0123456789abcdef012345";
 /// The token seed every node of a test cluster shares.
 pub const SEED: &str = "cluster-test-seed";
+
+/// The access token of sandbox `id` in a test cluster (derived from [`SEED`]).
+pub fn envd_token(id: &str) -> String {
+    agentenv_node::access::TokenIssuer::new(SEED).envd_token(id)
+}
 /// Templates shared by every test run on this machine (built once, under a lock).
 pub const TEMPLATE_CACHE: &str = "/var/cache/agentenv-test/templates";
 

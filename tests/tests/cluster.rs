@@ -123,7 +123,11 @@ fn heartbeat_roster_carries_paused_sandboxes_and_gateway_lists_the_cluster() {
             gw,
             "GET",
             "/files?path=/etc/hostname",
-            &[("e2b-sandbox-id", id), ("e2b-sandbox-port", "49983")],
+            &[
+                ("e2b-sandbox-id", id),
+                ("e2b-sandbox-port", "49983"),
+                ("x-access-token", &agentenv_tests::envd_token(id)),
+            ],
             "",
         );
         assert_eq!((st, body.trim()), (200, id.as_str()));

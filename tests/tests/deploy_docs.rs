@@ -20,20 +20,23 @@ fn read(rel: &str) -> String {
 fn control_plane_keys() -> BTreeSet<String> {
     let src = read("agentenv-core/src/config.rs");
     // Where each config struct sits in the JSON document.
-    let prefix = |name: &str| -> Option<&'static str> {
+    let prefix = |name: &str| -> Option<&'static [&'static str]> {
         Some(match name {
-            "Config" => "",
-            "SchedulerConfig" => "scheduler.",
-            "GatewayConfig" => "gateway.",
-            "NodeConfig" => "scheduler.nodes[].",
-            "DiscoveryConfig" => "scheduler.discovery.",
-            "KubernetesConfig" => "scheduler.discovery.kubernetes.",
-            "NodeResourceLimit" => "scheduler.node_resource_limit.",
+            "Config" => &[""],
+            "SchedulerConfig" => &["scheduler."],
+            "GatewayConfig" => &["gateway."],
+            "NodeConfig" => &["scheduler.nodes[]."],
+            "DiscoveryConfig" => &["scheduler.discovery."],
+            "KubernetesConfig" => &["scheduler.discovery.kubernetes."],
+            // The TLS sections appear at several places.
+            "TlsListen" => &["scheduler.tls.", "gateway.tls."],
+            "TlsConnect" => &["gateway.node_tls.", "gateway.scheduler_tls."],
+            "NodeResourceLimit" => &["scheduler.node_resource_limit."],
             _ => return None,
         })
     };
     let mut keys = BTreeSet::new();
-    let mut current: Option<&str> = None;
+    let mut current: Option<&[&str]> = None;
     let mut skip_next = false;
     for line in src.lines() {
         let t = line.trim();
@@ -64,10 +67,12 @@ fn control_plane_keys() -> BTreeSet<String> {
             skip_next = true;
             continue;
         }
-        if let (Some(p), Some(rest)) = (current, t.strip_prefix("pub ")) {
+        if let (Some(ps), Some(rest)) = (current, t.strip_prefix("pub ")) {
             if let Some((field, _)) = rest.split_once(':') {
                 if !std::mem::take(&mut skip_next) {
-                    keys.insert(format!("{p}{field}"));
+                    for p in ps {
+                        keys.insert(format!("{p}{field}"));
+                    }
                 }
             }
         }

@@ -229,8 +229,15 @@ fn owner(net: &Net, id: &str, nodes: &[(&str, &str)]) -> Vec<String> {
 }
 
 /// Reads /etc/hostname inside the sandbox through the gateway, from the client host.
+/// The sandbox's access token comes from `GET /sandboxes/{id}`, as an SDK's connect.
 fn hostname_via_gateway(net: &Net, id: &str) -> (u16, String) {
+    let (_, v) = net.api("client", "GET", &format!("{GW}/sandboxes/{id}"), "");
+    let token = v["envdAccessToken"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let h1 = format!("E2b-Sandbox-Id: {id}");
+    let h2 = format!("X-Access-Token: {token}");
     net.curl(
         "client",
         &[
@@ -238,6 +245,8 @@ fn hostname_via_gateway(net: &Net, id: &str) -> (u16, String) {
             &h1,
             "-H",
             "E2b-Sandbox-Port: 49983",
+            "-H",
+            &h2,
             &format!("{GW}/files?path=/etc/hostname"),
         ],
     )

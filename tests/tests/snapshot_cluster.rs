@@ -13,6 +13,7 @@ fn guest(gw: std::net::SocketAddr, id: &str) -> agentenv_guest::client::GuestCli
         .unwrap()
         .with_header("e2b-sandbox-port", "49983")
         .unwrap()
+        .with_access_token(&agentenv_tests::envd_token(id))
 }
 
 fn sh(rt: &tokio::runtime::Runtime, gw: std::net::SocketAddr, id: &str, script: &str) -> String {

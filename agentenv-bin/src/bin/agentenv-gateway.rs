@@ -1,6 +1,6 @@
 //! `agentenv-gateway`: the gateway daemon.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -46,11 +46,62 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let metrics_addr = resolve_listen_addr(&g.metrics_listen_addr)
         .map_err(anyhow::Error::msg)
         .context("gateway.metrics_listen_addr")?;
-    let scheduler =
-        GrpcSchedulerClient::connect_lazy(&g.scheduler_addr, &g.query_only_scheduler_addr)
-            .context("connect scheduler failed")?;
-    let gateway = Gateway::new(scheduler, GatewayOptions::from_config(&g, api_key))
+    let link = agentenv_core::cluster_auth::SchedulerLink::from_config(
+        &g.cluster_token_file,
+        &g.scheduler_tls,
+    )
+    .context("gateway.cluster_token_file / gateway.scheduler_tls")?;
+    let scheduler = GrpcSchedulerClient::connect_lazy_with(
+        &g.scheduler_addr,
+        &g.query_only_scheduler_addr,
+        &link,
+    )
+    .context("connect scheduler failed")?;
+    let mut gateway = Gateway::new(scheduler, GatewayOptions::from_config(&g, api_key))
         .context("init gateway server failed")?;
+    if g.node_tls.enabled() {
+        let identity = g
+            .node_tls
+            .identity()
+            .map(|(c, k)| (Path::new(c), Path::new(k)));
+        let tls = agentenv_core::tls::client_config(
+            Path::new(g.node_tls.ca_file.trim()),
+            identity,
+            &[b"http/1.1"],
+        )
+        .context("gateway.node_tls")?;
+        gateway = gateway.with_upstream_tls(tls);
+    }
+    let mut reloading = None;
+    if g.tls.enabled() {
+        let cert = agentenv_core::tls::ReloadingCert::load(
+            Path::new(g.tls.cert_file.trim()),
+            Path::new(g.tls.key_file.trim()),
+        )
+        .context("gateway.tls")?;
+        let client_ca = Some(g.tls.client_ca_file.trim())
+            .filter(|p| !p.is_empty())
+            .map(Path::new);
+        let tls = agentenv_core::tls::server_config(cert.clone(), client_ca, &[b"h2", b"http/1.1"])
+            .context("gateway.tls")?;
+        gateway = gateway.with_tls(tls);
+        reloading = Some(cert);
+    }
+    if let Some(cert) = reloading {
+        // SIGHUP reads the certificate and key again; open connections keep theirs.
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("installing the SIGHUP handler")?;
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match cert.reload() {
+                    Ok(()) => tracing::info!("reloaded the TLS certificate (SIGHUP)"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS certificate reload failed; the old certificate stays in use")
+                    }
+                }
+            }
+        });
+    }
 
     let metrics = tokio::net::TcpListener::bind(metrics_addr)
         .await
@@ -79,6 +130,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         query_only_scheduler_addr = %g.query_only_scheduler_addr,
         proxy_domains = ?g.sandbox_proxy_domains,
         threads,
+        tls = g.tls.enabled(),
         "gateway listening"
     );
     server.wait().await;

@@ -33,6 +33,17 @@ pub enum FilesError {
     NoParent(PathBuf),
     #[error("sandbox {id}: {source}")]
     Agent { id: String, source: ClientError },
+    #[error(
+        "the sandbox listed an entry named {0:?} in {1}, which would be written outside the destination; nothing was downloaded"
+    )]
+    UnsafeEntry(String, String),
+}
+
+/// Whether a directory entry's name, as a sandbox reports it, stays inside the
+/// directory it is joined to: one path component, not `.` or `..`, no NUL. The
+/// sandbox is not trusted: its agent can send any name.
+fn safe_entry_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
 }
 
 fn local(path: &Path) -> impl FnOnce(std::io::Error) -> FilesError + '_ {
@@ -226,9 +237,7 @@ pub async fn download(
         check_remote_dir_path(remote)?;
         let mut dirs = vec![String::new()];
         let mut files: Vec<(String, String, u64)> = Vec::new();
-        walk_remote(agent, remote, "", &mut dirs, &mut files)
-            .await
-            .map_err(aerr)?;
+        walk_remote(agent, id, remote, "", &mut dirs, &mut files).await?;
         // Check every local target before writing anything.
         if dest.exists() && !dest.is_dir() {
             return Err(FilesError::Exists(dest));
@@ -272,14 +281,24 @@ pub async fn download(
 
 fn walk_remote<'a>(
     agent: &'a GuestClient,
+    id: &'a str,
     dir: &'a str,
     rel: &'a str,
     dirs: &'a mut Vec<String>,
     files: &'a mut Vec<(String, String, u64)>,
-) -> futures::future::BoxFuture<'a, Result<(), ClientError>> {
+) -> futures::future::BoxFuture<'a, Result<(), FilesError>> {
     Box::pin(async move {
-        let mut entries = agent.list_dir(dir, 1).await?;
+        let mut entries = agent
+            .list_dir(dir, 1)
+            .await
+            .map_err(|source| FilesError::Agent {
+                id: id.to_string(),
+                source,
+            })?;
         entries.sort_by(|a, b| a.name.cmp(&b.name));
+        if let Some(bad) = entries.iter().find(|e| !safe_entry_name(&e.name)) {
+            return Err(FilesError::UnsafeEntry(bad.name.clone(), dir.to_string()));
+        }
         for e in entries {
             let r = if rel.is_empty() {
                 e.name.clone()
@@ -292,7 +311,7 @@ fn walk_remote<'a>(
             }
             if e.r#type == fsp::FileType::Directory as i32 {
                 dirs.push(r.clone());
-                walk_remote(agent, &path, &r, dirs, files).await?;
+                walk_remote(agent, id, &path, &r, dirs, files).await?;
             } else if e.r#type == fsp::FileType::File as i32 {
                 files.push((path, r, e.size.max(0) as u64));
             }
@@ -368,6 +387,16 @@ async fn download_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entry_names_that_leave_the_destination_are_unsafe() {
+        for ok in ["a", "a.txt", "..a", "a..", ".hidden", "with space"] {
+            assert!(safe_entry_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", "/etc", "a\0b"] {
+            assert!(!safe_entry_name(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn remote_paths_for_directories_must_be_absolute_without_dotdot() {

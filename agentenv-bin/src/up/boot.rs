@@ -52,6 +52,7 @@ impl Up {
                 guest,
                 data_dir: &data,
                 scheduler_grpc: &grpc,
+                cluster_token: &data.join("secrets").join("cluster-token"),
             };
             let cmd = node.command(&self.opts);
             let pool = node.pool(&self.opts);

@@ -181,6 +181,7 @@ struct SchedulerConfig {
     report_ttl: &'static str,
     binding_ttl: &'static str,
     nodes: Vec<NodeEntry>,
+    cluster_token_file: PathBuf,
 }
 
 #[derive(Debug, Serialize)]
@@ -195,14 +196,40 @@ struct GatewayConfig {
     metrics_listen_addr: &'static str,
     scheduler_addr: &'static str,
     request_timeout: &'static str,
+    cluster_token_file: PathBuf,
+}
+
+/// Writes a fresh cluster credential to `<data_dir>/secrets/cluster-token` (mode
+/// 0600), which the scheduler checks and the gateway and nodes send; returns its path.
+pub(crate) fn write_cluster_token(data_dir: &Path) -> Result<PathBuf, UpError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let dir = data_dir.join("secrets");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(fs_err("creating", &dir))?;
+    let path = dir.join("cluster-token");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(fs_err("writing", &path))?;
+    std::io::Write::write_all(&mut f, generate_api_key().as_bytes())
+        .map_err(fs_err("writing", &path))?;
+    Ok(path)
 }
 
 /// Writes `<data_dir>/control-plane.json`: the scheduler with the static node list, the
-/// gateway on `gateway`, everything else on free loopback ports; returns its path.
+/// gateway on `gateway`, everything else on free loopback ports, the cluster credential
+/// in `cluster_token`; returns its path.
 pub(crate) fn write_control_plane(
     data_dir: &Path,
     nodes: &[(String, SocketAddr)],
     gateway: SocketAddr,
+    cluster_token: &Path,
 ) -> Result<PathBuf, UpError> {
     let config = ControlPlane {
         log_level: "info",
@@ -220,6 +247,7 @@ pub(crate) fn write_control_plane(
                     endpoint: format!("http://{a}"),
                 })
                 .collect(),
+            cluster_token_file: cluster_token.to_path_buf(),
         },
         gateway: GatewayConfig {
             http_listen_addr: gateway.to_string(),
@@ -227,6 +255,7 @@ pub(crate) fn write_control_plane(
             // The scheduler's port is known once it runs: GATEWAY_SCHEDULER_ADDR.
             scheduler_addr: "127.0.0.1:9090",
             request_timeout: "600s",
+            cluster_token_file: cluster_token.to_path_buf(),
         },
     };
     let path = data_dir.join("control-plane.json");
@@ -248,6 +277,8 @@ pub(crate) struct NodeSetup<'a> {
     pub guest: &'a Path,
     pub data_dir: &'a Path,
     pub scheduler_grpc: &'a str,
+    /// The cluster credential's file.
+    pub cluster_token: &'a Path,
 }
 
 impl NodeSetup<'_> {
@@ -295,6 +326,7 @@ impl NodeSetup<'_> {
                 "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
                 format!("http://{}", self.scheduler_grpc),
             )
+            .env("AENV_CLUSTER_TOKEN_FILE", self.cluster_token)
             .env("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "1")
             .env("AENV_LOG_FORMAT", "json");
         cmd
@@ -312,8 +344,14 @@ mod tests {
             ("node-a".to_string(), "127.0.0.1:7001".parse().unwrap()),
             ("node-b".to_string(), "127.0.0.1:7002".parse().unwrap()),
         ];
-        let path =
-            write_control_plane(dir.path(), &nodes, "127.0.0.1:8080".parse().unwrap()).unwrap();
+        let token = write_cluster_token(dir.path()).unwrap();
+        let path = write_control_plane(
+            dir.path(),
+            &nodes,
+            "127.0.0.1:8080".parse().unwrap(),
+            &token,
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
         assert_eq!(
             v["scheduler"]["nodes"][1]["endpoint"],
@@ -322,6 +360,15 @@ mod tests {
         assert_eq!(v["scheduler"]["strategy"], "round_robin");
         assert_eq!(v["gateway"]["http_listen_addr"], "127.0.0.1:8080");
         assert_eq!(v["log_format"], "json");
+        // Scheduler and gateway share one credential, readable by root alone.
+        let token_path = token.to_str().unwrap();
+        assert_eq!(v["scheduler"]["cluster_token_file"], token_path);
+        assert_eq!(v["gateway"]["cluster_token_file"], token_path);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&token).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let text = std::fs::read_to_string(&token).unwrap();
+        agentenv_core::api_key::validate(&text, "the token file").unwrap();
     }
 
     #[test]
@@ -351,6 +398,7 @@ mod tests {
             guest: Path::new("/tmp/guest"),
             data_dir: Path::new("/tmp/data"),
             scheduler_grpc: "127.0.0.1:9090",
+            cluster_token: Path::new("/tmp/data/secrets/cluster-token"),
         };
         let cmd = setup.command(&opts);
         let env = |k: &str| {

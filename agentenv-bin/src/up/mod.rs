@@ -191,7 +191,8 @@ impl Up {
         let gateway = config::free_addr(opts.listen)?;
         let (temp, data_dir) = config::state_dir(&opts)?;
         let nodes = config::node_addrs(opts.nodes)?;
-        let cfg_path = config::write_control_plane(&data_dir, &nodes, gateway)?;
+        let cluster_token = config::write_cluster_token(&data_dir)?;
+        let cfg_path = config::write_control_plane(&data_dir, &nodes, gateway, &cluster_token)?;
         let mut up = Up {
             info: ClusterInfo {
                 gateway,

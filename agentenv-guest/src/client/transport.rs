@@ -17,6 +17,9 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::connect::{Code, ConnectError};
 
+/// The most bytes of an error response that are read.
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
 /// Request body type of the client.
 pub(super) type ReqBody = UnsyncBoxBody<Bytes, io::Error>;
 
@@ -182,16 +185,28 @@ impl GuestClient {
 
     pub(super) async fn error_from(path: &str, resp: http::Response<Incoming>) -> ClientError {
         let status = resp.status();
-        let body = match resp.into_body().collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(source) => {
-                return ClientError::Body {
-                    path: path.to_string(),
-                    source,
-                };
+        // An error body is read up to a bound: the agent runs inside a sandbox
+        // and is not trusted to keep it short.
+        let mut body = resp.into_body();
+        let mut buf = Vec::new();
+        while buf.len() < ERROR_BODY_LIMIT {
+            match body.frame().await {
+                None => break,
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        let take = data.len().min(ERROR_BODY_LIMIT - buf.len());
+                        buf.extend_from_slice(&data[..take]);
+                    }
+                }
+                Some(Err(source)) => {
+                    return ClientError::Body {
+                        path: path.to_string(),
+                        source,
+                    };
+                }
             }
-        };
-        Self::error_from_body(path, status, &body)
+        }
+        Self::error_from_body(path, status, &buf)
     }
 
     pub(super) fn error_from_body(path: &str, status: StatusCode, body: &[u8]) -> ClientError {

@@ -37,6 +37,10 @@ use crate::access::api_key_ok;
 use crate::dataplane::{self, Body, Classified, full, json_error, status_only};
 use crate::lifecycle::Orchestrator;
 
+/// How long a client may take to send a request head (also the keep-alive idle
+/// timeout) or finish a TLS handshake.
+const HEADER_TIMEOUT: Duration = agentenv_core::serving::DEFAULT_HEADER_TIMEOUT;
+
 /// Who this node is, for `GET /nodes` and the `domain` of sandboxes.
 #[derive(Debug, Clone)]
 pub struct NodeIdentity {
@@ -49,10 +53,11 @@ pub struct NodeIdentity {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HttpLabels {
-    method: String,
+    /// From a fixed set ([`agentenv_core::metrics::method_label`]).
+    method: &'static str,
     route: String,
     route_source: String,
-    status: String,
+    status: &'static str,
 }
 
 /// Everything the request handlers share.
@@ -174,11 +179,11 @@ pub async fn handle(
             }
         },
     };
-    let status = format!("{}xx", resp.status().as_u16() / 100);
+    let status = agentenv_core::metrics::status_label(resp.status().as_u16());
     state
         .http
         .get_or_create(&HttpLabels {
-            method: method.to_string(),
+            method: agentenv_core::metrics::method_label(&method),
             route: route_label,
             route_source: source.to_string(),
             status,
@@ -217,11 +222,11 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
 pub async fn serve(
     state: Arc<ApiState>,
     listener: tokio::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
     drain: Duration,
 ) {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::rt::TokioIo;
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -239,14 +244,37 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let st = state.clone();
         let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
-        let builder = Builder::new(TokioExecutor::new());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn.into_owned());
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "connection ended");
+        let builder = agentenv_core::serving::server_builder(HEADER_TIMEOUT);
+        match &tls {
+            None => {
+                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "connection ended");
+                    }
+                });
             }
-        });
+            Some(acceptor) => {
+                // The handshake runs on the connection's own task, bounded like a head.
+                let accept = acceptor.accept(stream);
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    let tls = match tokio::time::timeout(HEADER_TIMEOUT, accept).await {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(error = %e, "connection ended");
+                    }
+                });
+            }
+        }
     }
     drop(listener);
     if tokio::time::timeout(drain, graceful.shutdown())

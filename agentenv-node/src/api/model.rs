@@ -21,6 +21,7 @@ pub struct NewSandbox {
     pub timeout: Option<u64>,
     pub auto_pause: Option<bool>,
     pub auto_resume: Option<AutoResume>,
+    /// Accepted and ignored: every sandbox's agent requires its access token.
     pub secure: Option<bool>,
     #[serde(rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,
@@ -68,7 +69,6 @@ impl NewSandbox {
             OnTimeout::Pause
         };
         r.options.auto_resume = self.auto_resume.is_some_and(|a| a.enabled);
-        r.options.secure = self.secure.unwrap_or(false);
         r.options.allow_internet_access = self.allow_internet_access;
         r.options.allow_public_traffic = self
             .network

@@ -41,11 +41,19 @@ pub(super) async fn proxy(
             return json_error(StatusCode::BAD_GATEWAY, e.to_string());
         }
     };
-    let keep_access_token =
-        match check_access(&rec, target.port, req.headers(), state.orch.tokens()) {
-            Access::Allowed { keep_access_token } => keep_access_token,
-            Access::Denied => return status_only(StatusCode::UNAUTHORIZED),
-        };
+    let keep_access_token = match check_access(&rec, &target, req.headers(), state.orch.tokens()) {
+        Access::Allowed { keep_access_token } => keep_access_token,
+        Access::Denied => return status_only(StatusCode::UNAUTHORIZED),
+        Access::NodeOnly => {
+            return json_error(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{} is answered to the node only: the node initialises the agent itself",
+                    target.path_and_query
+                ),
+            );
+        }
+    };
     let Some(addr) = rec.address else {
         return json_error(
             StatusCode::BAD_GATEWAY,

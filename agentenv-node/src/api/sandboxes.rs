@@ -147,10 +147,7 @@ fn sandbox_json(state: &ApiState, rec: &SandboxRecord) -> SandboxJson {
         alias: template_alias(rec),
         client_id: String::new(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
-        envd_access_token: rec
-            .options
-            .secure
-            .then(|| state.orch.tokens().envd_token(&rec.id)),
+        envd_access_token: Some(state.orch.tokens().envd_token(&rec.id)),
         traffic_access_token: (!rec.options.allow_public_traffic)
             .then(|| state.orch.tokens().traffic_token(&rec.id)),
         domain: state.domains.first().cloned(),
@@ -197,10 +194,7 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
 fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
     SandboxDetailJson {
         listed: listed_json(rec),
-        envd_access_token: rec
-            .options
-            .secure
-            .then(|| state.orch.tokens().envd_token(&rec.id)),
+        envd_access_token: Some(state.orch.tokens().envd_token(&rec.id)),
         domain: state.domains.first().cloned(),
         allow_internet_access: rec.options.allow_internet_access,
         network: (!rec.options.allow_public_traffic)

@@ -271,27 +271,61 @@ fn request_host<B>(req: &Request<B>) -> Option<String> {
 /// What the access check decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// Allowed; keep `X-Access-Token` (it was validated for a secure envd request).
-    Allowed {
-        keep_access_token: bool,
-    },
+    /// Allowed; keep `X-Access-Token` (it was validated for an agent request).
+    Allowed { keep_access_token: bool },
+    /// No valid credential.
     Denied,
+    /// An agent call only the node itself may make (`/init`).
+    NodeOnly,
 }
 
-/// The data-plane access rules: the agent port of a `secure` sandbox needs its envd token
-/// (exactly one `X-Access-Token`), another port of a sandbox without public traffic needs
-/// its traffic token. The API key never grants access.
-pub fn check_access(rec: &SandboxRecord, port: u16, h: &HeaderMap, tokens: &TokenIssuer) -> Access {
-    if port == AGENT_PORT {
-        if !rec.options.secure {
-            return Access::Allowed {
-                keep_access_token: false,
-            };
+/// Agent paths the data plane never relays: the node initialises the agent itself
+/// (access token, environment, clock), so a client calling them could lock the owner
+/// out. The agent matches paths exactly as sent, so an exact comparison suffices.
+pub const NODE_ONLY_AGENT_PATHS: [&str; 1] = ["/init"];
+
+/// Whether `path_and_query` names a node-only agent call.
+pub fn is_node_only(path_and_query: &str) -> bool {
+    let path = path_and_query
+        .split_once('?')
+        .map_or(path_and_query, |(p, _)| p);
+    NODE_ONLY_AGENT_PATHS.contains(&path)
+}
+
+/// Whether the request is a signed `/files` URL (a `signature` query parameter): the
+/// agent checks the signature against the sandbox's token itself.
+fn is_signed_files_url(path_and_query: &str) -> bool {
+    let Some((path, query)) = path_and_query.split_once('?') else {
+        return false;
+    };
+    path == "/files"
+        && query
+            .split('&')
+            .any(|kv| kv.split_once('=').map_or(kv, |(k, _)| k) == "signature")
+}
+
+/// The data-plane access rules. The agent port of every sandbox needs its envd token
+/// (exactly one `X-Access-Token`), whatever the create asked for; a signed `/files` URL
+/// without a token goes on to the agent, which checks the signature; node-only agent
+/// calls are refused. Another port of a sandbox without public traffic needs its
+/// traffic token. The API key never grants access.
+pub fn check_access(
+    rec: &SandboxRecord,
+    target: &Target,
+    h: &HeaderMap,
+    tokens: &TokenIssuer,
+) -> Access {
+    if target.port == AGENT_PORT {
+        if is_node_only(&target.path_and_query) {
+            return Access::NodeOnly;
         }
         let mut vals = h.get_all("x-access-token").iter();
         match (vals.next(), vals.next()) {
             (Some(v), None) if tokens.verify_envd(&rec.id, v.as_bytes()) => Access::Allowed {
                 keep_access_token: true,
+            },
+            (None, None) if is_signed_files_url(&target.path_and_query) => Access::Allowed {
+                keep_access_token: false,
             },
             _ => Access::Denied,
         }
@@ -533,6 +567,29 @@ pub fn status_only(status: StatusCode) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn init_is_node_only_as_the_agent_matches_it() {
+        assert!(is_node_only("/init"));
+        assert!(is_node_only("/init?x=1"));
+        // The agent routes exact paths: these never reach its /init handler.
+        assert!(!is_node_only("/init/"));
+        assert!(!is_node_only("//init"));
+        assert!(!is_node_only("/files"));
+    }
+
+    #[test]
+    fn only_files_urls_with_a_signature_pass_without_a_token() {
+        assert!(is_signed_files_url("/files?path=/a&signature=v1_x"));
+        assert!(is_signed_files_url("/files?signature=v1_x"));
+        assert!(!is_signed_files_url("/files?path=/a"));
+        assert!(!is_signed_files_url("/files?xsignature=1"));
+        assert!(!is_signed_files_url("/envs?signature=v1_x"));
+        assert!(!is_signed_files_url(
+            "/process.Process/Start?signature=v1_x"
+        ));
+        assert!(!is_signed_files_url("/files"));
+    }
 
     const ID: &str = "01936f8e-72f5-7000-8000-000000000001";
 

@@ -12,6 +12,9 @@ use crate::backend::agent::wait_ready;
 use crate::backend::{BackendError, KeptState, SandboxAddress};
 use crate::clock::{ms_since_epoch, time_rfc3339};
 
+/// How long the agent may take to answer `POST /init`.
+const AGENT_INIT_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl Orchestrator {
     /// Creates a sandbox and returns once its agent is ready and initialized.
     pub async fn create(
@@ -178,20 +181,21 @@ impl Orchestrator {
         let mut client =
             agentenv_guest::client::GuestClient::new(&format!("http://{}", addr.agent()))
                 .map_err(|e| e.to_string())?;
-        let token = rec.options.secure.then(|| self.tokens.envd_token(&rec.id));
-        if let Some(t) = &token {
-            client = client.with_access_token(t);
-        }
+        // Every agent requires its token: the create body's `secure` is not asked.
+        let token = self.tokens.envd_token(&rec.id);
+        client = client.with_access_token(&token);
         let ts = time_rfc3339(SystemTime::now());
         let body = serde_json::json!({
             "envVars": rec.options.env_vars,
-            "accessToken": token.unwrap_or_default(),
+            "accessToken": token,
             "timestamp": ts,
         });
-        client
-            .init(&body)
-            .await
-            .map_err(|e| format!("POST /init: {e}"))
+        match tokio::time::timeout(AGENT_INIT_TIMEOUT, client.init(&body)).await {
+            Ok(r) => r.map_err(|e| format!("POST /init: {e}")),
+            Err(_) => Err(format!(
+                "POST /init: the agent did not answer within {AGENT_INIT_TIMEOUT:?}"
+            )),
+        }
     }
 
     /// Kills a sandbox and removes every trace of it.

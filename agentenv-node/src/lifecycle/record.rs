@@ -25,7 +25,6 @@ pub enum OnTimeout {
 pub struct SandboxOptions {
     pub on_timeout: OnTimeout,
     pub auto_resume: bool,
-    pub secure: bool,
     pub allow_internet_access: Option<bool>,
     pub allow_public_traffic: bool,
     pub metadata: BTreeMap<String, String>,
@@ -33,13 +32,11 @@ pub struct SandboxOptions {
 }
 
 impl Default for SandboxOptions {
-    /// The API's defaults: pause on timeout, no auto-resume, not secure, public traffic
-    /// allowed.
+    /// The API's defaults: pause on timeout, no auto-resume, public traffic allowed.
     fn default() -> Self {
         Self {
             on_timeout: OnTimeout::Pause,
             auto_resume: false,
-            secure: false,
             allow_internet_access: None,
             allow_public_traffic: true,
             metadata: BTreeMap::new(),

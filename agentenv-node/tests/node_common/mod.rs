@@ -50,11 +50,20 @@ pub fn guest_binary() -> Option<PathBuf> {
 
 /// A config for a node on loopback with data under `home`; `slot` (0..64) keeps the
 /// address pools and interface names of concurrent test nodes apart.
+/// The token seed of every test node: tests derive a sandbox's access token from it.
+pub const TEST_SEED: &str = "node-test-seed";
+
+/// The access token of sandbox `id` on a test node.
+pub fn envd_token(id: &str) -> String {
+    agentenv_node::access::TokenIssuer::new(TEST_SEED).envd_token(id)
+}
+
 pub fn config(home: &Path, slot: u8) -> NodeConfig {
     let mut env = std::collections::HashMap::new();
     env.insert("API_ADDR", "127.0.0.1:0".to_string());
     env.insert("AENV_NODE_ID", format!("test-node-{slot}"));
     env.insert("AENV_API_KEY", API_KEY.to_string());
+    env.insert("AENV_SANDBOX_ACCESS_TOKEN_HASH_SEED", TEST_SEED.to_string());
     env.insert("AENV_HOME_PATH", home.display().to_string());
     env.insert("AENV_BACKEND", "jail".to_string());
     env.insert(
@@ -246,15 +255,18 @@ pub async fn create(addr: std::net::SocketAddr, body: &str) -> String {
     id
 }
 
-/// A client of sandbox `id`'s agent through the node's data plane.
+/// A client of sandbox `id`'s agent through the node's data plane, with the sandbox's
+/// access token.
 pub fn guest_client(addr: std::net::SocketAddr, id: &str) -> agentenv_guest::client::GuestClient {
     agentenv_guest::client::GuestClient::new(&format!("http://{addr}"))
         .unwrap()
         .with_header("e2b-sandbox-id", id)
         .unwrap()
+        .with_access_token(&envd_token(id))
 }
 
-/// Runs a shell command in a sandbox through the node's data plane.
+/// Runs a shell command in a sandbox through the node's data plane, with `token`
+/// (default: the sandbox's own).
 pub async fn run(
     addr: std::net::SocketAddr,
     id: &str,

@@ -67,6 +67,7 @@ impl Gateway {
             deadline: (!long_lived).then_some(deadline),
             record: false,
             host_route: None,
+            data_plane: false,
         };
         self.proxy(req, remote, plan, &mut false).await
     }

@@ -9,6 +9,7 @@
 //! value and what every room uses: timed scheduler calls and the answers
 //! to failed ones.
 
+mod admission;
 mod fast;
 mod lists;
 mod proxy;
@@ -31,6 +32,7 @@ use http_body::Body;
 use tokio::time::Instant;
 use tonic::{Code, Status};
 
+pub use self::admission::ClientLimits;
 pub use self::proxy::extract_sandbox_ids;
 use self::route::Router;
 pub use self::serve::ServeHandle;
@@ -72,6 +74,8 @@ pub struct GatewayOptions {
     pub sandbox_proxy_domains: Vec<String>,
     /// Adds `x-agentenv-node-id` to proxied responses.
     pub debug_mode: bool,
+    /// Limits on client connections of [`Gateway::serve`].
+    pub limits: ClientLimits,
 }
 
 impl GatewayOptions {
@@ -83,6 +87,11 @@ impl GatewayOptions {
             forward_response_size: cfg.forward_response_size,
             sandbox_proxy_domains: cfg.sandbox_proxy_domains.clone(),
             debug_mode: cfg.debug_mode,
+            limits: ClientLimits {
+                header_timeout: cfg.client_header_timeout,
+                max_connections: cfg.max_connections,
+                max_connections_per_client: cfg.max_connections_per_client,
+            },
         }
     }
 }
@@ -94,9 +103,13 @@ pub struct Gateway {
     inner: Arc<Inner>,
     /// Connections to nodes, of both lanes.
     pool: UpstreamPool,
+    /// Client connections of [`Gateway::serve`] speak TLS (see [`Gateway::with_tls`]).
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 struct Inner {
+    /// Open client connections of [`Gateway::serve`].
+    admission: Arc<self::admission::Admission>,
     scheduler: Arc<dyn SchedulerClient>,
     opts: GatewayOptions,
     router: Router,
@@ -122,12 +135,14 @@ impl Gateway {
         let pool = upstream_pool(opts.request_timeout);
         Ok(Self {
             inner: Arc::new(Inner {
+                admission: self::admission::Admission::new(opts.limits),
                 scheduler: Arc::new(scheduler),
                 opts,
                 router,
                 metrics,
             }),
             pool,
+            tls: None,
         })
     }
 
@@ -138,6 +153,18 @@ impl Gateway {
         Self {
             inner: self.inner.clone(),
             pool: UpstreamPool::new(self.pool.config().clone()),
+            tls: self.tls.clone(),
+        }
+    }
+
+    /// The same gateway serving clients over TLS with `config` (HTTP/2 and
+    /// HTTP/1.1 by ALPN). The certificate can be reloaded in place through the
+    /// config's resolver (see [`agentenv_core::tls::ReloadingCert`]).
+    pub fn with_tls(&self, config: Arc<rustls::ServerConfig>) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            pool: self.pool.clone(),
+            tls: Some(tokio_rustls::TlsAcceptor::from(config)),
         }
     }
 
@@ -150,6 +177,7 @@ impl Gateway {
                 tls: Some(tls),
                 ..self.pool.config().clone()
             }),
+            tls: self.tls.clone(),
         }
     }
 
@@ -175,6 +203,7 @@ impl Gateway {
             metrics: &inner.metrics,
             pool: &self.pool,
             request_timeout: inner.opts.request_timeout,
+            header_timeout: inner.opts.limits.header_timeout,
             debug_mode: inner.opts.debug_mode,
         }
     }

@@ -30,9 +30,10 @@ use crate::hint::capture_hint;
 use crate::host_route::HostRoute;
 use crate::metrics::{GatewayMetrics, RequestLabels, UpstreamLabels};
 use crate::routing::{
-    NODE_ID_HEADER, RouteSource, SANDBOX_ID_HEADER, TARGET_PORT_HEADER, create_kind, is_long_lived,
-    is_proxy_path, is_stream_input, is_websocket, method_label, records_assignment, route_label,
-    sandbox_id_from_headers, status_label, target_port_from_headers,
+    API_KEY_HEADER, NODE_ID_HEADER, RouteSource, SANDBOX_ID_HEADER, TARGET_PORT_HEADER,
+    create_kind, is_long_lived, is_proxy_path, is_stream_input, is_websocket, method_label,
+    records_assignment, route_label, sandbox_id_from_headers, status_label,
+    target_port_from_headers,
 };
 
 /// Records the request histogram when dropped: with the response status, or
@@ -138,6 +139,9 @@ pub(super) struct ProxyPlan {
     pub(super) deadline: Option<Instant>,
     pub(super) record: bool,
     pub(super) host_route: Option<HostRoute>,
+    /// A data-plane request (routed by host or routing headers): the API key is
+    /// not sent on to the node, which checks the sandbox's own tokens.
+    pub(super) data_plane: bool,
 }
 
 impl Gateway {
@@ -338,6 +342,7 @@ impl Gateway {
             deadline: (!long_lived).then_some(deadline),
             record,
             host_route,
+            data_plane: source.is_data_plane(),
         };
         // Boxed: the exchange's state then lives in one place instead of
         // being moved through every caller's future on the way in.
@@ -367,6 +372,9 @@ impl Gateway {
                 request_uri: parts.uri.path_and_query().map_or("/", |p| p.as_str()),
             },
         );
+        if plan.data_plane {
+            parts.headers.remove(API_KEY_HEADER);
+        }
         if let Some(r) = &plan.host_route {
             parts.headers.insert(
                 SANDBOX_ID_HEADER,

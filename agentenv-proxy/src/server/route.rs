@@ -191,6 +191,7 @@ mod tests {
             forward_response_size: 0,
             sandbox_proxy_domains: domains.iter().map(|d| d.to_string()).collect(),
             debug_mode: false,
+            limits: Default::default(),
         })
         .unwrap()
     }
@@ -283,6 +284,7 @@ mod tests {
             forward_response_size: 0,
             sandbox_proxy_domains: vec![domain.into()],
             debug_mode: false,
+            limits: Default::default(),
         };
         assert!(matches!(
             Router::new(&opts("", "example.com")),

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::pin::pin;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
 
@@ -42,11 +42,20 @@ impl Gateway {
             if let Err(e) = stream.set_nodelay(true) {
                 tracing::debug!(error = %e, "setting TCP_NODELAY failed");
             }
+            let admitted = match self.inner.admission.admit(remote.ip()) {
+                Ok(a) => a,
+                Err(why) => {
+                    tracing::debug!(%remote, ?why, "connection refused: at the connection limit");
+                    tokio::spawn(super::admission::refuse(stream, why));
+                    continue;
+                }
+            };
             let guard = self.inner.metrics.connection_guard();
             let gateway = self.clone();
             let stop = stop_rx.clone();
             tokio::spawn(async move {
                 let _guard = guard;
+                let _admitted = admitted;
                 gateway.serve_connection(stream, remote, stop).await;
             });
         }
@@ -140,11 +149,37 @@ impl Gateway {
         remote: SocketAddr,
         mut stop: watch::Receiver<bool>,
     ) {
+        let header_timeout = self.inner.opts.limits.header_timeout;
+        if let Some(acceptor) = &self.tls {
+            // TLS connections go to hyper (HTTP/2 or HTTP/1.1 by ALPN); the
+            // handshake counts against the header timeout.
+            let tls = match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, %remote, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(%remote, "TLS handshake timed out");
+                    return;
+                }
+            };
+            self.serve_hyper(TokioIo::new(tls), remote, stop).await;
+            return;
+        }
         let Some(io) = self.fast_lane().serve(stream, remote, &mut stop).await else {
             return;
         };
-        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), self.service(remote));
+        self.serve_hyper(TokioIo::new(io), remote, stop).await;
+    }
+
+    /// Serves the rest of a client connection with hyper.
+    async fn serve_hyper<I>(&self, io: I, remote: SocketAddr, mut stop: watch::Receiver<bool>)
+    where
+        I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    {
+        let builder = agentenv_core::serving::server_builder(self.inner.opts.limits.header_timeout);
+        let conn = builder.serve_connection_with_upgrades(io, self.service(remote));
         let mut conn = pin!(conn);
         let stopping = async {
             let _ = stop.wait_for(|s| *s).await;

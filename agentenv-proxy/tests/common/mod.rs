@@ -288,6 +288,7 @@ pub fn options() -> GatewayOptions {
         forward_response_size: 4 * 1024 * 1024,
         sandbox_proxy_domains: vec![DOMAIN.into()],
         debug_mode: true,
+        limits: Default::default(),
     }
 }
 

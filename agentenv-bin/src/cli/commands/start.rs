@@ -22,8 +22,9 @@ pub struct StartArgs {
     /// Seconds until the sandbox times out.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_SECS)]
     pub timeout: u64,
-    /// Require an access token for the sandbox's agent.
-    #[arg(long)]
+    /// Accepted for compatibility and ignored: every sandbox's agent requires its
+    /// access token.
+    #[arg(long, hide = true)]
     pub secure: bool,
     /// Boot from an OCI image (POST /sandboxes-cold).
     #[arg(long)]

@@ -66,6 +66,9 @@ impl FastLane<'_> {
     /// request is not the fast lane's.
     async fn requests(&self, c: &mut Client, stop: &mut watch::Receiver<bool>) -> Lane {
         loop {
+            // An idle or slow client is dropped once its head is not complete in
+            // time (hyper's lane does the same with its header read timeout).
+            let head_deadline = Instant::now() + self.header_timeout;
             let plan = loop {
                 if !c.buf.is_empty() {
                     match analyze(self.router, &c.buf, &mut c.out, &c.xff) {
@@ -87,6 +90,7 @@ impl FastLane<'_> {
                         Ok(_) => {}
                     },
                     _ = stop.changed(), if c.buf.is_empty() => return Lane::Closed,
+                    () = tokio::time::sleep_until(head_deadline) => return Lane::Closed,
                 }
             };
             match self.relay(c, plan).await {

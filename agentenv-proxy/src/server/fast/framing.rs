@@ -213,4 +213,74 @@ mod tests {
             assert!(ChunkScanner::default().feed(bad).is_err(), "{bad:?}");
         }
     }
+
+    mod props {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// A chunked encoding of `chunks` with optional extensions and trailers.
+        fn encode(chunks: &[Vec<u8>], ext: bool, trailer: bool) -> Vec<u8> {
+            let mut out = Vec::new();
+            for c in chunks.iter().filter(|c| !c.is_empty()) {
+                out.extend_from_slice(format!("{:x}", c.len()).as_bytes());
+                if ext {
+                    out.extend_from_slice(b";e=1");
+                }
+                out.extend_from_slice(b"\r\n");
+                out.extend_from_slice(c);
+                out.extend_from_slice(b"\r\n");
+            }
+            out.extend_from_slice(b"0\r\n");
+            if trailer {
+                out.extend_from_slice(b"x-t: 1\r\n");
+            }
+            out.extend_from_slice(b"\r\n");
+            out
+        }
+
+        proptest! {
+            #[test]
+            fn the_chunk_scanner_never_panics_and_never_claims_more_than_it_got(
+                parts in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..8)
+            ) {
+                let mut scan = ChunkScanner::default();
+                for p in &parts {
+                    match scan.feed(p) {
+                        Ok(n) => prop_assert!(n <= p.len()),
+                        Err(_) => break,
+                    }
+                    if scan.done() {
+                        break;
+                    }
+                }
+            }
+
+            #[test]
+            fn a_valid_chunked_body_ends_exactly_where_it_ends_however_it_is_split(
+                chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..40), 0..6),
+                ext: bool,
+                trailer: bool,
+                cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..4),
+            ) {
+                let body = encode(&chunks, ext, trailer);
+                let mut wire = body.clone();
+                wire.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+                let mut points: Vec<usize> = cuts.iter().map(|c| c.index(wire.len() + 1)).collect();
+                points.sort_unstable();
+                points.push(wire.len());
+                let mut scan = ChunkScanner::default();
+                let (mut at, mut used) = (0, 0);
+                for p in points {
+                    if scan.done() || p < at {
+                        continue;
+                    }
+                    used += scan.feed(&wire[at..p]).unwrap();
+                    at = p;
+                }
+                prop_assert!(scan.done());
+                prop_assert_eq!(used, body.len());
+            }
+        }
+    }
 }

@@ -67,6 +67,22 @@ struct Facts<'b> {
 }
 
 /// The value as `HeaderValue::to_str` sees it: visible ASCII and tabs only.
+/// A `Content-Length` value: decimal digits only (around optional spaces and
+/// tabs), no sign, no overflow. `str::parse` would take `+5`, which other
+/// parsers on the path may read differently.
+pub(super) fn content_length(v: &[u8]) -> Option<u64> {
+    let ows = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = v.iter().position(|b| !ows(b)).unwrap_or(v.len());
+    let end = v.iter().rposition(|b| !ows(b)).map_or(start, |i| i + 1);
+    let v = &v[start..end];
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &d| {
+        n.checked_mul(10)?.checked_add(u64::from(d - b'0'))
+    })
+}
+
 fn text(v: &[u8]) -> Option<&str> {
     v.iter()
         .all(|&b| b == b'\t' || (32..127).contains(&b))
@@ -303,7 +319,7 @@ pub(super) fn analyze(
                 f.host.get_or_insert(value);
             }
             Hdr::ContentLength => {
-                let n = text(value).and_then(|v| v.trim().parse::<u64>().ok());
+                let n = content_length(value);
                 match (n, f.content_length) {
                     (Some(n), None) => f.content_length = Some(n),
                     _ => return Analysis::Handover,
@@ -383,9 +399,13 @@ pub(super) fn analyze(
         None => IdSpan::Owned(id.to_string()),
     };
     let host_routed = source == RouteSource::Host;
+    let data_plane = source.is_data_plane();
     out.clear();
     for (h, &kind) in req.headers.iter().zip(kinds.iter()) {
-        if dropped_upstream(kind, host_routed) || f.named.contains(h.name) {
+        if dropped_upstream(kind, host_routed)
+            || (data_plane && kind == Hdr::ApiKey)
+            || f.named.contains(h.name)
+        {
             continue;
         }
         push_header(out, h.name.as_bytes(), h.value);
@@ -456,7 +476,7 @@ pub(super) fn parse_response_head(
         *kind = classify(h.name);
         match *kind {
             Hdr::ContentLength => {
-                let n = text(h.value).and_then(|v| v.trim().parse::<u64>().ok());
+                let n = content_length(h.value);
                 match (n, length) {
                     (Some(n), None) => length = Some(n),
                     (Some(n), Some(m)) if n == m => {}
@@ -598,6 +618,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn content_length_takes_digits_only() {
+        assert_eq!(content_length(b"0"), Some(0));
+        assert_eq!(content_length(b" 42\t"), Some(42));
+        assert_eq!(content_length(b"18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            &b"+5"[..],
+            b"-1",
+            b"",
+            b" ",
+            b"5 5",
+            b"0x10",
+            b"1e3",
+            b"18446744073709551616",
+        ] {
+            assert_eq!(
+                content_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
     fn response_heads_are_rewritten_for_the_client() {
         let raw =
             b"HTTP/1.1 200 Fine\r\nConnection: x-hop, close\r\nx-hop: 1\r\nkeep-alive: t=1\r\n\
@@ -723,5 +767,92 @@ mod tests {
         let s = std::str::from_utf8(&d).unwrap();
         assert!(s.ends_with(" GMT"), "{s}");
         assert!(httpdate::parse_http_date(s).is_ok(), "{s}");
+    }
+
+    mod props {
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::server::route::Router;
+        use crate::server::{ClientLimits, GatewayOptions};
+
+        fn router() -> Router {
+            Router::new(&GatewayOptions {
+                api_key: "k".repeat(32),
+                request_timeout: std::time::Duration::from_secs(1),
+                forward_response_size: 0,
+                sandbox_proxy_domains: vec!["sb.example.com".into()],
+                debug_mode: false,
+                limits: ClientLimits::default(),
+            })
+            .unwrap()
+        }
+
+        /// Request heads made of plausible pieces, so that parsing gets deep.
+        fn head() -> impl Strategy<Value = Vec<u8>> {
+            let method = prop_oneof![
+                Just("GET"),
+                Just("POST"),
+                Just("DELETE"),
+                Just("BREW"),
+                Just("G\x01T")
+            ];
+            let path = prop_oneof![
+                Just("/sandboxes/01936f8e-72f5-7000-8000-000000000001/pause".to_string()),
+                Just("/proxy/x".to_string()),
+                Just("/%zz".to_string()),
+                "/[a-z0-9%./]{0,30}".prop_map(|s| s),
+            ];
+            let header = prop_oneof![
+                Just("content-length: 5".to_string()),
+                Just("content-length: +5".to_string()),
+                Just("content-length: 99999999999999999999999".to_string()),
+                Just("transfer-encoding: chunked".to_string()),
+                Just("host: 49983-01936f8e-72f5-7000-8000-000000000001.sb.example.com".to_string()),
+                Just("e2b-sandbox-id: 01936f8e-72f5-7000-8000-000000000001".to_string()),
+                Just("e2b-sandbox-port: 49983".to_string()),
+                Just("x-api-key: kkk".to_string()),
+                Just("connection: close, x-a".to_string()),
+                "[a-z-]{1,12}: [ -~]{0,20}".prop_map(|s| s),
+            ];
+            (
+                method,
+                path,
+                proptest::collection::vec(header, 0..8),
+                any::<bool>(),
+            )
+                .prop_map(|(m, p, hs, complete)| {
+                    let mut h = format!("{m} {p} HTTP/1.1\r\n");
+                    for x in hs {
+                        h.push_str(&x);
+                        h.push_str("\r\n");
+                    }
+                    if complete {
+                        h.push_str("\r\n");
+                    }
+                    h.into_bytes()
+                })
+        }
+
+        proptest! {
+            #[test]
+            fn head_analysis_never_panics_on_any_bytes(buf in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let mut out = Vec::new();
+                let _ = analyze(&router(), &buf, &mut out, &http::HeaderValue::from_static("10.0.0.1"));
+            }
+
+            #[test]
+            fn head_analysis_never_panics_on_plausible_heads(buf in head()) {
+                let mut out = Vec::new();
+                let _ = analyze(&router(), &buf, &mut out, &http::HeaderValue::from_static("10.0.0.1"));
+            }
+
+            #[test]
+            fn content_length_reads_every_decimal_and_nothing_else(n: u64, junk in "[^0-9 \t]{1,3}") {
+                prop_assert_eq!(content_length(n.to_string().as_bytes()), Some(n));
+                let bad = format!("{n}{junk}");
+                prop_assert_eq!(content_length(bad.as_bytes()), None);
+            }
+        }
     }
 }

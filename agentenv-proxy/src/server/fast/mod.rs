@@ -57,6 +57,9 @@ pub(super) struct FastLane<'g> {
     pub(super) pool: &'g UpstreamPool,
     /// Bounds the lookup and the whole exchange with the node.
     pub(super) request_timeout: Duration,
+    /// How long a client may take to send a request head (from the connection's
+    /// start or the end of the previous response).
+    pub(super) header_timeout: Duration,
     /// Adds `x-agentenv-node-id` to responses.
     pub(super) debug_mode: bool,
 }
