@@ -7,7 +7,6 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -16,9 +15,14 @@ use serde::{Deserialize, Deserializer};
 use crate::duration::{parse_go_duration_nanos, parse_positive_duration};
 use crate::logging::{LogFormat, LogLevel};
 
+mod addr;
 mod choices;
+mod tls;
 
+use addr::require_listen_addr;
+pub use addr::{is_loopback_listen_addr, resolve_listen_addr};
 pub use choices::{DiscoveryMode, Strategy};
+pub use tls::{TlsConnect, TlsListen};
 
 /// Placement strategies the scheduler ships with (the spellings of [`Strategy`]).
 pub const BUILTIN_STRATEGIES: [&str; 4] = ["round_robin", "random", "least_loaded", "power_of_two"];
@@ -184,78 +188,6 @@ impl Default for SchedulerConfig {
             insecure_no_auth: false,
             tls: TlsListen::default(),
         }
-    }
-}
-
-/// A TLS listener: its certificate chain and key (PEM files) and, for mutual
-/// TLS, the CA that client certificates must chain to. An empty `cert_file`
-/// means plain TCP.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(default)]
-pub struct TlsListen {
-    pub cert_file: String,
-    pub key_file: String,
-    pub client_ca_file: String,
-}
-
-impl TlsListen {
-    /// Whether TLS is configured.
-    pub fn enabled(&self) -> bool {
-        !self.cert_file.trim().is_empty()
-    }
-
-    fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        match (
-            self.cert_file.trim().is_empty(),
-            self.key_file.trim().is_empty(),
-        ) {
-            (true, true) if self.client_ca_file.trim().is_empty() => Ok(()),
-            (false, false) => Ok(()),
-            _ => Err(ConfigError::invalid(
-                key,
-                "set cert_file and key_file together (PEM files); client_ca_file needs them too",
-            )),
-        }
-    }
-}
-
-/// A TLS client link: the CA file that the server's certificate must chain to
-/// (a private PKI) and, for mutual TLS, this side's certificate and key. An
-/// empty `ca_file` means plain TCP.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(default)]
-pub struct TlsConnect {
-    pub ca_file: String,
-    pub cert_file: String,
-    pub key_file: String,
-}
-
-impl TlsConnect {
-    /// Whether TLS is configured.
-    pub fn enabled(&self) -> bool {
-        !self.ca_file.trim().is_empty()
-    }
-
-    /// The client certificate and key files, when both are set.
-    pub fn identity(&self) -> Option<(&str, &str)> {
-        let (c, k) = (self.cert_file.trim(), self.key_file.trim());
-        (!c.is_empty() && !k.is_empty()).then_some((c, k))
-    }
-
-    fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        if self.cert_file.trim().is_empty() != self.key_file.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                key,
-                "set cert_file and key_file together (the client certificate for mutual TLS)",
-            ));
-        }
-        if !self.enabled() && !self.cert_file.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                key,
-                "a client certificate needs ca_file (the CA the server's certificate chains to)",
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -634,16 +566,6 @@ impl Config {
     }
 }
 
-/// Whether a listen address (`host:port`, `:port`) binds a loopback address only.
-pub fn is_loopback_listen_addr(addr: &str) -> bool {
-    let host = addr.trim().rsplit_once(':').map_or("", |(h, _)| h);
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
 fn validate_nodes(nodes: &[NodeConfig]) -> Result<(), ConfigError> {
     if nodes.is_empty() {
         return Err(ConfigError::invalid(
@@ -737,37 +659,6 @@ fn validate_grpc_target(key: &str, value: &str, required: bool) -> Result<(), Co
             format!("{v:?} must be host:port, e.g. \"127.0.0.1:9090\""),
         )),
     }
-}
-
-fn require_listen_addr(key: &str, value: &str) -> Result<(), ConfigError> {
-    if value.trim().is_empty() {
-        return Err(ConfigError::invalid(key, "is required, e.g. \":9090\""));
-    }
-    resolve_listen_addr(value)
-        .map(|_| ())
-        .map_err(|m| ConfigError::invalid(key, m))
-}
-
-/// Resolves a Go-style listen address (`":9090"`, `"127.0.0.1:9090"`,
-/// `"localhost:9090"`, `"[::1]:9090"`) into a socket address. A missing host
-/// means every interface.
-pub fn resolve_listen_addr(value: &str) -> Result<SocketAddr, String> {
-    let v = value.trim();
-    let Some((host, port)) = v.rsplit_once(':') else {
-        return Err(format!("{v:?} must be host:port or :port, e.g. \":9090\""));
-    };
-    let port: u16 = port.parse().map_err(|_| {
-        format!("{v:?} has an invalid port; expected host:port or :port, e.g. \":9090\"")
-    })?;
-    if host.is_empty() {
-        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
-    }
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {v:?}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("{v:?} resolves to no address"))
 }
 
 fn env_duration(var: &'static str, value: &str) -> Result<Duration, ConfigError> {
