@@ -139,6 +139,23 @@ async fn envd_token_is_required_for_every_sandbox_and_scoped_to_one() {
         .await;
         assert_eq!((r.status, r.body.len()), (401, 0), "{h:?}");
     }
+    // `/init` (which would set a new token and environment) is the node's alone: even
+    // the sandbox's own token cannot reach it through the data plane.
+    for path in ["/proxy/init", "/proxy/init?x=1"] {
+        let r = request(
+            addr,
+            "POST",
+            path,
+            &[
+                ("e2b-sandbox-id", a.as_str()),
+                ("x-access-token", token_a.as_str()),
+                ("content-type", "application/json"),
+            ],
+            r#"{"accessToken":"taken-over"}"#,
+        )
+        .await;
+        assert_eq!(r.status, 403, "{path}: {}", r.text());
+    }
     assert!(run(addr, &a, Some(&token_b), "true").await.is_err());
     let out = run(addr, &a, Some(&token_a), "echo secure").await.unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "secure\n");

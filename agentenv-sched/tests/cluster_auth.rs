@@ -2,6 +2,8 @@
 //! refused with UNAUTHENTICATED and change nothing; with it they work; the
 //! read-only lookups can be opened by configuration.
 
+mod support;
+
 use agentenv_core::cluster_auth::{ClusterToken, SendClusterToken};
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient;
@@ -54,20 +56,9 @@ async fn client(addr: std::net::SocketAddr, token: Option<&str>) -> Client {
     SchedulerClient::with_interceptor(channel, SendClusterToken(token))
 }
 
+/// node-a's heartbeat listing `sandboxes`.
 fn beat(sandboxes: &[&str]) -> HeartbeatRequest {
-    HeartbeatRequest {
-        node_id: "node-a".into(),
-        cluster_id: "cluster-1".into(),
-        service_instance_id: "node-a-1".into(),
-        version: "1.0.0".into(),
-        snapshot: Some(NodeSnapshot {
-            status: NodeStatus::Ready as i32,
-            sandbox_count: sandboxes.len() as u32,
-            ..Default::default()
-        }),
-        sandbox_ids: sandboxes.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    }
+    support::beat("node-a", sandboxes)
 }
 
 async fn lookup(c: &mut Client) -> Result<String, Code> {

@@ -1,6 +1,8 @@
 //! The scheduler.v1 service, called in-process (the same trait the gRPC
 //! server dispatches to). Time is paused so TTLs are exact.
 
+mod support;
+
 use std::sync::Arc;
 
 use agentenv_core::config::{NodeConfig, NodeResourceLimit, SchedulerConfig};
@@ -10,6 +12,7 @@ use agentenv_sched::{
     BindingStore, NodeRegistry, Scheduler, SchedulerService, StaticRegistry, StoreError,
 };
 use async_trait::async_trait;
+use support::beat;
 use tokio::time::{Duration, Instant, advance};
 use tonic::{Code, Request};
 
@@ -35,22 +38,6 @@ fn config(ids: &[&str]) -> SchedulerConfig {
 
 fn service(ids: &[&str]) -> SchedulerService {
     Scheduler::builder(config(ids)).build().unwrap().service()
-}
-
-fn beat(id: &str, sandboxes: &[&str]) -> HeartbeatRequest {
-    HeartbeatRequest {
-        node_id: id.into(),
-        cluster_id: "cluster-1".into(),
-        service_instance_id: format!("{id}-instance"),
-        version: "1.0.0".into(),
-        snapshot: Some(NodeSnapshot {
-            status: NodeStatus::Ready as i32,
-            sandbox_count: sandboxes.len() as u32,
-            ..Default::default()
-        }),
-        sandbox_ids: sandboxes.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    }
 }
 
 async fn heartbeat(svc: &SchedulerService, req: HeartbeatRequest) -> HeartbeatResponse {
