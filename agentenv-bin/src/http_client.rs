@@ -1,21 +1,72 @@
 //! The one HTTP/1.1 client of `agentenv up` and the cross-process tests: a request to an
-//! address on this machine, its whole answer read within a time limit. It is hyper-util's
-//! client, as the CLI's REST client ([`crate::cli::api`]) uses, with pooling off: each
-//! request has a connection of its own and asks for it to be closed (`Connection: close`).
+//! address on this machine ([`Target`]: plain HTTP, or TLS verified with a given
+//! configuration), its whole answer read within a time limit. It is hyper-util's client,
+//! as the CLI's REST client ([`crate::cli::api`]) uses, with pooling off: each request has
+//! a connection of its own and asks for it to be closed (`Connection: close`).
 //!
 //! [`request`] is async; [`blocking_request`] serves synchronous callers (tests), also
 //! from inside an async runtime, by running the request on a runtime of its own.
 
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, header};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connect, HttpConnector};
 use hyper_util::rt::TokioExecutor;
+
+/// Where a request goes: an address on this machine, over plain HTTP or over TLS
+/// verified with a client configuration (the server's certificate must name the
+/// address's IP).
+#[derive(Clone)]
+pub struct Target {
+    pub addr: SocketAddr,
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl Target {
+    /// `addr` over TLS, verified with `tls`.
+    pub fn tls(addr: SocketAddr, tls: Arc<rustls::ClientConfig>) -> Self {
+        Self {
+            addr,
+            tls: Some(tls),
+        }
+    }
+
+    /// The same target at another address (e.g. a node of the same cluster).
+    pub fn at(&self, addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            tls: self.tls.clone(),
+        }
+    }
+
+    /// The TLS configuration, when the target speaks TLS.
+    pub fn tls_config(&self) -> Option<&Arc<rustls::ClientConfig>> {
+        self.tls.as_ref()
+    }
+
+    /// `http://addr` or `https://addr`.
+    pub fn url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+}
+
+impl From<SocketAddr> for Target {
+    fn from(addr: SocketAddr) -> Self {
+        Self { addr, tls: None }
+    }
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.url())
+    }
+}
 
 /// Errors of one HTTP exchange.
 #[derive(Debug, thiserror::Error)]
@@ -81,16 +132,18 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
-/// Sends one request to `addr` and reads the whole response, all within `timeout`.
-/// `headers` are sent as given (a `Host` header names `addr`).
+/// Sends one request to `target` and reads the whole response, all within `timeout`.
+/// `headers` are sent as given (a `Host` header names the address).
 pub async fn request(
-    addr: SocketAddr,
+    target: impl Into<Target>,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
     timeout: Duration,
 ) -> Result<Response, HttpError> {
+    let target = target.into();
+    let addr = target.addr;
     let exchange_err = |reason: String| HttpError::Exchange {
         method: method.into(),
         path: path.into(),
@@ -101,7 +154,7 @@ pub async fn request(
         .map_err(|e| exchange_err(format!("bad method: {e}")))?;
     let mut req = Request::builder()
         .method(method_v)
-        .uri(format!("http://{addr}{path}"))
+        .uri(format!("{}{path}", target.url()))
         .header(header::CONNECTION, "close");
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -109,11 +162,24 @@ pub async fn request(
     let req = req
         .body(Full::new(Bytes::copy_from_slice(body)))
         .map_err(|e| exchange_err(format!("bad request: {e}")))?;
-    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(0)
-        .build(connector(None));
     let exchange = async {
-        let resp = client.request(req).await.map_err(|e| {
+        let resp = match &target.tls {
+            None => send(connector(None), req).await,
+            Some(tls) => {
+                let mut http = connector(None);
+                http.enforce_http(false);
+                // hyper-rustls sets ALPN (http/1.1) itself.
+                let mut cfg = (**tls).clone();
+                cfg.alpn_protocols.clear();
+                let https = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(cfg)
+                    .https_only()
+                    .enable_http1()
+                    .wrap_connector(http);
+                send(https, req).await
+            }
+        };
+        let resp = resp.map_err(|e| {
             if e.is_connect() {
                 HttpError::Connect {
                     addr,
@@ -155,10 +221,24 @@ pub async fn request(
         })?
 }
 
+/// Sends `req` on a connection of its own made by `conn`.
+async fn send<C>(
+    conn: C,
+    req: Request<Full<Bytes>>,
+) -> Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error>
+where
+    C: Connect + Clone + Send + Sync + 'static,
+{
+    let client: Client<C, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build(conn);
+    client.request(req).await
+}
+
 /// [`request`] for synchronous callers: the request runs on a runtime thread of this
 /// module while the caller blocks, so it may be called inside an async runtime too.
 pub fn blocking_request(
-    addr: SocketAddr,
+    target: impl Into<Target>,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
@@ -174,6 +254,7 @@ pub fn blocking_request(
             .build()
             .expect("starting the HTTP client's runtime")
     });
+    let target = target.into();
     let (method, path, body) = (method.to_string(), path.to_string(), body.to_vec());
     let headers: Vec<(String, String)> = headers
         .iter()
@@ -185,7 +266,7 @@ pub fn blocking_request(
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        let _ = tx.send(request(addr, &method, &path, &headers, &body, timeout).await);
+        let _ = tx.send(request(target, &method, &path, &headers, &body, timeout).await);
     });
     rx.recv()
         .expect("the HTTP client's runtime answers every request")

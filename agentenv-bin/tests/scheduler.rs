@@ -213,7 +213,7 @@ async fn binary_serves_scheduler_health_and_metrics_then_stops_on_sigterm() {
 }
 
 async fn http_get(addr: &str, path: &str) -> String {
-    let addr = addr.parse().unwrap();
+    let addr: std::net::SocketAddr = addr.parse().unwrap();
     let r =
         agentenv_bin::http_client::request(addr, "GET", path, &[], b"", Duration::from_secs(30));
     r.await.unwrap().text()

@@ -180,3 +180,30 @@ pub fn client_config(
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(cfg))
 }
+
+/// A client configuration trusting the system's CAs: the certificates of
+/// `SSL_CERT_FILE` / `SSL_CERT_DIR` when set (a private CA such as the one
+/// `agentenv up --tls` makes), else the distribution's bundle.
+pub fn system_client_config(alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsError> {
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why = found
+            .errors
+            .first()
+            .map_or_else(|| "none found".to_string(), |e| e.to_string());
+        return Err(TlsError::File {
+            what: "system CA certificates",
+            path: std::env::var_os("SSL_CERT_FILE")
+                .map_or_else(|| PathBuf::from("/etc/ssl/certs"), PathBuf::from),
+            message: format!("{why} (set SSL_CERT_FILE to a PEM file of the CA to trust)"),
+        });
+    }
+    let mut cfg = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(cfg))
+}

@@ -17,6 +17,12 @@
 //! each figure and the median of the per-round gateway/nginx ratios (each
 //! ratio compares runs made seconds apart). The load average is printed.
 //!
+//! Then the same over TLS: the gateway's own TLS listener (rustls) against
+//! nginx terminating TLS (OpenSSL), both with a certificate of a CA made for
+//! the run, both relaying to the same plain upstream, at 64 connections
+//! (keep-alive: one handshake per connection, then requests). `BENCH_TLS=0`
+//! skips that pass.
+//!
 //! `cargo run --release -p agentenv-proxy --example gateway_bench [-- SECONDS]`
 //! needs the Debian packages `nginx` and `wrk`.
 
@@ -74,11 +80,14 @@ fn main() {
     let upstream_rt = runtime();
     let rt = runtime();
     let upstream = upstream_rt.block_on(start_upstream());
-    let gateway = rt.block_on(start_gateway(upstream));
-    let bare = start_bare_proxy(upstream);
     let tmp = tempfile::tempdir().expect("temp dir");
-    let (mut nginx, nginx_addr) = start_nginx(tmp.path(), upstream);
+    let certs = Certs::write(tmp.path());
+    let gateway = rt.block_on(start_gateway(upstream, None));
+    let gateway_tls = rt.block_on(start_gateway(upstream, Some(&certs)));
+    let bare = start_bare_proxy(upstream);
+    let (mut nginx, nginx_addr, nginx_tls) = start_nginx(tmp.path(), upstream, &certs);
     rt.block_on(wait_listening(nginx_addr));
+    rt.block_on(wait_listening(nginx_tls));
 
     // BENCH_PROFILE=gateway|nginx|direct drives only that target at 64
     // connections (to attach perf to it).
@@ -93,8 +102,8 @@ fn main() {
             "profiling {which} at {addr} (pid {pid}); load {}",
             load_average()
         );
-        wrk(addr, 64, 1);
-        let r = wrk(addr, 64, secs);
+        wrk(&url(addr, false), 64, 1);
+        let r = wrk(&url(addr, false), 64, secs);
         println!(
             "{which} {:.0} req/s p50 {:.1} µs p99 {:.1} µs",
             r.rps, r.p50_us, r.p99_us
@@ -121,7 +130,7 @@ fn main() {
     for conns in [64usize, 1] {
         // Warm up pools and caches.
         for (_, addr) in targets {
-            wrk(addr, conns, 1);
+            wrk(&url(addr, false), conns, 1);
         }
         let mut runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
         for round in 1..=rounds {
@@ -134,7 +143,7 @@ fn main() {
                     _ => f64::NAN,
                 };
                 let before = cpu();
-                let mut r = wrk(addr, conns, secs);
+                let mut r = wrk(&url(addr, false), conns, secs);
                 r.cpu_us = (cpu() - before) * 1e6 / (r.rps * secs as f64);
                 println!(
                     "{conns:>3} conns  round {round}  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs   proxy CPU/request {:>6.1} µs   load {}",
@@ -198,8 +207,107 @@ fn main() {
             bare_r.cpu_us
         );
     }
+    if std::env::var("BENCH_TLS").as_deref() != Ok("0") {
+        tls_pass(nginx.id(), nginx_tls, gateway_tls, rounds, secs);
+    }
     println!("load average at the end: {}", load_average());
     stop(&mut nginx);
+}
+
+/// The TLS pass: nginx terminating TLS against the gateway's TLS listener at
+/// 64 connections, `rounds` rounds in turn; prints each round and the
+/// medians with the throughput and CPU ratios.
+fn tls_pass(nginx_pid: u32, nginx: SocketAddr, gateway: SocketAddr, rounds: usize, secs: u64) {
+    let conns = 64;
+    println!("\nover TLS ({conns} connections, one handshake per connection):");
+    let targets = [("nginx", nginx), ("gateway", gateway)];
+    for (_, addr) in targets {
+        wrk(&url(addr, true), conns, 1);
+    }
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
+    for round in 1..=rounds {
+        for (i, (name, addr)) in targets.into_iter().enumerate() {
+            let cpu = move || match name {
+                "nginx" => nginx_cpu_seconds(nginx_pid),
+                _ => threads_cpu_seconds("gateway-"),
+            };
+            let before = cpu();
+            let mut r = wrk(&url(addr, true), conns, secs);
+            r.cpu_us = (cpu() - before) * 1e6 / (r.rps * secs as f64);
+            println!(
+                "tls {conns:>3} conns  round {round}  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs   proxy CPU/request {:>6.1} µs   load {}",
+                r.rps,
+                r.p50_us,
+                r.p99_us,
+                r.cpu_us,
+                load_average()
+            );
+            runs[i].push(r);
+        }
+    }
+    let paired = median(
+        runs[1]
+            .iter()
+            .zip(&runs[0])
+            .map(|(g, n)| g.rps / n.rps)
+            .collect(),
+    );
+    let (n, g) = (median_run(&runs[0]), median_run(&runs[1]));
+    println!("medians of {rounds} round(s) over TLS:");
+    for (name, r) in [("nginx", n), ("gateway", g)] {
+        println!(
+            "  {name:<8} {:>10.0} req/s   p50 {:>8.1} µs   p99 {:>8.1} µs",
+            r.rps, r.p50_us, r.p99_us
+        );
+    }
+    println!(
+        "  throughput gateway/nginx over TLS = {:.2} (median of per-round ratios {:.2})",
+        g.rps / n.rps,
+        paired
+    );
+    println!(
+        "  proxy CPU per request over TLS: gateway {:.1} µs, nginx {:.1} µs (gateway/nginx = {:.2})",
+        g.cpu_us,
+        n.cpu_us,
+        g.cpu_us / n.cpu_us
+    );
+}
+
+/// A CA made for the run and a certificate for 127.0.0.1 it signed, as PEM
+/// files in a directory (nginx reads files; the gateway too).
+struct Certs {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+}
+
+impl Certs {
+    fn write(dir: &Path) -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().expect("CA key");
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "gateway bench CA");
+        let issuer = Issuer::new(ca, ca_key);
+        let key = KeyPair::generate().expect("key");
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .expect("leaf params")
+            .signed_by(&key, &issuer)
+            .expect("sign the leaf");
+        let certs = Self {
+            cert: dir.join("bench-cert.pem"),
+            key: dir.join("bench-key.pem"),
+        };
+        std::fs::write(&certs.cert, leaf.pem()).expect("write the certificate");
+        std::fs::write(&certs.key, key.serialize_pem()).expect("write the key");
+        certs
+    }
+}
+
+/// The URL wrk drives at `addr`.
+fn url(addr: SocketAddr, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{addr}/hello")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -404,7 +512,9 @@ fn start_bare_proxy(upstream: SocketAddr) -> SocketAddr {
     addr
 }
 
-async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
+/// The gateway in front of `upstream`; with `tls`, serving TLS with that
+/// certificate (HTTP/1.1 and HTTP/2 by ALPN, as the daemon offers).
+async fn start_gateway(upstream: SocketAddr, tls: Option<&Certs>) -> SocketAddr {
     let config = SchedulerConfig {
         nodes: vec![NodeConfig {
             id: "node-bench".into(),
@@ -450,6 +560,15 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
         },
     )
     .expect("gateway");
+    let gateway = match tls {
+        Some(c) => {
+            let cert = agentenv_core::tls::ReloadingCert::load(&c.cert, &c.key).expect("load cert");
+            let cfg = agentenv_core::tls::server_config(cert, None, &[b"h2", b"http/1.1"])
+                .expect("TLS config");
+            gateway.with_tls(cfg)
+        }
+        None => gateway,
+    };
     // One single-threaded runtime per core, like nginx's worker processes;
     // BENCH_THREADS=0 serves from one multi-threaded runtime instead.
     let threads = std::env::var("BENCH_THREADS")
@@ -474,9 +593,14 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
     handle.local_addr()
 }
 
-fn start_nginx(dir: &Path, upstream: SocketAddr) -> (Child, SocketAddr) {
+/// nginx as a keep-alive reverse proxy to `upstream`, on a plain port and a
+/// TLS port (`certs`); returns both addresses.
+fn start_nginx(dir: &Path, upstream: SocketAddr, certs: &Certs) -> (Child, SocketAddr, SocketAddr) {
     let port = agentenv_testkit::free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let tls_port = agentenv_testkit::free_port();
+    let tls_addr: SocketAddr = format!("127.0.0.1:{tls_port}").parse().unwrap();
+    let (cert, key) = (certs.cert.display(), certs.key.display());
     let is_root = Command::new("id")
         .arg("-u")
         .output()
@@ -492,6 +616,9 @@ error_log {d}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
+    # As the gateway: no limit on requests per client connection (nginx's
+    # default of 1000 would make wrk reconnect, and over TLS handshake again).
+    keepalive_requests 1000000;
     client_body_temp_path {d}/client_body;
     proxy_temp_path {d}/proxy;
     fastcgi_temp_path {d}/fastcgi;
@@ -503,6 +630,17 @@ http {{
     }}
     server {{
         listen {addr};
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $http_host;
+        }}
+    }}
+    server {{
+        listen {tls_addr} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
         location / {{
             proxy_pass http://backend;
             proxy_http_version 1.1;
@@ -525,7 +663,7 @@ http {{
         .stderr(Stdio::inherit())
         .spawn()
         .expect("start nginx");
-    (child, addr)
+    (child, addr, tls_addr)
 }
 
 async fn wait_listening(addr: SocketAddr) {
@@ -546,7 +684,7 @@ fn stop(child: &mut Child) {
     let _ = child.wait();
 }
 
-fn wrk(addr: SocketAddr, conns: usize, secs: u64) -> Run {
+fn wrk(url: &str, conns: usize, secs: u64) -> Run {
     let threads = conns.min(2);
     let out = Command::new("wrk")
         .args([
@@ -564,7 +702,7 @@ fn wrk(addr: SocketAddr, conns: usize, secs: u64) -> Run {
             "-H",
             "e2b-sandbox-port: 49983",
         ])
-        .arg(format!("http://{addr}/hello"))
+        .arg(url)
         .output()
         .expect("run wrk");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -576,12 +714,17 @@ fn wrk(addr: SocketAddr, conns: usize, secs: u64) -> Run {
     };
     let rps: f64 = field("Requests/sec:")
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("wrk output:\n{text}"));
+        .unwrap_or_else(|| {
+            panic!(
+                "wrk output:\n{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
     if let Some(errors) = text
         .lines()
         .find(|l| l.contains("Non-2xx") || l.contains("Socket errors"))
     {
-        eprintln!("bench: wrk against {addr} reported: {}", errors.trim());
+        eprintln!("bench: wrk against {url} reported: {}", errors.trim());
     }
     Run {
         rps,

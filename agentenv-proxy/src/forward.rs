@@ -219,6 +219,8 @@ pub struct Forwarded<'a> {
     pub method: &'a Method,
     /// The inbound request URI (escaped path and query).
     pub request_uri: &'a str,
+    /// The client's connection is TLS (`X-Forwarded-Proto: https`).
+    pub tls: bool,
 }
 
 /// Rewrites inbound request headers for the upstream: hop-by-hop headers go
@@ -250,7 +252,8 @@ pub fn rewrite_request_headers(headers: &mut HeaderMap, upgrade: bool, fwd: &For
         headers.insert(X_FORWARDED_HOST.clone(), host.clone());
     }
     headers.insert(X_FORWARDED_FOR.clone(), ip_header_value(fwd.client_ip));
-    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    let proto = if fwd.tls { "https" } else { "http" };
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
     headers.insert(X_FORWARDED_METHOD.clone(), method_header_value(fwd.method));
     if let Ok(v) = HeaderValue::from_str(fwd.request_uri) {
         headers.insert(X_FORWARDED_URI.clone(), v);
@@ -378,6 +381,7 @@ mod tests {
                 host: host.as_ref(),
                 method: &Method::POST,
                 request_uri: "/a%2Fb?q=1",
+                tls: false,
             },
         );
         assert_eq!(h["host"], "gw.example:8080");
@@ -409,6 +413,7 @@ mod tests {
                 host: None,
                 method: &Method::GET,
                 request_uri: "/socket",
+                tls: false,
             },
         );
         assert_eq!(h["connection"], "Upgrade");

@@ -24,5 +24,5 @@ pub mod server;
 pub use client::{ClientError, GrpcSchedulerClient, InProcessScheduler, SchedulerClient};
 pub use metrics::GatewayMetrics;
 pub use server::{
-    ClientLimits, Gateway, GatewayError, GatewayOptions, GatewayService, ServeHandle,
+    ClientLimits, ClientTls, Gateway, GatewayError, GatewayOptions, GatewayService, ServeHandle,
 };

@@ -1,7 +1,8 @@
 //! The gateway's own TLS listener: clients trusting a private CA are served
 //! over TLS, a renewed certificate is picked up by `reload` for new
 //! handshakes while an open connection keeps working, and a broken renewal
-//! leaves the old certificate in use.
+//! leaves the old certificate in use; HTTP/1.1 over TLS takes the fast lane
+//! and HTTP/2 (by ALPN) hyper, and nodes are told `X-Forwarded-Proto: https`.
 
 mod common;
 
@@ -53,6 +54,10 @@ impl Ca {
     }
 
     fn connector(&self) -> TlsConnector {
+        TlsConnector::from(self.client_config())
+    }
+
+    fn client_config(&self) -> Arc<rustls::ClientConfig> {
         let mut roots = RootCertStore::empty();
         roots.add(self.der.clone()).unwrap();
         let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -65,7 +70,7 @@ impl Ca {
         // Every handshake is a full one: a resumed session shows no certificate.
         let mut cfg = cfg;
         cfg.resumption = rustls::client::Resumption::disabled();
-        TlsConnector::from(Arc::new(cfg))
+        Arc::new(cfg)
     }
 }
 
@@ -153,4 +158,117 @@ async fn send_raw(addr: SocketAddr) -> Option<String> {
     let text = String::from_utf8_lossy(&buf);
     text.starts_with("HTTP/")
         .then(|| text.lines().next().unwrap_or("").to_string())
+}
+
+/// Reads one response with a `Content-Length` body off `s` (after `buf`).
+async fn read_response<S: tokio::io::AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -> String {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            if buf.len() >= end + 4 + len {
+                let whole: Vec<u8> = buf.drain(..end + 4 + len).collect();
+                return String::from_utf8_lossy(&whole).into_owned();
+            }
+        }
+        let mut b = [0u8; 4096];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(10), s.read(&mut b))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        assert!(n > 0, "the gateway closed the connection");
+        buf.extend_from_slice(&b[..n]);
+    }
+}
+
+#[tokio::test]
+async fn tls_http1_requests_take_the_fast_lane_and_nodes_are_told_https() {
+    use tokio::io::AsyncWriteExt;
+    // The node names the X-Forwarded-Proto it was sent, in a header whose
+    // case only the fast lane keeps (hyper lower-cases names).
+    let node = RawNode::start(|head| {
+        let proto = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("x-forwarded-proto:")
+                    .map(|v| v.trim().to_string())
+            })
+            .unwrap_or_default();
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Node-Case: kept\r\n\r\n{proto}",
+            proto.len()
+        );
+        (resp.into_bytes(), false)
+    })
+    .await;
+    let ca = Ca::new();
+    let dir = tempfile::tempdir().unwrap();
+    ca.issue(dir.path(), "fast");
+    let cert =
+        ReloadingCert::load(&dir.path().join("cert.pem"), &dir.path().join("key.pem")).unwrap();
+    let tls = server_config(cert, None, &[b"h2", b"http/1.1"]).unwrap();
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
+    let gateway: Gateway = c.gateway.with_tls(tls);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { gateway.serve(listener, std::future::pending()).await });
+
+    // HTTP/1.1 by ALPN: three keep-alive requests, the last two pipelined.
+    let mut connector_cfg = (*ca.client_config()).clone();
+    connector_cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let mut tls = TlsConnector::from(Arc::new(connector_cfg))
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await
+        .unwrap();
+    let req = b"GET /x HTTP/1.1\r\nhost: gw.test\r\ne2b-sandbox-id: sbx-1\r\ne2b-sandbox-port: 49983\r\n\r\n";
+    let mut buf = Vec::new();
+    tls.write_all(req).await.unwrap();
+    let mut answers = vec![read_response(&mut tls, &mut buf).await];
+    tls.write_all(&[&req[..], &req[..]].concat()).await.unwrap();
+    answers.push(read_response(&mut tls, &mut buf).await);
+    answers.push(read_response(&mut tls, &mut buf).await);
+    for a in &answers {
+        assert!(a.starts_with("HTTP/1.1 200"), "{a}");
+        assert!(
+            a.contains("X-Node-Case: kept"),
+            "not relayed byte for byte: {a}"
+        );
+        assert!(
+            a.ends_with("\r\n\r\nhttps"),
+            "the node was not told https: {a}"
+        );
+    }
+    assert_eq!(node.accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    // HTTP/2 by ALPN goes to hyper, and the node hears https there too.
+    let mut h2_cfg = (*ca.client_config()).clone();
+    h2_cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let tls = TlsConnector::from(Arc::new(h2_cfg))
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await
+        .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("https://gw.test/x")
+        .header("e2b-sandbox-id", "sbx-1")
+        .header("e2b-sandbox-port", "49983")
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"https");
 }

@@ -386,3 +386,249 @@ fn ctrl_c_during_start_up_removes_the_first_sandbox_and_every_process() {
     assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
     assert!(!Path::new(&data_dir).exists(), "temporary state removed");
 }
+
+/// Runs `agentenv up` with `extra` flags until its banner; returns the child, the lines
+/// read so far and the channel of the lines that follow.
+fn up_until_banner(extra: &[&str]) -> (std::process::Child, Vec<String>, mpsc::Receiver<String>) {
+    let mut child = up_command()
+        .args(extra)
+        .env_remove("AENV_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start agentenv up");
+    let (tx, rx) = mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            eprintln!("[up] {l}");
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while !lines.iter().any(|l: &String| l.starts_with("Ctrl-C stops")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(e) => panic!(
+                "agentenv up did not print its banner ({e:?}):\n{}",
+                lines.join("\n")
+            ),
+        }
+    }
+    (child, lines, rx)
+}
+
+/// `curl -s -o /dev/null -w %{http_code}` with `args`: the status, or curl's exit code
+/// as `curl exit N` when no HTTP answer came.
+fn curl_status(args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "10",
+        ])
+        .args(args)
+        .output()
+        .expect("run curl");
+    match out.status.code() {
+        Some(0) => String::from_utf8_lossy(&out.stdout).into_owned(),
+        other => format!("curl exit {}", other.unwrap_or(-1)),
+    }
+}
+
+#[test]
+fn agentenv_up_tls_serves_the_official_e2b_sdk_aenv_and_curl_over_tls_with_its_own_ca() {
+    if let Some(r) = skip_reason() {
+        eprintln!("SKIPPED: {r}");
+        return;
+    }
+    let py = agentenv_tests::e2b_python().expect("E2B SDK virtual environment");
+    let (mut child, lines, rx) =
+        up_until_banner(&["--tls", "--pool-prefix", "10.18", "--iface-prefix", "uv"]);
+    let pid = child.id();
+    let _stop = StopOnPanic(pid);
+    let text = lines.join("\n");
+    let field = |name: &str| -> String {
+        lines
+            .iter()
+            .find_map(|l| l.trim().strip_prefix(name).map(|v| v.trim().to_string()))
+            .unwrap_or_else(|| panic!("no {name} in the banner:\n{text}"))
+    };
+    let gateway = field("Gateway");
+    let key = field("API key");
+    let ca = field("CA");
+    let ca = ca.split_whitespace().next().unwrap().to_string();
+    let data_dir = field("state and logs:");
+    assert!(gateway.starts_with("https://127.0.0.1:"), "{gateway}");
+    assert!(Path::new(&ca).is_file(), "{ca}");
+    // The start-up check ran a command through the TLS gateway and mutual TLS links.
+    assert!(
+        lines.iter().any(|l| l.starts_with("first sandbox ")),
+        "{text}"
+    );
+
+    // Nothing answers plain HTTP; nothing is trusted without the CA; a node's API also
+    // wants the cluster's client certificate.
+    let hostport = gateway.trim_start_matches("https://");
+    assert!(
+        curl_status(&[&format!("http://{hostport}/health")]).starts_with("curl exit"),
+        "plain HTTP answered on the TLS gateway"
+    );
+    assert_eq!(
+        curl_status(&[&format!("{gateway}/health")]),
+        "curl exit 60",
+        "an unknown CA is refused"
+    );
+    assert_eq!(
+        curl_status(&["--cacert", &ca, &format!("{gateway}/health")]),
+        "204"
+    );
+    let node_a = lines
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("node-a"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("no node-a line:\n{text}"))
+        .to_string();
+    let node_url = format!("https://{node_a}/health");
+    assert!(
+        curl_status(&["--cacert", &ca, &node_url]).starts_with("curl exit"),
+        "a node answered a client without the cluster's certificate"
+    );
+    let tls_dir = Path::new(&data_dir).join("tls");
+    let client_cert = tls_dir.join("cluster-client.pem");
+    let client_key = tls_dir.join("cluster-client-key.pem");
+    assert_eq!(
+        curl_status(&[
+            "--cacert",
+            &ca,
+            "--cert",
+            client_cert.to_str().unwrap(),
+            "--key",
+            client_key.to_str().unwrap(),
+            &node_url
+        ]),
+        "204"
+    );
+
+    // The official E2B SDK, trusting the CA through the standard variable.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/e2b_cluster.py");
+    let out = Command::new(&py)
+        .arg(script)
+        .env("E2B_API_URL", &gateway)
+        .env("E2B_SANDBOX_URL", &gateway)
+        .env("E2B_API_KEY", &key)
+        .env("SSL_CERT_FILE", &ca)
+        .output()
+        .expect("run the SDK script");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "SDK script over TLS failed:\n{}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("JSON from the script");
+    assert_eq!(v["read"], "abc");
+    assert_eq!(v["after_resume"], "abc");
+    assert_eq!(v["kill_a"], true);
+
+    // The banner's commands (with its SSL_CERT_FILE export) work with bash and curl.
+    let start = lines.iter().position(|l| l.starts_with("Try it")).unwrap();
+    let end = lines
+        .iter()
+        .position(|l| l.starts_with("E2B SDKs:"))
+        .unwrap();
+    let script = format!(
+        "set -euo pipefail\n{}\necho \"KEPT=$ID\"\n",
+        lines[start + 1..end]
+            .iter()
+            .filter(|l| !l.contains("DELETE"))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .expect("run bash");
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "banner commands failed:\n{script}\n{o}"
+    );
+    assert!(o.contains("Debian GNU/Linux"), "{o}");
+    let kept = o
+        .lines()
+        .find_map(|l| l.strip_prefix("KEPT="))
+        .expect("kept sandbox id")
+        .to_string();
+
+    // aenv over TLS with the same variable.
+    let aenv = binary("aenv").expect("aenv binary");
+    let home = tempfile::tempdir().unwrap();
+    let aenv_cmd = |args: &[&str], ca: Option<&str>| {
+        let mut c = Command::new(&aenv);
+        c.args(args)
+            .env("HOME", home.path())
+            .env("AENV_URL", &gateway)
+            .env("AENV_API_KEY", &key)
+            .env_remove("SSL_CERT_FILE")
+            .stdin(Stdio::null());
+        if let Some(ca) = ca {
+            c.env("SSL_CERT_FILE", ca);
+        }
+        c.output().expect("run aenv")
+    };
+    let out = aenv_cmd(&["auth"], Some(&ca));
+    assert!(
+        out.status.success(),
+        "aenv auth: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = aenv_cmd(&["exec", &kept, "uname", "-n"], Some(&ca));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        kept,
+        "aenv exec over TLS: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = aenv_cmd(&["ls"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("SSL_CERT_FILE"),
+        "the error names the fix: {err}"
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "agentenv up did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let rest: Vec<String> = rx.try_iter().collect();
+    let rest = rest.join("\n");
+    assert!(status.success(), "exit status {status}:\n{rest}");
+    assert!(rest.contains(&format!("deleted sandbox {kept}")), "{rest}");
+    assert!(!rest.contains("warning"), "{rest}");
+    assert_eq!(
+        interfaces_with_prefix(&["uva", "uvb"]),
+        Vec::<String>::new()
+    );
+    assert_eq!(processes_mentioning(&data_dir), Vec::<u32>::new());
+}

@@ -66,6 +66,13 @@ struct UpArgs {
     /// Show every log line of the child processes.
     #[arg(long, short)]
     verbose: bool,
+    /// Run the whole cluster over TLS: a CA made for this cluster signs a
+    /// certificate for the gateway, the scheduler and each node (written under
+    /// <data dir>/tls/); the gateway and the nodes reach the scheduler, and the
+    /// gateway the nodes, with mutual TLS. Clients trust <data dir>/tls/ca.pem
+    /// (SSL_CERT_FILE for the E2B SDKs and aenv).
+    #[arg(long)]
+    tls: bool,
 }
 
 fn main() -> ExitCode {
@@ -106,6 +113,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     opts.pool_prefix = a.pool_prefix;
     opts.iface_prefix = a.iface_prefix;
     opts.verbose = a.verbose;
+    opts.tls = a.tls;
     let out = stdout_out();
     // One signal stream for the whole run, so a Ctrl-C between start-up and serving is
     // not lost.

@@ -7,6 +7,7 @@ use agentenv_guest::client::GuestClient;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -30,6 +31,10 @@ pub enum ApiError {
     )]
     BadUrl { url: String, reason: String },
     #[error(
+        "cannot set up TLS for {url}: {reason} (the server's CA comes from SSL_CERT_FILE, else the system's bundle)"
+    )]
+    Tls { url: String, reason: String },
+    #[error(
         "authentication failed (HTTP 401 Unauthorized){}; run `aenv auth` to update your API key",
         .0.as_deref().map(|m| format!(": {m}")).unwrap_or_default()
     )]
@@ -38,6 +43,10 @@ pub enum ApiError {
         "cannot reach the server at {url}: {reason}; is it running? (change the URL with `aenv auth`)"
     )]
     Unreachable { url: String, reason: String },
+    #[error(
+        "the server at {url} is not trusted: {reason}; set SSL_CERT_FILE to the CA file that signed its certificate (`agentenv up --tls` prints it)"
+    )]
+    Untrusted { url: String, reason: String },
     #[error("the server at {url} did not answer within {secs} s")]
     Timeout { url: String, secs: u64 },
     #[error("the sandbox ID is empty; list sandboxes with `aenv ls`")]
@@ -98,7 +107,9 @@ fn encode(body: &impl Serialize) -> Vec<u8> {
 pub struct Api {
     base: String,
     key: String,
-    http: Client<HttpConnector, Full<Bytes>>,
+    http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// For `https://` servers: the system's CAs (or `SSL_CERT_FILE`).
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 impl Api {
@@ -111,17 +122,64 @@ impl Api {
                 url: base.clone(),
                 reason: e.to_string(),
             })?;
-        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        let https = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => {
+                return Err(ApiError::BadUrl {
+                    url: base,
+                    reason: "use an http:// or https:// URL".into(),
+                });
+            }
+        };
+        if uri.authority().is_none() {
             return Err(ApiError::BadUrl {
                 url: base,
-                reason: "only http://host:port URLs are supported".into(),
+                reason: "the URL names no host".into(),
             });
         }
-        let http = Client::builder(TokioExecutor::new()).build(connector(Some(CONNECT_TIMEOUT)));
+        // The system's CAs are read only for an https:// server.
+        let tls = if https {
+            Some(
+                agentenv_core::tls::system_client_config(&[b"http/1.1"]).map_err(|e| {
+                    ApiError::Tls {
+                        url: base.clone(),
+                        reason: e.to_string(),
+                    }
+                })?,
+            )
+        } else {
+            None
+        };
+        let cfg = match &tls {
+            Some(c) => (**c).clone(),
+            None => rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| ApiError::Tls {
+                url: base.clone(),
+                reason: e.to_string(),
+            })?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        };
+        // hyper-rustls sets ALPN (http/1.1) itself.
+        let mut cfg = cfg;
+        cfg.alpn_protocols.clear();
+        let mut conn = connector(Some(CONNECT_TIMEOUT));
+        conn.enforce_http(false);
+        let conn = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(cfg)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(conn);
+        let http = Client::builder(TokioExecutor::new()).build(conn);
         Ok(Api {
             base,
             key: creds.api_key.clone(),
             http,
+            tls,
         })
     }
 
@@ -157,14 +215,20 @@ impl Api {
             reason: e.to_string(),
         })?;
         let fut = async {
-            let resp = self
-                .http
-                .request(req)
-                .await
-                .map_err(|e| ApiError::Unreachable {
-                    url: url.clone(),
-                    reason: error_chain(&e),
-                })?;
+            let resp = self.http.request(req).await.map_err(|e| {
+                let reason = error_chain(&e);
+                if reason.contains("invalid peer certificate") {
+                    ApiError::Untrusted {
+                        url: url.clone(),
+                        reason,
+                    }
+                } else {
+                    ApiError::Unreachable {
+                        url: url.clone(),
+                        reason,
+                    }
+                }
+            })?;
             let (parts, body) = resp.into_parts();
             let body = body
                 .collect()
@@ -368,7 +432,11 @@ impl Api {
             url: self.base.clone(),
             reason: e.to_string(),
         };
-        let mut c = GuestClient::new(&self.base)
+        let c = match &self.tls {
+            Some(tls) => GuestClient::with_tls(&self.base, tls.clone()),
+            None => GuestClient::new(&self.base),
+        };
+        let mut c = c
             .map_err(bad)?
             .with_header("x-agentenv-sandbox-id", id)
             .map_err(bad)?

@@ -2,7 +2,6 @@
 //! gateway; every node listed ready by the gateway; and a first sandbox through the
 //! gateway, which builds the `base` template on the very first run.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,7 +12,7 @@ use tokio::process::Command;
 use super::config::{NodeSetup, fs_err};
 use super::{ENVD_PORT, Up, UpError};
 use crate::cli::model::Sandbox;
-use crate::http_client::request;
+use crate::http_client::{Target, request};
 
 /// A node as the gateway's `GET /nodes` lists it (the field `agentenv up` reads).
 #[derive(Debug, Deserialize)]
@@ -53,6 +52,7 @@ impl Up {
                 data_dir: &data,
                 scheduler_grpc: &grpc,
                 cluster_token: &data.join("secrets").join("cluster-token"),
+                certs: self.certs.as_ref(),
             };
             let cmd = node.command(&self.opts);
             let pool = node.pool(&self.opts);
@@ -79,7 +79,7 @@ impl Up {
         if let Some(a) = l.http_addr.and_then(|a| a.parse().ok()) {
             self.info.gateway = a;
         }
-        say(&format!("gateway    http {}", self.info.gateway));
+        say(&format!("gateway    {}", self.info.gateway_url()));
 
         self.wait_nodes_ready(Duration::from_secs(60)).await?;
         say(&format!("all {} nodes are ready", self.info.nodes.len()));
@@ -95,7 +95,7 @@ impl Up {
         let want = self.info.nodes.len();
         let mut last;
         loop {
-            let gw = self.info.gateway;
+            let gw = self.info.gateway_target();
             let headers = self.key_headers();
             match request(gw, "GET", "/nodes", &headers, b"", Duration::from_secs(5)).await {
                 Ok(r) => {
@@ -143,10 +143,10 @@ impl Up {
                 self.opts.template_dir.display()
             ));
         }
-        let gw = self.info.gateway;
+        let gw = self.info.gateway_target();
         // The log reader tasks keep showing build progress while the create runs.
         let r = request(
-            gw,
+            gw.clone(),
             "POST",
             "/sandboxes",
             &self.key_headers(),
@@ -167,7 +167,7 @@ impl Up {
         };
         let id = sb.sandbox_id;
         let token = sb.envd_access_token.unwrap_or_default();
-        let result = run_command(gw, &id, &token, "echo hello from $(hostname)").await;
+        let result = run_command(&gw, &id, &token, "echo hello from $(hostname)").await;
         let del = request(
             gw,
             "DELETE",
@@ -197,7 +197,7 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(60);
 /// API, routed by the E2B sandbox headers, with the sandbox's access `token` if any) and
 /// returns its stdout.
 pub async fn run_command(
-    gw: SocketAddr,
+    gw: &Target,
     id: &str,
     token: &str,
     script: &str,
@@ -205,7 +205,11 @@ pub async fn run_command(
     let failed = |e: agentenv_guest::client::ClientError| {
         UpError::FirstSandbox(format!("process.Process/Start: {e}"))
     };
-    let mut agent = GuestClient::new(&format!("http://{gw}"))
+    let agent = match gw.tls_config() {
+        Some(tls) => GuestClient::with_tls(&gw.url(), tls.clone()),
+        None => GuestClient::new(&gw.url()),
+    };
+    let mut agent = agent
         .and_then(|c| c.with_header("e2b-sandbox-id", id))
         .and_then(|c| c.with_header("e2b-sandbox-port", ENVD_PORT))
         .map_err(failed)?;

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use tokio::process::Command;
 
+use super::pki::{Identity, Pki};
 use super::{UpError, UpOptions};
 
 /// Maps an I/O error on `path` to [`UpError::Fs`] saying what was being done.
@@ -182,6 +183,25 @@ struct SchedulerConfig {
     binding_ttl: &'static str,
     nodes: Vec<NodeEntry>,
     cluster_token_file: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<TlsListen>,
+}
+
+/// A TLS listener section (`scheduler.tls`, `gateway.tls`).
+#[derive(Debug, Serialize)]
+struct TlsListen {
+    cert_file: PathBuf,
+    key_file: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_ca_file: Option<PathBuf>,
+}
+
+/// A TLS client section (`gateway.node_tls`, `gateway.scheduler_tls`).
+#[derive(Debug, Serialize)]
+struct TlsConnect {
+    ca_file: PathBuf,
+    cert_file: PathBuf,
+    key_file: PathBuf,
 }
 
 #[derive(Debug, Serialize)]
@@ -197,6 +217,57 @@ struct GatewayConfig {
     scheduler_addr: &'static str,
     request_timeout: &'static str,
     cluster_token_file: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls: Option<TlsListen>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_tls: Option<TlsConnect>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scheduler_tls: Option<TlsConnect>,
+}
+
+/// The certificates of a `--tls` cluster: the CA, a server certificate per process,
+/// and the client certificate the processes present to each other.
+pub(crate) struct ClusterCerts {
+    pub ca: PathBuf,
+    pub client: Identity,
+    pub gateway: Identity,
+    pub scheduler: Identity,
+    /// Per node, in the order of the node list.
+    pub nodes: Vec<Identity>,
+    /// Trusts the CA and presents the client certificate.
+    pub client_config: std::sync::Arc<rustls::ClientConfig>,
+}
+
+impl ClusterCerts {
+    /// Makes the CA and every certificate under `<data_dir>/tls`; the gateway's is
+    /// also valid for the address it listens on.
+    pub fn issue(
+        data_dir: &Path,
+        nodes: &[(String, SocketAddr)],
+        gateway: SocketAddr,
+    ) -> Result<Self, UpError> {
+        let pki = Pki::create(data_dir)?;
+        Ok(Self {
+            gateway: pki.server("gateway", &[gateway.ip()])?,
+            scheduler: pki.server("scheduler", &[])?,
+            nodes: nodes
+                .iter()
+                .map(|(id, _)| pki.server(id, &[]))
+                .collect::<Result<_, _>>()?,
+            client_config: pki.client_config()?,
+            ca: pki.ca.clone(),
+            client: pki.client.clone(),
+        })
+    }
+
+    /// A client section trusting the CA with the client certificate (mutual TLS).
+    fn connect(&self) -> TlsConnect {
+        TlsConnect {
+            ca_file: self.ca.clone(),
+            cert_file: self.client.cert.clone(),
+            key_file: self.client.key.clone(),
+        }
+    }
 }
 
 /// Writes a fresh cluster credential to `<data_dir>/secrets/cluster-token` (mode
@@ -224,13 +295,16 @@ pub(crate) fn write_cluster_token(data_dir: &Path) -> Result<PathBuf, UpError> {
 
 /// Writes `<data_dir>/control-plane.json`: the scheduler with the static node list, the
 /// gateway on `gateway`, everything else on free loopback ports, the cluster credential
-/// in `cluster_token`; returns its path.
+/// in `cluster_token`, and with `certs` TLS on every listener and link (mutual TLS
+/// from the gateway to the scheduler and the nodes); returns its path.
 pub(crate) fn write_control_plane(
     data_dir: &Path,
     nodes: &[(String, SocketAddr)],
     gateway: SocketAddr,
     cluster_token: &Path,
+    certs: Option<&ClusterCerts>,
 ) -> Result<PathBuf, UpError> {
+    let scheme = if certs.is_some() { "https" } else { "http" };
     let config = ControlPlane {
         log_level: "info",
         log_format: "json",
@@ -244,10 +318,15 @@ pub(crate) fn write_control_plane(
                 .iter()
                 .map(|(id, a)| NodeEntry {
                     id: id.clone(),
-                    endpoint: format!("http://{a}"),
+                    endpoint: format!("{scheme}://{a}"),
                 })
                 .collect(),
             cluster_token_file: cluster_token.to_path_buf(),
+            tls: certs.map(|c| TlsListen {
+                cert_file: c.scheduler.cert.clone(),
+                key_file: c.scheduler.key.clone(),
+                client_ca_file: Some(c.ca.clone()),
+            }),
         },
         gateway: GatewayConfig {
             http_listen_addr: gateway.to_string(),
@@ -256,6 +335,14 @@ pub(crate) fn write_control_plane(
             scheduler_addr: "127.0.0.1:9090",
             request_timeout: "600s",
             cluster_token_file: cluster_token.to_path_buf(),
+            // Clients of the gateway (SDKs, curl) need no certificate of their own.
+            tls: certs.map(|c| TlsListen {
+                cert_file: c.gateway.cert.clone(),
+                key_file: c.gateway.key.clone(),
+                client_ca_file: None,
+            }),
+            node_tls: certs.map(ClusterCerts::connect),
+            scheduler_tls: certs.map(ClusterCerts::connect),
         },
     };
     let path = data_dir.join("control-plane.json");
@@ -279,6 +366,8 @@ pub(crate) struct NodeSetup<'a> {
     pub scheduler_grpc: &'a str,
     /// The cluster credential's file.
     pub cluster_token: &'a Path,
+    /// With `--tls`: the cluster's certificates.
+    pub certs: Option<&'a ClusterCerts>,
 }
 
 impl NodeSetup<'_> {
@@ -324,11 +413,30 @@ impl NodeSetup<'_> {
             .env("AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED", "true")
             .env(
                 "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT",
-                format!("http://{}", self.scheduler_grpc),
+                format!(
+                    "{}://{}",
+                    if self.certs.is_some() {
+                        "https"
+                    } else {
+                        "http"
+                    },
+                    self.scheduler_grpc
+                ),
             )
             .env("AENV_CLUSTER_TOKEN_FILE", self.cluster_token)
             .env("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "1")
             .env("AENV_LOG_FORMAT", "json");
+        if let Some(c) = self.certs {
+            let own = &c.nodes[usize::from(self.index)];
+            // The API over TLS, clients (the gateway, agentenv up) with the cluster's
+            // client certificate only; the scheduler reached over mutual TLS.
+            cmd.env("AENV_TLS_CERT_FILE", &own.cert)
+                .env("AENV_TLS_KEY_FILE", &own.key)
+                .env("AENV_TLS_CLIENT_CA_FILE", &c.ca)
+                .env("AENV_SCHEDULER_CA_FILE", &c.ca)
+                .env("AENV_SCHEDULER_CLIENT_CERT_FILE", &c.client.cert)
+                .env("AENV_SCHEDULER_CLIENT_KEY_FILE", &c.client.key);
+        }
         cmd
     }
 }
@@ -350,6 +458,7 @@ mod tests {
             &nodes,
             "127.0.0.1:8080".parse().unwrap(),
             &token,
+            None,
         )
         .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
@@ -369,6 +478,78 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let text = std::fs::read_to_string(&token).unwrap();
         agentenv_core::api_key::validate(&text, "the token file").unwrap();
+    }
+
+    #[test]
+    fn with_tls_every_listener_and_link_names_its_certificate_and_the_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = vec![
+            ("node-a".to_string(), "127.0.0.1:7001".parse().unwrap()),
+            ("node-b".to_string(), "127.0.0.1:7002".parse().unwrap()),
+        ];
+        let gateway = "127.0.0.1:8443".parse().unwrap();
+        let certs = ClusterCerts::issue(dir.path(), &nodes, gateway).unwrap();
+        let token = write_cluster_token(dir.path()).unwrap();
+        let path = write_control_plane(dir.path(), &nodes, gateway, &token, Some(&certs)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let p = |x: &Path| serde_json::Value::from(x.to_str().unwrap());
+        assert_eq!(
+            v["scheduler"]["nodes"][0]["endpoint"],
+            "https://127.0.0.1:7001"
+        );
+        assert_eq!(v["scheduler"]["tls"]["cert_file"], p(&certs.scheduler.cert));
+        assert_eq!(v["scheduler"]["tls"]["client_ca_file"], p(&certs.ca));
+        assert_eq!(v["gateway"]["tls"]["cert_file"], p(&certs.gateway.cert));
+        assert!(v["gateway"]["tls"].get("client_ca_file").is_none());
+        for link in ["node_tls", "scheduler_tls"] {
+            assert_eq!(v["gateway"][link]["ca_file"], p(&certs.ca));
+            assert_eq!(v["gateway"][link]["cert_file"], p(&certs.client.cert));
+        }
+        // The file is what the scheduler and the gateway accept.
+        for service in [
+            agentenv_core::config::Service::Scheduler,
+            agentenv_core::config::Service::Gateway,
+        ] {
+            let loaded = agentenv_core::config::Config::load_with_env(
+                Some(&path),
+                agentenv_core::config::LoadOptions {
+                    service,
+                    query_only: false,
+                },
+                |_| None,
+            )
+            .unwrap();
+            assert_eq!(loaded.warnings, Vec::<String>::new());
+        }
+        let setup = NodeSetup {
+            index: 1,
+            id: "node-b",
+            addr: "127.0.0.1:7002".parse().unwrap(),
+            home: Path::new("/tmp/home"),
+            api_key: "k",
+            guest: Path::new("/tmp/guest"),
+            data_dir: Path::new("/tmp/data"),
+            scheduler_grpc: "127.0.0.1:9090",
+            cluster_token: &token,
+            certs: Some(&certs),
+        };
+        let cmd = setup.command(&UpOptions::new(PathBuf::from("/nonexistent")));
+        let env = |k: &str| {
+            cmd.as_std()
+                .get_envs()
+                .find(|(key, _)| *key == k)
+                .and_then(|(_, v)| v)
+                .map(|v| PathBuf::from(v.to_os_string()))
+                .unwrap_or_else(|| panic!("{k} not set"))
+        };
+        assert_eq!(env("AENV_TLS_CERT_FILE"), certs.nodes[1].cert);
+        assert_eq!(env("AENV_TLS_CLIENT_CA_FILE"), certs.ca);
+        assert_eq!(env("AENV_SCHEDULER_CA_FILE"), certs.ca);
+        assert_eq!(env("AENV_SCHEDULER_CLIENT_KEY_FILE"), certs.client.key);
+        assert_eq!(
+            env("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT"),
+            PathBuf::from("https://127.0.0.1:9090")
+        );
     }
 
     #[test]
@@ -399,6 +580,7 @@ mod tests {
             data_dir: Path::new("/tmp/data"),
             scheduler_grpc: "127.0.0.1:9090",
             cluster_token: Path::new("/tmp/data/secrets/cluster-token"),
+            certs: None,
         };
         let cmd = setup.command(&opts);
         let env = |k: &str| {

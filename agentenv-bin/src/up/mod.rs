@@ -12,6 +12,7 @@
 mod boot;
 pub mod config;
 pub mod output;
+pub mod pki;
 mod supervise;
 mod teardown;
 
@@ -19,7 +20,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::http_client::HttpError;
+use crate::http_client::{HttpError, Target};
 
 pub use config::{find_guest, generate_api_key, node_iface_prefixes};
 pub use output::{Out, stdout_out};
@@ -98,6 +99,8 @@ pub enum UpError {
     FirstSandbox(String),
     #[error(transparent)]
     Http(#[from] HttpError),
+    #[error("--tls: {0}")]
+    Tls(String),
     #[error("{name} exited unexpectedly ({status}); its log is {}", log.display())]
     ChildDied {
         name: String,
@@ -134,6 +137,10 @@ pub struct UpOptions {
     pub iface_prefix: String,
     /// Echo every log line of the children, not only warnings, errors and progress.
     pub verbose: bool,
+    /// Run every listener and link over TLS with a CA made for the cluster (see
+    /// [`pki`]): the gateway, the scheduler, the nodes' API, and mutual TLS from the
+    /// gateway and nodes to the scheduler and from the gateway to the nodes.
+    pub tls: bool,
 }
 
 impl UpOptions {
@@ -152,6 +159,7 @@ impl UpOptions {
             pool_prefix: "10.13".into(),
             iface_prefix: "up".into(),
             verbose: false,
+            tls: false,
         }
     }
 }
@@ -164,6 +172,38 @@ pub struct ClusterInfo {
     pub api_key: String,
     pub nodes: Vec<(String, SocketAddr)>,
     pub data_dir: PathBuf,
+    /// With `--tls`: the cluster's CA file (what clients trust, e.g. as
+    /// `SSL_CERT_FILE`) and the configuration `agentenv up` reaches the cluster with.
+    pub tls: Option<ClusterTls>,
+}
+
+/// How the cluster's TLS is reached.
+#[derive(Debug, Clone)]
+pub struct ClusterTls {
+    /// The CA every certificate of the cluster chains to.
+    pub ca: PathBuf,
+    /// Trusts the CA and presents the cluster's client certificate.
+    pub client: std::sync::Arc<rustls::ClientConfig>,
+}
+
+impl ClusterInfo {
+    /// The gateway as a request target (TLS with `--tls`).
+    pub fn gateway_target(&self) -> Target {
+        self.target(self.gateway)
+    }
+
+    /// `addr` of this cluster (a node's API) as a request target.
+    pub fn target(&self, addr: SocketAddr) -> Target {
+        match &self.tls {
+            Some(t) => Target::tls(addr, t.client.clone()),
+            None => addr.into(),
+        }
+    }
+
+    /// The gateway's URL: `http://…` or, with `--tls`, `https://…`.
+    pub fn gateway_url(&self) -> String {
+        self.gateway_target().url()
+    }
 }
 
 /// The running cluster.
@@ -171,6 +211,8 @@ pub struct Up {
     opts: UpOptions,
     out: Out,
     info: ClusterInfo,
+    /// With `--tls`: the certificates of every process.
+    certs: Option<config::ClusterCerts>,
     procs: supervise::Supervisor,
     _temp: Option<tempfile::TempDir>,
 }
@@ -192,7 +234,22 @@ impl Up {
         let (temp, data_dir) = config::state_dir(&opts)?;
         let nodes = config::node_addrs(opts.nodes)?;
         let cluster_token = config::write_cluster_token(&data_dir)?;
-        let cfg_path = config::write_control_plane(&data_dir, &nodes, gateway, &cluster_token)?;
+        let certs = if opts.tls {
+            Some(config::ClusterCerts::issue(&data_dir, &nodes, gateway)?)
+        } else {
+            None
+        };
+        let cfg_path = config::write_control_plane(
+            &data_dir,
+            &nodes,
+            gateway,
+            &cluster_token,
+            certs.as_ref(),
+        )?;
+        let tls = certs.as_ref().map(|c| ClusterTls {
+            ca: c.ca.clone(),
+            client: c.client_config.clone(),
+        });
         let mut up = Up {
             info: ClusterInfo {
                 gateway,
@@ -200,7 +257,9 @@ impl Up {
                 api_key,
                 nodes,
                 data_dir: data_dir.clone(),
+                tls,
             },
+            certs,
             procs: supervise::Supervisor::new(out.clone(), opts.verbose, data_dir.join("logs")),
             opts,
             out,

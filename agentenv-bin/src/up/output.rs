@@ -38,12 +38,22 @@ pub(crate) struct LogLine {
     pub http_addr: Option<String>,
 }
 
-/// The banner: gateway URL, key and first commands.
+/// The banner: gateway URL, key and first commands. With `--tls`, the URL is
+/// `https://` and clients are told to trust the cluster's CA (`SSL_CERT_FILE` for
+/// the E2B SDKs and `aenv`, `--cacert` for curl).
 pub(crate) fn banner(info: &ClusterInfo) -> String {
-    let gw = format!("http://{}", info.gateway);
+    let gw = info.gateway_url();
     let key = &info.api_key;
+    let (ca_line, ca_export, curl) = match &info.tls {
+        Some(t) => (
+            format!("\n  CA        {} (trust it: SSL_CERT_FILE)", t.ca.display()),
+            format!(" SSL_CERT_FILE={}", t.ca.display()),
+            "curl --cacert $SSL_CERT_FILE",
+        ),
+        None => (String::new(), String::new(), "curl"),
+    };
     format!(
-        "\nAgentENV is up: {n} nodes behind one gateway.\n\n  Gateway   {gw}\n  API key   {key}\n  Logs      {logs}\n\nTry it (another terminal):\n\n  export AENV_URL={gw} AENV_API_KEY={key}\n  curl -s -H \"X-API-Key: $AENV_API_KEY\" $AENV_URL/nodes\n  read -r ID TOKEN < <(curl -s -X POST -H \"X-API-Key: $AENV_API_KEY\" -H 'content-type: application/json' \\\n       -d '{{\"templateID\":\"base\"}}' $AENV_URL/sandboxes | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s[\"sandboxID\"], s[\"envdAccessToken\"])')\n  curl -s -H \"E2b-Sandbox-Id: $ID\" -H \"E2b-Sandbox-Port: {port}\" -H \"X-Access-Token: $TOKEN\" \"$AENV_URL/files?path=/etc/os-release\"\n  curl -s -X DELETE -H \"X-API-Key: $AENV_API_KEY\" $AENV_URL/sandboxes/$ID\n\nE2B SDKs: E2B_API_URL={gw} E2B_SANDBOX_URL={gw} E2B_API_KEY={key}\naenv CLI: with the exports above, `aenv auth` saves them; then `aenv start base`\n\nCtrl-C stops everything (sandboxes included).",
+        "\nAgentENV is up: {n} nodes behind one gateway.\n\n  Gateway   {gw}\n  API key   {key}{ca_line}\n  Logs      {logs}\n\nTry it (another terminal):\n\n  export AENV_URL={gw} AENV_API_KEY={key}{ca_export}\n  {curl} -s -H \"X-API-Key: $AENV_API_KEY\" $AENV_URL/nodes\n  read -r ID TOKEN < <({curl} -s -X POST -H \"X-API-Key: $AENV_API_KEY\" -H 'content-type: application/json' \\\n       -d '{{\"templateID\":\"base\"}}' $AENV_URL/sandboxes | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s[\"sandboxID\"], s[\"envdAccessToken\"])')\n  {curl} -s -H \"E2b-Sandbox-Id: $ID\" -H \"E2b-Sandbox-Port: {port}\" -H \"X-Access-Token: $TOKEN\" \"$AENV_URL/files?path=/etc/os-release\"\n  {curl} -s -X DELETE -H \"X-API-Key: $AENV_API_KEY\" $AENV_URL/sandboxes/$ID\n\nE2B SDKs: E2B_API_URL={gw} E2B_SANDBOX_URL={gw} E2B_API_KEY={key}{ca_export}\naenv CLI: with the exports above, `aenv auth` saves them; then `aenv start base`\n\nCtrl-C stops everything (sandboxes included).",
         n = info.nodes.len(),
         logs = info.data_dir.join("logs").display(),
         port = ENVD_PORT,

@@ -66,7 +66,7 @@ impl Up {
     async fn delete_sandbox(&self, node: &str, addr: SocketAddr, s: &str) {
         let path = format!("/sandboxes/{s}");
         let r = request(
-            addr,
+            self.info.target(addr),
             "DELETE",
             &path,
             &self.key_headers(),
@@ -92,7 +92,15 @@ impl Up {
         let mut ids: Vec<String> = Vec::new();
         for path in ["/sandboxes", "/v2/sandboxes?state=paused"] {
             let headers = self.key_headers();
-            let r = request(addr, "GET", path, &headers, b"", Duration::from_secs(10)).await?;
+            let r = request(
+                self.info.target(addr),
+                "GET",
+                path,
+                &headers,
+                b"",
+                Duration::from_secs(10),
+            )
+            .await?;
             for s in r.json::<Vec<Sandbox>>().unwrap_or_default() {
                 if !ids.contains(&s.sandbox_id) {
                     ids.push(s.sandbox_id);

@@ -76,13 +76,26 @@ impl ClientError {
     }
 }
 
+/// How the client connects: plain TCP, or (feature `tls`) TCP or TLS by the
+/// URL's scheme.
+#[cfg(not(feature = "tls"))]
+type Connector = HttpConnector;
+#[cfg(feature = "tls")]
+type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+
+/// What verifies `https://` agent URLs (nothing without feature `tls`).
+#[cfg(feature = "tls")]
+type TlsConfig = std::sync::Arc<rustls::ClientConfig>;
+#[cfg(not(feature = "tls"))]
+type TlsConfig = std::convert::Infallible;
+
 /// A client for one agent.
 #[derive(Clone, Debug)]
 pub struct GuestClient {
     scheme_authority: String,
     /// `host:port` of the agent.
     pub(super) authority: String,
-    http: Client<HttpConnector, ReqBody>,
+    http: Client<Connector, ReqBody>,
     /// Sent with every call.
     pub(super) headers: HeaderMap,
 }
@@ -90,15 +103,22 @@ pub struct GuestClient {
 impl GuestClient {
     /// HTTP/1.1 client for `base_url` (`http://host:port`).
     pub fn new(base_url: &str) -> Result<Self, ClientError> {
-        Self::build(base_url, false)
+        Self::build(base_url, false, None)
     }
 
     /// HTTP/2 with prior knowledge (h2c): many calls over one connection.
     pub fn new_h2c(base_url: &str) -> Result<Self, ClientError> {
-        Self::build(base_url, true)
+        Self::build(base_url, true, None)
     }
 
-    fn build(base_url: &str, h2: bool) -> Result<Self, ClientError> {
+    /// HTTP/1.1 client for `base_url`, `http://` or `https://` (verified
+    /// with `tls`, e.g. a TLS gateway in front of the agent).
+    #[cfg(feature = "tls")]
+    pub fn with_tls(base_url: &str, tls: TlsConfig) -> Result<Self, ClientError> {
+        Self::build(base_url, false, Some(tls))
+    }
+
+    fn build(base_url: &str, h2: bool, tls: Option<TlsConfig>) -> Result<Self, ClientError> {
         let bad = |reason: &str| ClientError::BadUrl {
             url: base_url.to_string(),
             reason: reason.to_string(),
@@ -106,12 +126,43 @@ impl GuestClient {
         let uri: Uri = base_url
             .parse()
             .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(bad("only http:// is supported"));
-        }
+        let scheme = match uri.scheme_str() {
+            Some("http") => "http",
+            #[cfg(feature = "tls")]
+            Some("https") if tls.is_some() => "https",
+            #[cfg(feature = "tls")]
+            Some("https") => return Err(bad("https:// needs a TLS configuration")),
+            _ => return Err(bad("only http:// is supported")),
+        };
         let authority = uri.authority().ok_or_else(|| bad("no host"))?;
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
+        #[cfg(not(feature = "tls"))]
+        let _ = tls;
+        #[cfg(feature = "tls")]
+        let conn = {
+            conn.enforce_http(false);
+            // A plain URL never handshakes: a config without roots serves it.
+            let cfg = tls.unwrap_or_else(|| {
+                std::sync::Arc::new(
+                    rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                        rustls::crypto::ring::default_provider(),
+                    ))
+                    .with_safe_default_protocol_versions()
+                    .expect("ring supports the default TLS versions")
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
+                )
+            });
+            // hyper-rustls sets ALPN (http/1.1) itself.
+            let mut cfg = (*cfg).clone();
+            cfg.alpn_protocols.clear();
+            hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(cfg)
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(conn)
+        };
         let mut b = Client::builder(TokioExecutor::new());
         if h2 {
             b.http2_only(true);
@@ -120,7 +171,7 @@ impl GuestClient {
             b.http1_max_buf_size(1024 * 1024);
         }
         Ok(GuestClient {
-            scheme_authority: format!("http://{authority}"),
+            scheme_authority: format!("{scheme}://{authority}"),
             authority: authority.to_string(),
             http: b.build(conn),
             headers: HeaderMap::new(),

@@ -10,7 +10,7 @@ use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::proxy::{ProxyPlan, request_host};
-use super::{Gateway, LIST_BODY_CAP, scheduler_error};
+use super::{ClientTls, Gateway, LIST_BODY_CAP, scheduler_error};
 use crate::body::{GatewayBody, boxed, concat, empty, error_response, json_response, read_prefix};
 use crate::cluster_list::{self, ListedSandbox};
 use crate::forward::{Forwarded, rewrite_request_headers, upstream_uri};
@@ -114,6 +114,7 @@ impl Gateway {
                 host: host.as_ref(),
                 method: req.method(),
                 request_uri: &request_uri,
+                tls: req.extensions().get::<ClientTls>().is_some(),
             },
         );
         headers.remove(header::CONTENT_LENGTH);

@@ -191,6 +191,17 @@ impl Gateway {
         GatewayService {
             gateway: self.clone(),
             remote,
+            tls: false,
+        }
+    }
+
+    /// A hyper service for one TLS client connection from `remote` (terminated
+    /// by the embedding server): nodes are told `X-Forwarded-Proto: https`.
+    pub fn service_tls(&self, remote: SocketAddr) -> GatewayService {
+        GatewayService {
+            gateway: self.clone(),
+            remote,
+            tls: true,
         }
     }
 
@@ -295,7 +306,14 @@ pub fn scheduler_error(status: &Status) -> Response<GatewayBody> {
 pub struct GatewayService {
     gateway: Gateway,
     remote: SocketAddr,
+    tls: bool,
 }
+
+/// A request extension: the client's connection is TLS. [`Gateway::handle`]
+/// then tells nodes `X-Forwarded-Proto: https`; an embedding server that
+/// terminates TLS itself inserts it (or uses [`Gateway::service_tls`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientTls;
 
 impl<B> hyper::service::Service<Request<B>> for GatewayService
 where
@@ -306,9 +324,12 @@ where
     type Error = Infallible;
     type Future = BoxFuture<'static, Result<Response<GatewayBody>, Infallible>>;
 
-    fn call(&self, req: Request<B>) -> Self::Future {
+    fn call(&self, mut req: Request<B>) -> Self::Future {
         let gateway = self.gateway.clone();
         let remote = self.remote;
+        if self.tls {
+            req.extensions_mut().insert(ClientTls);
+        }
         Box::pin(async move { Ok(gateway.handle(req, remote).await) })
     }
 }

@@ -19,7 +19,9 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
 use super::route::{Decision, RoutingFacts, decode_path};
-use super::{Gateway, Inner, SNIFF_CAP, record_timeout, scheduler_error, upstream_unavailable};
+use super::{
+    ClientTls, Gateway, Inner, SNIFF_CAP, record_timeout, scheduler_error, upstream_unavailable,
+};
 use crate::body::{
     BodyDeadlineExceeded, BoxError, DeadlineBody, GatewayBody, ReplayBody, boxed,
     caused_by_client_body, client_body, concat, empty, error_response, full, read_prefix,
@@ -370,6 +372,7 @@ impl Gateway {
                 host: host.as_ref(),
                 method: &parts.method,
                 request_uri: parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+                tls: parts.extensions.get::<ClientTls>().is_some(),
             },
         );
         if plan.data_plane {

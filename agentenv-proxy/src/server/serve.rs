@@ -142,7 +142,8 @@ impl Gateway {
 
     /// Serves one client connection: the fast lane while its requests
     /// qualify, then hyper. Ends early, between requests, once `stop` is
-    /// set.
+    /// set. A TLS connection takes the same path once its handshake is done,
+    /// unless it chose HTTP/2 by ALPN (hyper's from the start).
     async fn serve_connection(
         &self,
         stream: TcpStream,
@@ -150,36 +151,59 @@ impl Gateway {
         mut stop: watch::Receiver<bool>,
     ) {
         let header_timeout = self.inner.opts.limits.header_timeout;
-        if let Some(acceptor) = &self.tls {
-            // TLS connections go to hyper (HTTP/2 or HTTP/1.1 by ALPN); the
-            // handshake counts against the header timeout.
-            let tls = match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, %remote, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!(%remote, "TLS handshake timed out");
-                    return;
-                }
+        let Some(acceptor) = &self.tls else {
+            let Some(io) = self
+                .fast_lane()
+                .serve(stream, remote, false, &mut stop)
+                .await
+            else {
+                return;
             };
-            self.serve_hyper(TokioIo::new(tls), remote, stop).await;
-            return;
-        }
-        let Some(io) = self.fast_lane().serve(stream, remote, &mut stop).await else {
+            self.serve_hyper(TokioIo::new(io), remote, false, stop)
+                .await;
             return;
         };
-        self.serve_hyper(TokioIo::new(io), remote, stop).await;
+        // The handshake counts against the header timeout.
+        let tls = match tokio::time::timeout(header_timeout, acceptor.accept(stream)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, %remote, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%remote, "TLS handshake timed out");
+                return;
+            }
+        };
+        if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+            self.serve_hyper(TokioIo::new(tls), remote, true, stop)
+                .await;
+            return;
+        }
+        let Some(io) = self.fast_lane().serve(tls, remote, true, &mut stop).await else {
+            return;
+        };
+        self.serve_hyper(TokioIo::new(io), remote, true, stop).await;
     }
 
-    /// Serves the rest of a client connection with hyper.
-    async fn serve_hyper<I>(&self, io: I, remote: SocketAddr, mut stop: watch::Receiver<bool>)
-    where
+    /// Serves the rest of a client connection with hyper (`tls`: the
+    /// connection is a TLS one).
+    async fn serve_hyper<I>(
+        &self,
+        io: I,
+        remote: SocketAddr,
+        tls: bool,
+        mut stop: watch::Receiver<bool>,
+    ) where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
         let builder = agentenv_core::serving::server_builder(self.inner.opts.limits.header_timeout);
-        let conn = builder.serve_connection_with_upgrades(io, self.service(remote));
+        let service = if tls {
+            self.service_tls(remote)
+        } else {
+            self.service(remote)
+        };
+        let conn = builder.serve_connection_with_upgrades(io, service);
         let mut conn = pin!(conn);
         let stopping = async {
             let _ = stop.wait_for(|s| *s).await;

@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
@@ -26,6 +27,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -289,6 +291,63 @@ pub fn options() -> GatewayOptions {
         sandbox_proxy_domains: vec![DOMAIN.into()],
         debug_mode: true,
         limits: Default::default(),
+    }
+}
+
+/// A node speaking raw HTTP/1.1: `answer` gets each request head (as
+/// text) and returns the bytes to send back and whether to close after.
+pub struct RawNode {
+    pub endpoint: String,
+    pub accepted: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RawNode {
+    pub async fn start(answer: impl Fn(&str) -> (Vec<u8>, bool) + Send + Sync + 'static) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let answer = Arc::new(answer);
+        let count = accepted.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                let answer = answer.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            let mut b = [0u8; 4096];
+                            match s.read(&mut b).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&b[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                        buf.drain(..end);
+                        let (bytes, close) = answer(&head);
+                        if s.write_all(&bytes).await.is_err() || close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self {
+            endpoint,
+            accepted,
+            task,
+        }
+    }
+}
+
+impl Drop for RawNode {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 

@@ -12,14 +12,13 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::framing::{Framing, read_more, relay_body};
 use super::head::{Analysis, Expect, IdSpan, MAX_HEAD, Plan, analyze, own_answer_head};
 use super::upstream::{ExchangeError, exchange, request_line};
-use super::{Client, FastLane};
+use super::{Client, ClientIo, FastLane, Peer};
 use crate::body::{GatewayBody, error_response};
 use crate::forward::{Endpoint, format_ip};
 use crate::metrics::{RequestLabels, UpstreamLabels};
@@ -39,19 +38,24 @@ impl FastLane<'_> {
     /// between requests, once `stop` is set. `None`: the connection is
     /// done with; else hyper serves the rest of it, starting with the bytes
     /// already read.
-    pub(in crate::server) async fn serve(
+    /// `tls`: the connection is a TLS one (`X-Forwarded-Proto: https`).
+    pub(in crate::server) async fn serve<S: ClientIo>(
         &self,
-        stream: TcpStream,
+        stream: S,
         remote: SocketAddr,
+        tls: bool,
         stop: &mut watch::Receiver<bool>,
-    ) -> Option<Rewound> {
+    ) -> Option<Rewound<S>> {
         let mut client = Client {
             stream,
             buf: BytesMut::with_capacity(8 * 1024),
             out: Vec::with_capacity(1024),
             target: String::with_capacity(128),
             line: Vec::with_capacity(160),
-            xff: format_ip(remote.ip().to_canonical()),
+            peer: Peer {
+                xff: format_ip(remote.ip().to_canonical()),
+                tls,
+            },
         };
         match self.requests(&mut client, stop).await {
             Lane::Closed => None,
@@ -64,14 +68,18 @@ impl FastLane<'_> {
 
     /// Reads requests and relays each one, until the connection ends or a
     /// request is not the fast lane's.
-    async fn requests(&self, c: &mut Client, stop: &mut watch::Receiver<bool>) -> Lane {
+    async fn requests<S: ClientIo>(
+        &self,
+        c: &mut Client<S>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Lane {
         loop {
             // An idle or slow client is dropped once its head is not complete in
             // time (hyper's lane does the same with its header read timeout).
             let head_deadline = Instant::now() + self.header_timeout;
             let plan = loop {
                 if !c.buf.is_empty() {
-                    match analyze(self.router, &c.buf, &mut c.out, &c.xff) {
+                    match analyze(self.router, &c.buf, &mut c.out, &c.peer) {
                         Analysis::Ready(plan) => break plan,
                         Analysis::Handover => return Lane::Handover,
                         Analysis::Partial if c.buf.len() >= MAX_HEAD => return Lane::Handover,
@@ -103,7 +111,7 @@ impl FastLane<'_> {
 
     /// One request of the fast lane, from routing to the end of the
     /// response. `None`: the connection goes on with the next request.
-    async fn relay(&self, c: &mut Client, plan: Plan) -> Option<Lane> {
+    async fn relay<S: ClientIo>(&self, c: &mut Client<S>, plan: Plan) -> Option<Lane> {
         let start = Instant::now();
         let deadline = start + self.request_timeout;
         let id = match &plan.id {
@@ -235,9 +243,9 @@ impl FastLane<'_> {
     /// Answers a request with a response of the gateway's own (an error),
     /// then keeps the connection if the request body was all read
     /// (`unread_body`: `None` = only the head was consumed so far).
-    async fn answer(
+    async fn answer<S: ClientIo>(
         &self,
-        c: &mut Client,
+        c: &mut Client<S>,
         plan: &Plan,
         start: Instant,
         resp: Response<GatewayBody>,
@@ -265,7 +273,10 @@ impl FastLane<'_> {
             .unwrap_or_default();
         own_answer_head(&mut c.out, &parts, body.len(), close);
         c.out.extend_from_slice(&body);
-        let written = c.stream.write_all(&c.out).await;
+        let written = match c.stream.write_all(&c.out).await {
+            Ok(()) => c.stream.flush().await,
+            Err(e) => Err(e),
+        };
         self.observe_request(plan, status_label(status), start, Instant::now());
         if written.is_err() || close {
             let _ = c.stream.shutdown().await;
@@ -277,12 +288,12 @@ impl FastLane<'_> {
 
 /// A client connection handed to hyper: the bytes the fast lane already
 /// read come first.
-pub(in crate::server) struct Rewound {
+pub(in crate::server) struct Rewound<S> {
     prefix: Bytes,
-    inner: TcpStream,
+    inner: S,
 }
 
-impl AsyncRead for Rewound {
+impl<S: AsyncRead + Unpin> AsyncRead for Rewound<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -298,7 +309,7 @@ impl AsyncRead for Rewound {
     }
 }
 
-impl AsyncWrite for Rewound {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewound<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

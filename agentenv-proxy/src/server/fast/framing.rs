@@ -5,8 +5,7 @@
 use std::io;
 
 use bytes::{Buf, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::pool::RawConn;
 
@@ -24,7 +23,10 @@ pub(super) enum Framing {
 }
 
 /// Reads into `buf`, growing it first when it is nearly full.
-pub(super) async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+pub(super) async fn read_more(
+    stream: &mut (impl AsyncRead + Unpin),
+    buf: &mut BytesMut,
+) -> io::Result<usize> {
     make_room(buf);
     stream.read_buf(buf).await
 }
@@ -38,15 +40,19 @@ pub(super) fn make_room(buf: &mut BytesMut) {
 }
 
 /// Sends the response `head` to the client and relays the body that
-/// follows it from `up` by its framing.
+/// follows it from `up` by its framing. Each write is flushed (a no-op on
+/// TCP; a TLS stream may hold back a record otherwise).
 pub(super) async fn relay_body(
-    client: &mut TcpStream,
+    client: &mut (impl AsyncWrite + Unpin),
     head: &mut Vec<u8>,
     up: &mut RawConn,
     framing: Framing,
 ) -> io::Result<()> {
     let mut end = match framing {
-        Framing::Empty => return client.write_all(head).await,
+        Framing::Empty => {
+            client.write_all(head).await?;
+            return client.flush().await;
+        }
         Framing::Length(n) => BodyEnd::Length(n),
         Framing::Chunked => BodyEnd::Chunked(ChunkScanner::default()),
         Framing::Close => BodyEnd::Close,
@@ -56,6 +62,7 @@ pub(super) async fn relay_body(
     head.extend_from_slice(&up.buf[..used]);
     up.buf.advance(used);
     client.write_all(head).await?;
+    client.flush().await?;
     while !end.done() {
         if read_more(&mut up.stream, &mut up.buf).await? == 0 {
             return match end {
@@ -65,6 +72,7 @@ pub(super) async fn relay_body(
         }
         let used = end.feed(&up.buf)?;
         client.write_all(&up.buf[..used]).await?;
+        client.flush().await?;
         up.buf.advance(used);
     }
     Ok(())

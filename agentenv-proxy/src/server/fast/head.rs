@@ -8,8 +8,9 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use http::{HeaderValue, Method};
+use http::Method;
 
+use super::Peer;
 use super::framing::Framing;
 use crate::routing::{
     API_KEY_HEADER, E2B_SANDBOX_ID_HEADER, E2B_SANDBOX_PORT_HEADER, NODE_ID_HEADER, RouteSource,
@@ -283,12 +284,7 @@ impl<'b> ConnectionNamed<'b> {
 
 /// Parses the head at the start of `buf` and decides whether the fast
 /// lane takes it; if so, writes its upstream header block into `out`.
-pub(super) fn analyze(
-    router: &Router,
-    buf: &[u8],
-    out: &mut Vec<u8>,
-    xff: &HeaderValue,
-) -> Analysis {
+pub(super) fn analyze(router: &Router, buf: &[u8], out: &mut Vec<u8>, peer: &Peer) -> Analysis {
     // Left uninitialized: httparse writes what it parses.
     let mut headers = [const { MaybeUninit::uninit() }; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut []);
@@ -414,8 +410,8 @@ pub(super) fn analyze(
         push_header(out, b"host", host);
         push_header(out, b"x-forwarded-host", host);
     }
-    push_header(out, b"x-forwarded-for", xff.as_bytes());
-    push_header(out, b"x-forwarded-proto", b"http");
+    push_header(out, b"x-forwarded-for", peer.xff.as_bytes());
+    push_header(out, b"x-forwarded-proto", peer.proto());
     push_header(out, b"x-forwarded-method", method.as_str().as_bytes());
     push_header(out, b"x-forwarded-uri", target.as_bytes());
     if let Ok(Some(r)) = &host_route {
@@ -788,6 +784,13 @@ mod tests {
             .unwrap()
         }
 
+        fn peer() -> Peer {
+            Peer {
+                xff: http::HeaderValue::from_static("10.0.0.1"),
+                tls: false,
+            }
+        }
+
         /// Request heads made of plausible pieces, so that parsing gets deep.
         fn head() -> impl Strategy<Value = Vec<u8>> {
             let method = prop_oneof![
@@ -838,13 +841,13 @@ mod tests {
             #[test]
             fn head_analysis_never_panics_on_any_bytes(buf in proptest::collection::vec(any::<u8>(), 0..512)) {
                 let mut out = Vec::new();
-                let _ = analyze(&router(), &buf, &mut out, &http::HeaderValue::from_static("10.0.0.1"));
+                let _ = analyze(&router(), &buf, &mut out, &peer());
             }
 
             #[test]
             fn head_analysis_never_panics_on_plausible_heads(buf in head()) {
                 let mut out = Vec::new();
-                let _ = analyze(&router(), &buf, &mut out, &http::HeaderValue::from_static("10.0.0.1"));
+                let _ = analyze(&router(), &buf, &mut out, &peer());
             }
 
             #[test]

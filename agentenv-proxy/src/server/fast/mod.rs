@@ -35,7 +35,7 @@ use std::time::Duration;
 use agentenv_core::proto::scheduler_v1 as pb;
 use bytes::BytesMut;
 use http::HeaderValue;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::Instant;
 use tonic::Status;
 
@@ -77,9 +77,18 @@ impl FastLane<'_> {
     }
 }
 
+/// What a client connection of the fast lane can be: a TCP stream, or a TLS
+/// stream over one (the gateway's TLS listener).
+pub(in crate::server) trait ClientIo:
+    AsyncRead + AsyncWrite + Unpin + Send + 'static
+{
+}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> ClientIo for T {}
+
 /// A client connection and the buffers reused by its requests.
-struct Client {
-    stream: TcpStream,
+struct Client<S> {
+    stream: S,
     /// Bytes read and not yet consumed.
     buf: BytesMut,
     /// The head being written (upstream request, then client response).
@@ -87,6 +96,21 @@ struct Client {
     /// The upstream request target and line.
     target: String,
     line: Vec<u8>,
-    /// `X-Forwarded-For` of this connection.
-    xff: HeaderValue,
+    /// `X-Forwarded-For` and `X-Forwarded-Proto` of this connection.
+    peer: Peer,
+}
+
+/// What the upstream is told of the client connection.
+pub(super) struct Peer {
+    /// `X-Forwarded-For`: the client's address.
+    pub(super) xff: HeaderValue,
+    /// The connection is TLS: `X-Forwarded-Proto: https`.
+    pub(super) tls: bool,
+}
+
+impl Peer {
+    /// `X-Forwarded-Proto`.
+    pub(super) fn proto(&self) -> &'static [u8] {
+        if self.tls { b"https" } else { b"http" }
+    }
 }

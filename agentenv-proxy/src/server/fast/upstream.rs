@@ -7,13 +7,13 @@ use std::io::{self, IoSlice};
 use bytes::{Buf, BytesMut};
 use http::Method;
 use http::uri::Authority;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::Client;
 use super::framing::{CHUNK, Framing, make_room, read_more};
 use super::head::{Expect, MAX_HEAD, RespHead, parse_response_head};
+use super::{Client, ClientIo};
 use crate::pool::{RawConn, UpstreamPool};
 
 /// Why an exchange with the node failed.
@@ -30,9 +30,9 @@ pub(super) enum ExchangeError {
 /// bytes from the client) to `authority` and reads the response head into
 /// `c.out`. A pooled connection that turns out closed is replaced once,
 /// when the whole request is still at hand.
-pub(super) async fn exchange(
+pub(super) async fn exchange<S: ClientIo>(
     pool: &UpstreamPool,
-    c: &mut Client,
+    c: &mut Client<S>,
     authority: &Authority,
     body_left: u64,
     expect: &Expect<'_>,
@@ -90,7 +90,7 @@ pub(super) fn request_line(line: &mut Vec<u8>, method: &Method, target: &str) {
 
 /// Copies `n` request body bytes from the client to the node.
 async fn copy_body(
-    client: &mut TcpStream,
+    client: &mut (impl AsyncRead + Unpin),
     up: &mut TcpStream,
     mut n: u64,
 ) -> Result<(), ExchangeError> {
@@ -132,18 +132,21 @@ async fn read_answer(
 }
 
 /// Resolves when the client closes its connection; bytes it sends
-/// meanwhile (a pipelined request) are kept in `buf`.
-async fn client_gone(stream: &TcpStream, buf: &mut BytesMut) {
+/// meanwhile (a pipelined request) are kept in `buf`, up to [`MAX_HEAD`]:
+/// past that the client is no longer read until the answer is relayed (the
+/// request timeout still bounds the wait), so a client cannot make the
+/// gateway buffer without end.
+async fn client_gone(stream: &mut (impl AsyncRead + Unpin), buf: &mut BytesMut) {
     loop {
-        if stream.readable().await.is_err() {
-            return;
+        if buf.len() >= MAX_HEAD {
+            return std::future::pending().await;
         }
         make_room(buf);
-        match stream.try_read_buf(buf) {
-            Ok(0) => return,
+        // Cancel-safe: bytes read before the answer wins stay in `buf` (a TLS
+        // stream keeps what it decrypted in its own buffer).
+        match stream.read_buf(buf).await {
+            Ok(0) | Err(_) => return,
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(_) => return,
         }
     }
 }
