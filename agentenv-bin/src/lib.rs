@@ -4,6 +4,7 @@
 
 pub mod cli;
 pub mod http_client;
+pub mod pki;
 pub mod up;
 
 /// Rewrites Go-style single-dash long flags (`-config x`, `-query-only`) to

@@ -164,13 +164,15 @@ pub struct SchedulerConfig {
     pub insecure_no_auth: bool,
     /// TLS of the gRPC listener (`client_ca_file`: mutual TLS).
     pub tls: TlsListen,
+    /// Serve plain gRPC on an address other hosts reach (another layer encrypts).
+    pub allow_plain_http: bool,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
-            grpc_listen_addr: ":9090".into(),
-            metrics_listen_addr: ":9101".into(),
+            grpc_listen_addr: "127.0.0.1:9090".into(),
+            metrics_listen_addr: "127.0.0.1:9101".into(),
             strategy: Strategy::RoundRobin,
             report_ttl: Duration::from_secs(30),
             binding_ttl: Duration::from_secs(30),
@@ -187,6 +189,7 @@ impl Default for SchedulerConfig {
             open_lookups: false,
             insecure_no_auth: false,
             tls: TlsListen::default(),
+            allow_plain_http: false,
         }
     }
 }
@@ -219,13 +222,15 @@ pub struct GatewayConfig {
     pub node_tls: TlsConnect,
     /// TLS to the scheduler.
     pub scheduler_tls: TlsConnect,
+    /// Serve plain HTTP on an address other hosts reach (a TLS proxy in front).
+    pub allow_plain_http: bool,
 }
 
 impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
-            http_listen_addr: ":8080".into(),
-            metrics_listen_addr: ":9102".into(),
+            http_listen_addr: "127.0.0.1:8080".into(),
+            metrics_listen_addr: "127.0.0.1:9102".into(),
             scheduler_addr: "127.0.0.1:9090".into(),
             query_only_scheduler_addr: String::new(),
             request_timeout: Duration::from_secs(30),
@@ -239,6 +244,7 @@ impl Default for GatewayConfig {
             tls: TlsListen::default(),
             node_tls: TlsConnect::default(),
             scheduler_tls: TlsConnect::default(),
+            allow_plain_http: false,
         }
     }
 }
@@ -390,6 +396,9 @@ impl Config {
                 if let Some(v) = get("SCHEDULER_STRATEGY") {
                     s.strategy = v.into();
                 }
+                if let Some(v) = get("SCHEDULER_ALLOW_PLAIN_HTTP") {
+                    s.allow_plain_http = env_bool("SCHEDULER_ALLOW_PLAIN_HTTP", &v)?;
+                }
                 if let Some(v) = get("SCHEDULER_BINDING_TTL") {
                     s.binding_ttl = env_duration("SCHEDULER_BINDING_TTL", &v)?;
                 }
@@ -434,12 +443,10 @@ impl Config {
                     g.client_header_timeout = env_duration("GATEWAY_CLIENT_HEADER_TIMEOUT", &v)?;
                 }
                 if let Some(v) = get("GATEWAY_DEBUG_MODE") {
-                    g.debug_mode =
-                        parse_bool(&v, BoolSyntax::Plain).ok_or_else(|| ConfigError::Env {
-                            var: "GATEWAY_DEBUG_MODE",
-                            value: v.clone(),
-                            message: "expected true or false (also 1/0, t/f)".into(),
-                        })?;
+                    g.debug_mode = env_bool("GATEWAY_DEBUG_MODE", &v)?;
+                }
+                if let Some(v) = get("GATEWAY_ALLOW_PLAIN_HTTP") {
+                    g.allow_plain_http = env_bool("GATEWAY_ALLOW_PLAIN_HTTP", &v)?;
                 }
             }
         }
@@ -468,11 +475,22 @@ impl Config {
     fn validate_scheduler(&mut self, query_only: bool) -> Result<(), ConfigError> {
         let s = &mut self.scheduler;
         if s.metrics_listen_addr.trim().is_empty() {
-            s.metrics_listen_addr = ":9101".into();
+            s.metrics_listen_addr = "127.0.0.1:9101".into();
         }
         require_listen_addr("scheduler.grpc_listen_addr", &s.grpc_listen_addr)?;
         require_listen_addr("scheduler.metrics_listen_addr", &s.metrics_listen_addr)?;
         s.tls.validate("scheduler.tls")?;
+        addr::refuse_exposed_plain(addr::Exposed {
+            key: "scheduler.grpc_listen_addr",
+            addr: &s.grpc_listen_addr,
+            tls: s.tls.enabled(),
+            tls_key: "scheduler.tls.cert_file and key_file",
+            allow_key: "scheduler.allow_plain_http",
+            allow: s.allow_plain_http,
+        })?;
+        if !query_only {
+            addr::refuse_exposed_without_credential(s)?;
+        }
         if query_only {
             if s.redis_addr.trim().is_empty() {
                 return Err(ConfigError::invalid(
@@ -529,17 +547,25 @@ impl Config {
     fn validate_gateway(&mut self) -> Result<(), ConfigError> {
         let g = &mut self.gateway;
         if g.metrics_listen_addr.trim().is_empty() {
-            g.metrics_listen_addr = ":9102".into();
+            g.metrics_listen_addr = "127.0.0.1:9102".into();
         }
         require_listen_addr("gateway.http_listen_addr", &g.http_listen_addr)?;
         require_listen_addr("gateway.metrics_listen_addr", &g.metrics_listen_addr)?;
+        g.tls.validate("gateway.tls")?;
+        addr::refuse_exposed_plain(addr::Exposed {
+            key: "gateway.http_listen_addr",
+            addr: &g.http_listen_addr,
+            tls: g.tls.enabled(),
+            tls_key: "gateway.tls.cert_file and key_file",
+            allow_key: "gateway.allow_plain_http",
+            allow: g.allow_plain_http,
+        })?;
         validate_grpc_target("gateway.scheduler_addr", &g.scheduler_addr, true)?;
         validate_grpc_target(
             "gateway.query_only_scheduler_addr",
             &g.query_only_scheduler_addr,
             false,
         )?;
-        g.tls.validate("gateway.tls")?;
         g.node_tls.validate("gateway.node_tls")?;
         g.scheduler_tls.validate("gateway.scheduler_tls")?;
         if g.client_header_timeout.is_zero() {
@@ -666,6 +692,14 @@ fn env_duration(var: &'static str, value: &str) -> Result<Duration, ConfigError>
         var,
         value: value.to_string(),
         message,
+    })
+}
+
+fn env_bool(var: &'static str, value: &str) -> Result<bool, ConfigError> {
+    parse_bool(value, BoolSyntax::Plain).ok_or_else(|| ConfigError::Env {
+        var,
+        value: value.to_string(),
+        message: "expected true or false (also 1/0, t/f)".into(),
     })
 }
 

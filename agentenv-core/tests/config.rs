@@ -36,8 +36,10 @@ fn err(json: &str, opts: LoadOptions, env: &[(&str, &str)]) -> String {
     }
 }
 
+/// The reference's defaults, except the listen addresses: they bind loopback, so a
+/// cluster without TLS is never reachable from other hosts by default.
 #[test]
-fn defaults_match_the_reference() {
+fn defaults_match_the_reference_but_listen_on_loopback() {
     let c = load("{}", SCHED, &[]).unwrap().config;
     assert_eq!(c.log_format, "auto");
     assert_eq!(c.log_level, "info");
@@ -46,8 +48,8 @@ fn defaults_match_the_reference() {
     assert_eq!(s.discovery.kubernetes.scheme, "http");
     assert_eq!(s.report_ttl, Duration::from_secs(30));
     assert_eq!(s.binding_ttl, Duration::from_secs(30));
-    assert_eq!(s.grpc_listen_addr, ":9090");
-    assert_eq!(s.metrics_listen_addr, ":9101");
+    assert_eq!(s.grpc_listen_addr, "127.0.0.1:9090");
+    assert_eq!(s.metrics_listen_addr, "127.0.0.1:9101");
     assert_eq!(s.artifact_store_capacity, 1_000_000);
     assert_eq!(s.artifact_lookup_node_limit, 0);
     assert_eq!(s.strategy, "round_robin");
@@ -55,8 +57,8 @@ fn defaults_match_the_reference() {
     assert_eq!(s.nodes[0].id, "local-node");
     assert_eq!(s.nodes[0].endpoint, "http://127.0.0.1:8000");
     let g = load("{}", GATEWAY, &[]).unwrap().config.gateway;
-    assert_eq!(g.http_listen_addr, ":8080");
-    assert_eq!(g.metrics_listen_addr, ":9102");
+    assert_eq!(g.http_listen_addr, "127.0.0.1:8080");
+    assert_eq!(g.metrics_listen_addr, "127.0.0.1:9102");
     assert_eq!(g.scheduler_addr, "127.0.0.1:9090");
     assert_eq!(g.request_timeout, Duration::from_secs(30));
     assert_eq!(g.forward_response_size, 4 * 1024 * 1024);
@@ -451,11 +453,11 @@ fn blank_metrics_addresses_get_defaults() {
     let c = load(r#"{"scheduler":{"metrics_listen_addr":""}}"#, SCHED, &[])
         .unwrap()
         .config;
-    assert_eq!(c.scheduler.metrics_listen_addr, ":9101");
+    assert_eq!(c.scheduler.metrics_listen_addr, "127.0.0.1:9101");
     let c = load(r#"{"gateway":{"metrics_listen_addr":" "}}"#, GATEWAY, &[])
         .unwrap()
         .config;
-    assert_eq!(c.gateway.metrics_listen_addr, ":9102");
+    assert_eq!(c.gateway.metrics_listen_addr, "127.0.0.1:9102");
 }
 
 #[test]
@@ -524,4 +526,73 @@ fn node_resource_limit_parses_optional_fields() {
         .config
         .scheduler;
     assert!(s.node_resource_limit.is_none());
+}
+
+#[test]
+fn listeners_other_hosts_reach_need_tls_or_an_explicit_choice() {
+    // The gateway: plain HTTP on every interface is refused, naming both fixes.
+    let e = err(r#"{"gateway":{"http_listen_addr":":8080"}}"#, GATEWAY, &[]);
+    assert!(
+        e.starts_with("gateway.http_listen_addr:")
+            && e.contains("gateway.tls.cert_file")
+            && e.contains("gateway.allow_plain_http"),
+        "{e}"
+    );
+    load(
+        r#"{"gateway":{"http_listen_addr":":8080","tls":{"cert_file":"c.pem","key_file":"k.pem"}}}"#,
+        GATEWAY,
+        &[],
+    )
+    .unwrap();
+    load(
+        r#"{"gateway":{"http_listen_addr":":8080","allow_plain_http":true}}"#,
+        GATEWAY,
+        &[],
+    )
+    .unwrap();
+    load(
+        r#"{"gateway":{"http_listen_addr":":8080"}}"#,
+        GATEWAY,
+        &[("GATEWAY_ALLOW_PLAIN_HTTP", "true")],
+    )
+    .unwrap();
+    let e = err(
+        r#"{"gateway":{"http_listen_addr":":8080"}}"#,
+        GATEWAY,
+        &[("GATEWAY_ALLOW_PLAIN_HTTP", "yes")],
+    );
+    assert!(e.contains("GATEWAY_ALLOW_PLAIN_HTTP"), "{e}");
+
+    // The scheduler: TLS, and a cluster credential, when other hosts reach it.
+    let exposed = r#"{"scheduler":{"grpc_listen_addr":"0.0.0.0:9090"}}"#;
+    let e = err(exposed, SCHED, &[]);
+    assert!(
+        e.starts_with("scheduler.grpc_listen_addr:") && e.contains("scheduler.allow_plain_http"),
+        "{e}"
+    );
+    let tls_only = r#"{"scheduler":{"grpc_listen_addr":"0.0.0.0:9090","tls":{"cert_file":"c","key_file":"k"}}}"#;
+    let e = err(tls_only, SCHED, &[]);
+    assert!(
+        e.starts_with("scheduler.cluster_token_file:") && e.contains("insecure_no_auth"),
+        "{e}"
+    );
+    load(
+        r#"{"scheduler":{"grpc_listen_addr":"0.0.0.0:9090","tls":{"cert_file":"c","key_file":"k"},"cluster_token_file":"/etc/agentenv/cluster-token"}}"#,
+        SCHED,
+        &[],
+    )
+    .unwrap();
+    load(
+        r#"{"scheduler":{"grpc_listen_addr":"0.0.0.0:9090","allow_plain_http":true,"insecure_no_auth":true}}"#,
+        SCHED,
+        &[],
+    )
+    .unwrap();
+    // Query-only replicas answer lookups only: TLS is still wanted, the credential not.
+    load(
+        r#"{"scheduler":{"grpc_listen_addr":"0.0.0.0:9090","allow_plain_http":true,"redis_addr":"127.0.0.1:6379"}}"#,
+        QUERY_ONLY,
+        &[],
+    )
+    .unwrap();
 }

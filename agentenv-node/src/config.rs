@@ -444,7 +444,7 @@ impl NodeConfig {
 
         let api_addr_s = env("API_ADDR")
             .or(file.api_addr)
-            .unwrap_or_else(|| "0.0.0.0:8000".into());
+            .unwrap_or_else(|| "127.0.0.1:8000".into());
         let api_addr: SocketAddr = api_addr_s.parse().map_err(|_| {
             invalid(
                 "API_ADDR",
@@ -452,6 +452,24 @@ impl NodeConfig {
                 "use an IP address and port, e.g. 0.0.0.0:8000",
             )
         })?;
+        let tls = agentenv_core::config::TlsListen {
+            cert_file: env("AENV_TLS_CERT_FILE").unwrap_or_default(),
+            key_file: env("AENV_TLS_KEY_FILE").unwrap_or_default(),
+            client_ca_file: env("AENV_TLS_CLIENT_CA_FILE").unwrap_or_default(),
+        };
+        let allow_plain_http = match env("AENV_ALLOW_PLAIN_HTTP") {
+            Some(v) => parse_bool("AENV_ALLOW_PLAIN_HTTP", &v)?,
+            None => false,
+        };
+        // Plain HTTP is for loopback: elsewhere API keys and sandbox tokens would
+        // cross the network in clear text.
+        if !tls.enabled() && !allow_plain_http && !api_addr.ip().is_loopback() {
+            return Err(invalid(
+                "API_ADDR",
+                &api_addr_s,
+                "is reachable from other hosts but the node serves without TLS, so keys and tokens would cross the network in clear text: set AENV_TLS_CERT_FILE and AENV_TLS_KEY_FILE (docs/configuration.md), listen on 127.0.0.1, or set AENV_ALLOW_PLAIN_HTTP=true when another layer (a VPN, a private network) encrypts",
+            ));
+        }
         let home = env("AENV_HOME_PATH")
             .map(PathBuf::from)
             .or(file.home_path.map(&rel))
@@ -648,11 +666,7 @@ impl NodeConfig {
                 cert_file: env("AENV_SCHEDULER_CLIENT_CERT_FILE").unwrap_or_default(),
                 key_file: env("AENV_SCHEDULER_CLIENT_KEY_FILE").unwrap_or_default(),
             },
-            tls: agentenv_core::config::TlsListen {
-                cert_file: env("AENV_TLS_CERT_FILE").unwrap_or_default(),
-                key_file: env("AENV_TLS_KEY_FILE").unwrap_or_default(),
-                client_ca_file: env("AENV_TLS_CLIENT_CA_FILE").unwrap_or_default(),
-            },
+            tls,
             report_interval: Duration::from_secs(interval_secs),
             home,
             runtime_path,
@@ -935,5 +949,37 @@ mod tests {
         assert!(e.to_string().contains("API_ADDR"), "{e}");
         let e = load(&[], Some("[orchestrator]\nbogus = 1\n")).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn the_api_listens_on_loopback_by_default_and_elsewhere_only_with_tls_or_a_choice() {
+        assert!(load(&[], None).unwrap().api_addr.ip().is_loopback());
+        let e = load(&[("API_ADDR", "0.0.0.0:8000")], None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("API_ADDR")
+                && e.contains("AENV_TLS_CERT_FILE")
+                && e.contains("AENV_ALLOW_PLAIN_HTTP"),
+            "{e}"
+        );
+        let c = load(
+            &[
+                ("API_ADDR", "0.0.0.0:8000"),
+                ("AENV_TLS_CERT_FILE", "/etc/aenv/node.pem"),
+                ("AENV_TLS_KEY_FILE", "/etc/aenv/node-key.pem"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert!(c.tls.enabled());
+        load(
+            &[
+                ("API_ADDR", "10.0.0.21:8000"),
+                ("AENV_ALLOW_PLAIN_HTTP", "true"),
+            ],
+            None,
+        )
+        .unwrap();
     }
 }

@@ -45,13 +45,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )?;
     let s = config.scheduler;
     let grpc_addr = resolve_listen_addr(&s.grpc_listen_addr).map_err(anyhow::Error::msg)?;
+    // Config loading refused an exposed scheduler without a credential unless the
+    // operator chose so; say so once.
     if s.cluster_token_file.trim().is_empty()
-        && !s.insecure_no_auth
         && !agentenv_core::config::is_loopback_listen_addr(&s.grpc_listen_addr)
     {
         tracing::warn!(
             grpc_listen_addr = %s.grpc_listen_addr,
-            "the scheduler is reachable from other hosts without a cluster credential: anyone who reaches it can send heartbeats and bindings; set scheduler.cluster_token_file (the same file as gateway.cluster_token_file and the nodes' AENV_CLUSTER_TOKEN_FILE), listen on 127.0.0.1, or set scheduler.insecure_no_auth to silence this"
+            "scheduler.insecure_no_auth: the scheduler is reachable from other hosts without a cluster credential; anyone who reaches it can send heartbeats and bindings"
         );
     }
     let metrics_addr = resolve_listen_addr(&s.metrics_listen_addr).map_err(anyhow::Error::msg)?;

@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 #[derive(Parser)]
-#[command(name = "agentenv", version, about = "AgentENV all-in-one tool")]
+#[command(
+    name = "agentenv",
+    version,
+    about = "AgentENV all-in-one tool: a local cluster (up) and a cluster's certificates (certs)"
+)]
 struct Args {
     #[command(subcommand)]
     command: Cmd,
@@ -21,6 +25,49 @@ enum Cmd {
     /// first sandbox through the gateway, print how to use the cluster, and stop
     /// everything (sandboxes included) on Ctrl-C.
     Up(UpArgs),
+    /// Make a CA for a cluster and the certificates it signs (PEM files), for a
+    /// deployment with TLS on every listener and link (docs/static-multi-node.md).
+    #[command(subcommand)]
+    Certs(CertsCmd),
+}
+
+#[derive(Subcommand)]
+enum CertsCmd {
+    /// Make a CA: <dir>/ca.pem (give it to every host and client) and
+    /// <dir>/ca-key.pem (mode 0600; keep it where certificates are issued).
+    /// An existing CA is never replaced.
+    Ca {
+        /// Where the CA's files go (made with mode 0700).
+        #[arg(long, value_name = "DIR")]
+        dir: PathBuf,
+    },
+    /// Issue a certificate signed by the CA in <dir>: <dir>/<name>.pem and
+    /// <dir>/<name>-key.pem (mode 0600), valid for 127.0.0.1, ::1, localhost and
+    /// the addresses and names given, usable to serve and as a client identity
+    /// (mutual TLS).
+    Issue {
+        /// The CA's directory (from `agentenv certs ca`).
+        #[arg(long, value_name = "DIR")]
+        dir: PathBuf,
+        /// Names the files and the certificate, e.g. gateway, scheduler, node-a.
+        #[arg(long)]
+        name: String,
+        /// An IP address the holder is reached at (repeat for more).
+        #[arg(long = "ip", value_name = "IP")]
+        ips: Vec<std::net::IpAddr>,
+        /// A DNS name the holder is reached at (repeat for more).
+        #[arg(long = "dns", value_name = "NAME")]
+        dns: Vec<String>,
+        /// A client-only certificate (it cannot serve).
+        #[arg(long)]
+        client: bool,
+        /// Days of validity.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        /// Replace an existing certificate of that name (a renewal).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -94,7 +141,10 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let Cmd::Up(a) = args.command;
+    let a = match args.command {
+        Cmd::Up(a) => a,
+        Cmd::Certs(c) => return certs(c),
+    };
     let bin_dir = match a.bin_dir {
         Some(d) => d,
         None => std::env::current_exe()?
@@ -122,6 +172,50 @@ async fn run(args: Args) -> anyhow::Result<()> {
     out(&up.banner());
     up.serve(signals.next()).await?;
     out("stopped");
+    Ok(())
+}
+
+/// `agentenv certs`: prints each file written.
+fn certs(cmd: CertsCmd) -> anyhow::Result<()> {
+    use agentenv_bin::pki::{Pki, Request, Role};
+    match cmd {
+        CertsCmd::Ca { dir } => {
+            let pki = Pki::init(&dir)?;
+            println!(
+                "wrote {} (the CA: copy it to every host and client)",
+                pki.ca.display()
+            );
+            println!(
+                "wrote {} (the CA's key: keep it here, readable by root only)",
+                dir.join("ca-key.pem").display()
+            );
+            println!(
+                "next: agentenv certs issue --dir {} --name <host> --ip <its address>",
+                dir.display()
+            );
+        }
+        CertsCmd::Issue {
+            dir,
+            name,
+            ips,
+            dns,
+            client,
+            days,
+            force,
+        } => {
+            let pki = Pki::open(&dir)?;
+            let id = pki.issue(&Request {
+                name: &name,
+                ips: &ips,
+                dns: &dns,
+                role: if client { Role::Client } else { Role::Peer },
+                days,
+                force,
+            })?;
+            println!("wrote {}", id.cert.display());
+            println!("wrote {} (mode 0600)", id.key.display());
+        }
+    }
     Ok(())
 }
 

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use tokio::process::Command;
 
-use super::pki::{Identity, Pki};
 use super::{UpError, UpOptions};
+use crate::pki::{Identity, Pki, Request, Role};
 
 /// Maps an I/O error on `path` to [`UpError::Fs`] saying what was being done.
 pub(crate) fn fs_err<'a>(
@@ -239,24 +239,34 @@ pub(crate) struct ClusterCerts {
 }
 
 impl ClusterCerts {
-    /// Makes the CA and every certificate under `<data_dir>/tls`; the gateway's is
-    /// also valid for the address it listens on.
+    /// Makes the CA (its key kept in memory) and every certificate under
+    /// `<data_dir>/tls`; the gateway's is also valid for the address it listens on.
     pub fn issue(
         data_dir: &Path,
         nodes: &[(String, SocketAddr)],
         gateway: SocketAddr,
     ) -> Result<Self, UpError> {
-        let pki = Pki::create(data_dir)?;
+        let pki = Pki::ephemeral(&data_dir.join("tls"))?;
+        let client = pki.issue(&Request {
+            role: Role::Client,
+            ..Request::peer("cluster-client", &[])
+        })?;
+        let client_config = agentenv_core::tls::client_config(
+            &pki.ca,
+            Some((&client.cert, &client.key)),
+            &[b"http/1.1"],
+        )
+        .map_err(|e| UpError::Tls(e.to_string()))?;
         Ok(Self {
-            gateway: pki.server("gateway", &[gateway.ip()])?,
-            scheduler: pki.server("scheduler", &[])?,
+            gateway: pki.issue(&Request::peer("gateway", &[gateway.ip()]))?,
+            scheduler: pki.issue(&Request::peer("scheduler", &[]))?,
             nodes: nodes
                 .iter()
-                .map(|(id, _)| pki.server(id, &[]))
+                .map(|(id, _)| pki.issue(&Request::peer(id, &[])))
                 .collect::<Result<_, _>>()?,
-            client_config: pki.client_config()?,
+            client_config,
             ca: pki.ca.clone(),
-            client: pki.client.clone(),
+            client,
         })
     }
 

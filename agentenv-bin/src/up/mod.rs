@@ -12,7 +12,6 @@
 mod boot;
 pub mod config;
 pub mod output;
-pub mod pki;
 mod supervise;
 mod teardown;
 
@@ -101,6 +100,8 @@ pub enum UpError {
     Http(#[from] HttpError),
     #[error("--tls: {0}")]
     Tls(String),
+    #[error("--tls: {0}")]
+    Pki(#[from] crate::pki::PkiError),
     #[error("{name} exited unexpectedly ({status}); its log is {}", log.display())]
     ChildDied {
         name: String,
@@ -138,7 +139,7 @@ pub struct UpOptions {
     /// Echo every log line of the children, not only warnings, errors and progress.
     pub verbose: bool,
     /// Run every listener and link over TLS with a CA made for the cluster (see
-    /// [`pki`]): the gateway, the scheduler, the nodes' API, and mutual TLS from the
+    /// [`crate::pki`]): the gateway, the scheduler, the nodes' API, and mutual TLS from the
     /// gateway and nodes to the scheduler and from the gateway to the nodes.
     pub tls: bool,
 }
