@@ -133,3 +133,84 @@ async fn connections_over_the_per_client_cap_get_a_503_that_names_the_setting() 
         "a freed place was not given to a new connection"
     );
 }
+
+/// An HTTP/2 (prior knowledge) connection to the gateway; resolves `closed` when the
+/// gateway ends it.
+async fn h2_connect(
+    addr: std::net::SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let closed = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    (send, closed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_http2_connections_are_closed_but_a_long_stream_is_not_cut() {
+    use http_body_util::BodyExt;
+    // A node whose answer streams a chunk every 200 ms for 3 s: longer than the idle
+    // limit of 1 s.
+    let node = FakeNode::start(|_req| async {
+        let chunks = futures::stream::unfold(0u32, |i| async move {
+            if i == 15 {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let frame = http_body::Frame::data(bytes::Bytes::from(format!("{i};")));
+            Some((Ok::<_, agentenv_proxy::body::BoxError>(frame), i + 1))
+        });
+        http::Response::new(agentenv_proxy::body::boxed(
+            http_body_util::StreamBody::new(chunks),
+        ))
+    })
+    .await;
+    let c = Cluster::with_sandbox(
+        &node.endpoint,
+        limited(ClientLimits {
+            header_timeout: Duration::from_secs(1),
+            ..ClientLimits::default()
+        }),
+    )
+    .await;
+    let request = || {
+        http::Request::get(format!("http://{}/stream", c.addr))
+            .header("e2b-sandbox-id", "sbx-1")
+            .header("e2b-sandbox-port", "49983")
+            .body(http_body_util::Empty::new())
+            .unwrap()
+    };
+
+    // A stream of 3 s on a connection with a 1 s idle limit arrives whole.
+    let (mut send, closed) = h2_connect(c.addr).await;
+    let started = Instant::now();
+    let resp = send.send_request(request()).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let want: String = (0..15).map(|i| format!("{i};")).collect();
+    assert_eq!(String::from_utf8_lossy(&body), want);
+    assert!(started.elapsed() >= Duration::from_millis(2_800));
+    // Then, with nothing in flight, the gateway ends the connection.
+    tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("the idle HTTP/2 connection is closed")
+        .unwrap();
+    assert!(send.send_request(request()).await.is_err());
+
+    // A connection that never sends a request is closed too.
+    let (_send, closed) = h2_connect(c.addr).await;
+    let idle_since = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), closed)
+        .await
+        .expect("the idle HTTP/2 connection is closed")
+        .unwrap();
+    assert!(idle_since.elapsed() >= Duration::from_millis(900));
+}

@@ -218,7 +218,8 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
 }
 
 /// Serves the API on `listener` until `shutdown` resolves, then stops accepting and
-/// lets open connections finish (for at most `drain`).
+/// lets open connections finish (for at most `drain`). A connection without a request
+/// in flight for the header timeout is closed (HTTP/1.1 and HTTP/2).
 pub async fn serve(
     state: Arc<ApiState>,
     listener: tokio::net::TcpListener,
@@ -227,7 +228,8 @@ pub async fn serve(
     drain: Duration,
 ) {
     use hyper_util::rt::TokioIo;
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Every connection task holds a receiver; once they are all gone, drained.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::pin!(shutdown);
     loop {
         let (stream, _peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
@@ -244,43 +246,54 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let st = state.clone();
         let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
-        let builder = agentenv_core::serving::server_builder(HEADER_TIMEOUT);
-        match &tls {
-            None => {
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                let conn = graceful.watch(conn.into_owned());
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "connection ended");
-                    }
-                });
+        let tls = tls.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let builder = agentenv_core::serving::server_builder(HEADER_TIMEOUT);
+            let stopping = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            let served = match tls {
+                None => {
+                    agentenv_core::serving::serve_connection(
+                        &builder,
+                        TokioIo::new(stream),
+                        svc,
+                        HEADER_TIMEOUT,
+                        stopping,
+                    )
+                    .await
+                }
+                Some(acceptor) => {
+                    // The handshake runs on the connection's own task, bounded like a head.
+                    let tls =
+                        match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
+                            Ok(Ok(tls)) => tls,
+                            Ok(Err(e)) => {
+                                tracing::debug!(error = %e, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => return,
+                        };
+                    agentenv_core::serving::serve_connection(
+                        &builder,
+                        TokioIo::new(tls),
+                        svc,
+                        HEADER_TIMEOUT,
+                        stopping,
+                    )
+                    .await
+                }
+            };
+            if let Err(e) = served {
+                tracing::debug!(error = %e, "connection ended");
             }
-            Some(acceptor) => {
-                // The handshake runs on the connection's own task, bounded like a head.
-                let accept = acceptor.accept(stream);
-                let watcher = graceful.watcher();
-                tokio::spawn(async move {
-                    let tls = match tokio::time::timeout(HEADER_TIMEOUT, accept).await {
-                        Ok(Ok(tls)) => tls,
-                        Ok(Err(e)) => {
-                            tracing::debug!(error = %e, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => return,
-                    };
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(error = %e, "connection ended");
-                    }
-                });
-            }
-        }
+        });
     }
     drop(listener);
-    if tokio::time::timeout(drain, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    drop(stop_rx);
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(drain, stop_tx.closed()).await.is_err() {
         tracing::warn!("open connections did not finish within {drain:?}");
     }
 }

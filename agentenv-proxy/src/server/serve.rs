@@ -197,24 +197,20 @@ impl Gateway {
     ) where
         I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     {
-        let builder = agentenv_core::serving::server_builder(self.inner.opts.limits.header_timeout);
+        // The header timeout also bounds how long a connection (HTTP/2 included) is
+        // kept without a request in flight.
+        let idle = self.inner.opts.limits.header_timeout;
+        let builder = agentenv_core::serving::server_builder(idle);
         let service = if tls {
             self.service_tls(remote)
         } else {
             self.service(remote)
         };
-        let conn = builder.serve_connection_with_upgrades(io, service);
-        let mut conn = pin!(conn);
-        let stopping = async {
+        let stopping = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        let result = tokio::select! {
-            r = conn.as_mut() => r,
-            () = stopping => {
-                conn.as_mut().graceful_shutdown();
-                conn.await
-            }
-        };
+        let result =
+            agentenv_core::serving::serve_connection(&builder, io, service, idle, stopping).await;
         if let Err(e) = result {
             tracing::debug!(error = %e, %remote, "client connection ended with an error");
         }
