@@ -157,3 +157,53 @@ async fn scheduler_errors_and_closed_clients_have_their_own_labels() {
         1.0
     );
 }
+
+#[tokio::test]
+async fn ten_thousand_distinct_methods_make_no_new_series_in_either_lane() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (node, _) = FakeNode::start_logging(StatusCode::OK).await;
+    let c = Cluster::with_sandbox(&node.endpoint, options()).await;
+    // Raw pipelined requests on one connection: sandbox-routed ones (the fast lane)
+    // and control-plane ones (hyper), each with a method never seen before.
+    let mut s = tokio::net::TcpStream::connect(c.addr).await.unwrap();
+    let (mut rd, mut wr) = s.split();
+    let writer = async {
+        for i in 0..10_000 {
+            let req = if i % 2 == 0 {
+                format!(
+                    "M{i:05} /x HTTP/1.1\r\nhost: gw\r\ne2b-sandbox-id: sbx-1\r\ne2b-sandbox-port: 49983\r\ncontent-length: 0\r\n\r\n"
+                )
+            } else {
+                format!(
+                    "M{i:05} /nodes HTTP/1.1\r\nhost: gw\r\nx-api-key: {API_KEY}\r\ncontent-length: 0\r\n\r\n"
+                )
+            };
+            wr.write_all(req.as_bytes()).await.unwrap();
+        }
+        wr.write_all(b"GET /health HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+    };
+    let mut got = Vec::new();
+    let reader = rd.read_to_end(&mut got);
+    let (_, read) = tokio::join!(writer, reader);
+    read.unwrap();
+    let answers = String::from_utf8_lossy(&got).matches("HTTP/1.1 ").count();
+    assert_eq!(answers, 10_001, "every request was answered");
+    let text = c.metrics_text();
+    let methods: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("agentenv_gateway_http_request_duration_seconds_count{"))
+        .filter_map(|l| l.split("method=\"").nth(1)?.split('"').next())
+        .collect();
+    assert!(
+        methods.len() <= 8 && methods.contains("OTHER"),
+        "the unknown methods share one label: {methods:?}"
+    );
+    assert!(!text.contains("M00001"), "a client's method became a label");
+    assert!(
+        text.len() < 64 * 1024,
+        "/metrics grew to {} bytes",
+        text.len()
+    );
+}

@@ -1,6 +1,8 @@
 //! The official E2B Python SDK against a real cluster on loopback: scheduler, gateway
 //! and two nodes (jail backend, `base` template, static guest agent), all separate
-//! processes, the SDK pointed at the gateway for both the API and the data plane.
+//! processes, the SDK pointed at the gateway for both the API and the data plane. The
+//! SDK creates without `secure`: the agent still refuses calls without the sandbox's
+//! token, `/init` is refused through the gateway, signed file URLs work.
 
 use std::process::Command;
 use std::time::Duration;
@@ -78,6 +80,31 @@ fn official_e2b_sdk_through_gateway_and_two_nodes() {
         "a resumed sandbox keeps its files"
     );
     assert_eq!(v["run_after_resume"], "resumed\n");
+    // No `secure` in the SDK's create, yet every agent call needs the sandbox's token.
+    assert_eq!(
+        v["has_token"], true,
+        "the create answered an envdAccessToken"
+    );
+    let every = |v: &serde_json::Value, want: u64| {
+        ["files", "stat", "processes"]
+            .iter()
+            .all(|k| v[k].as_u64() == Some(want))
+    };
+    assert!(
+        every(&v["no_token"], 401),
+        "without the token: {}",
+        v["no_token"]
+    );
+    assert_eq!(v["wrong_token"], 401);
+    assert!(
+        every(&v["with_token"], 200),
+        "with the token: {}",
+        v["with_token"]
+    );
+    assert_eq!(v["init_via_gateway"], 403, "/init is the node's alone");
+    assert_eq!(v["token_after_init"], 200, "the owner keeps access");
+    assert_eq!(v["signed_url"], serde_json::json!([200, "s3cret"]));
+    assert_eq!(v["tampered_url"], 401, "a signature is for one path");
     assert_eq!(v["kill_a"], true);
     assert_eq!(v["kill_b"], true);
     assert_eq!(v["kill_again"], false);
