@@ -1086,3 +1086,221 @@ mod tests {
         assert!(err.to_string().contains("statistics queue"));
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    //! The queues of a hostile driver against the balloon: whatever the descriptors say,
+    //! the only guest memory that changes is the pages well-formed inflate lists name (and
+    //! the used rings).
+
+    use std::collections::BTreeSet;
+
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::devices::virtio::hostile::{self, BufGen, ByteSet, Chain, ChainGen, Snapshot};
+
+    /// Where the pages the lists name mostly are; no list is read from there.
+    const TARGETS: (u64, u64) = hostile::REGIONS[2];
+
+    /// A page frame number: mostly a page of region 2, else one of region 1 (where lists
+    /// may be), page 0, the hole, past the end of guest memory.
+    fn pfn() -> BoxedStrategy<u32> {
+        let page = |a: u64| (a / BALLOON_PAGE_SIZE) as u32;
+        prop_oneof![
+            8 => page(TARGETS.0)..page(TARGETS.1),
+            1 => page(hostile::DATA.0)..page(TARGETS.0),
+            1 => Just(0u32),
+            1 => page(hostile::HOLE.0)..page(hostile::HOLE.1),
+            1 => page(hostile::MEM_END)..=u32::MAX,
+        ]
+        .boxed()
+    }
+
+    /// Mostly lists of frame numbers (in the pinned area, where their content stays as
+    /// written), of any length now and then.
+    fn list_chain() -> BoxedStrategy<ChainGen> {
+        let list = (
+            vec(pfn(), 0..24),
+            prop_oneof![6 => Just(None), 1 => hostile::any_len().prop_map(Some)],
+            hostile::pinned_addr(),
+            prop::bool::weighted(0.05),
+        )
+            .prop_map(|(pfns, len, addr, write)| BufGen {
+                len: len.unwrap_or(4 * pfns.len() as u32),
+                addr,
+                write,
+                content: pfns.iter().flat_map(|p| p.to_le_bytes()).collect(),
+            });
+        hostile::mostly_plain(vec(list, 1..=3).boxed(), 0.1)
+    }
+
+    /// Whether the worker takes the chain as a page list.
+    fn page_list(mem: &GuestMemoryMmap, c: &Chain) -> bool {
+        c.terminated
+            && c.all_readable()
+            && c.descs
+                .iter()
+                .all(|d| d.len % 4 == 0 && hostile::in_memory(mem, d.addr, u64::from(d.len)))
+            && c.readable_len() <= MAX_PFN_LIST_BYTES
+    }
+
+    /// The frame numbers of a page list as guest memory held them before the device ran.
+    fn pfns(snapshot: &Snapshot, c: &Chain) -> Vec<u32> {
+        let mut out = Vec::new();
+        for d in &c.descs {
+            let mut at = d.addr;
+            let mut left = d.len as usize;
+            // A buffer may cross from region 1 into region 2.
+            while left > 0 {
+                let in_region = hostile::REGIONS
+                    .iter()
+                    .find(|(s, e)| (*s..*e).contains(&at))
+                    .map(|&(_, e)| (e - at) as usize)
+                    .unwrap();
+                let n = left.min(in_region);
+                out.extend_from_slice(snapshot.bytes(at, n));
+                at += n as u64;
+                left -= n;
+            }
+        }
+        out.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(hostile::config())]
+
+        #[test]
+        fn balloon_releases_only_the_pages_well_formed_inflate_lists_name_and_changes_nothing_else(
+            mut inflate_q in hostile::queue(list_chain()),
+            mut deflate_q in hostile::queue(list_chain()),
+            mut stats_q in hostile::queue(hostile::chain(0.2)),
+            stats_enabled: bool,
+            seed: u64,
+        ) {
+            let mem = hostile::guest_memory();
+            hostile::fill(&mem, seed);
+            // Lists are read neither from the rings (which change) nor from the pages they
+            // name (region 2).
+            for q in [&mut inflate_q, &mut deflate_q, &mut stats_q] {
+                q.readable_off = vec![
+                    (hostile::RINGS, hostile::PINNED.0),
+                    (hostile::INDIRECT_TABLES, hostile::HOLE.0),
+                    TARGETS,
+                ];
+            }
+            let (inflate, inflate_l) = inflate_q.build(&mem, INFLATE);
+            let (deflate, deflate_l) = deflate_q.build(&mem, DEFLATE);
+            let (stats, stats_l) = stats_q.build(&mem, STATS);
+            let inflates = hostile::offered(&mem, &inflate_l);
+            let deflates = hostile::offered(&mem, &deflate_l);
+            let stats_offered = hostile::offered(&mem, &stats_l);
+            let snapshot = Snapshot::take(&mem);
+            let counters = Arc::new(Counters::default());
+            let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+            let worker = BalloonWorker {
+                queues: vec![inflate, deflate, stats],
+                events: (0..3).map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap()).collect(),
+                mem: mem.clone(),
+                interrupt: Arc::new(VirtioInterrupt::new(line)),
+                counters: counters.clone(),
+                stats: Arc::new(Mutex::new(BalloonStats::default())),
+                stats_head: None,
+                stats_enabled,
+                timer: None,
+                stats_request: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            };
+            hostile::bounded(move || {
+                let mut worker = worker;
+                worker.process_all();
+            });
+
+            // Every page list is returned, with nothing written.
+            for (l, offered) in [(&inflate_l, &inflates), (&deflate_l, &deflates)] {
+                let used = hostile::used(&mem, l, offered)?;
+                let returnable = offered.iter().filter(|c| c.head < l.size).count();
+                prop_assert_eq!(used.len(), returnable, "a page list was left on the ring");
+                prop_assert!(used.iter().all(|(len, _)| *len == 0), "a page list reports written bytes");
+            }
+            let stats_used = hostile::used(&mem, &stats_l, &stats_offered)?;
+            prop_assert!(stats_enabled || stats_used.is_empty(), "the statistics queue was served while off");
+            prop_assert!(stats_used.iter().all(|(len, _)| *len == 0), "a statistics buffer reports written bytes");
+
+            // The pages the well-formed inflate lists name may go (page 0 too: a list whose
+            // own page was released before it was read names page 0); those in regions 1
+            // and 2 named by lists in the pinned area, which no inflation changes, must
+            // (region 0 keeps its contents when released, see `hostile::guest_memory`).
+            let in_memory = |pfn: u32| hostile::in_memory(&mem, u64::from(pfn) << PFN_SHIFT, BALLOON_PAGE_SIZE);
+            let mut releasable = BTreeSet::from([0u64]);
+            let mut must_go = BTreeSet::new();
+            let mut named = 0u64;
+            for c in inflates.iter().filter(|c| page_list(&mem, c)) {
+                let pinned = c.descs.iter().all(|d| {
+                    d.addr >= hostile::PINNED.0 && d.addr + u64::from(d.len) <= hostile::PINNED.1
+                });
+                for pfn in pfns(&snapshot, c) {
+                    named += 1;
+                    if in_memory(pfn) {
+                        let page = u64::from(pfn) << PFN_SHIFT;
+                        releasable.insert(page);
+                        if pinned && page >= hostile::DATA.0 {
+                            must_go.insert(page);
+                        }
+                    }
+                }
+            }
+            let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            prop_assert_eq!(c(&counters.inflated_pages) + c(&counters.invalid_pfns), named, "frame numbers of {:?}", inflates);
+            prop_assert_eq!(c(&counters.release_failures), 0);
+            let deflated: u64 = deflates
+                .iter()
+                .filter(|c| page_list(&mem, c))
+                .map(|c| c.readable_len() / 4)
+                .sum();
+            prop_assert_eq!(c(&counters.deflated_pages), deflated, "frame numbers of {:?}", deflates);
+
+            // A list in region 1 that names a page of region 1 may release a page another
+            // list is read from, which then names what its new zeros make up: which pages
+            // go is only known for guests that do not do that.
+            let lists: Vec<(u64, u64)> = inflates
+                .iter()
+                .filter(|c| page_list(&mem, c))
+                .flat_map(|c| c.descs.iter().map(|d| (d.addr, u64::from(d.len))))
+                .collect();
+            let private: Vec<(u64, u64)> = releasable
+                .iter()
+                .filter(|p| **p >= hostile::DATA.0)
+                .map(|p| (*p, BALLOON_PAGE_SIZE))
+                .collect();
+            if hostile::overlap(&lists, &private) {
+                return Ok(());
+            }
+            let mut allowed = ByteSet::default();
+            for l in [&inflate_l, &deflate_l, &stats_l] {
+                hostile::allow_used_ring(&mut allowed, l);
+            }
+            for &page in &releasable {
+                allowed.insert(page, BALLOON_PAGE_SIZE);
+            }
+            let changes = snapshot.changes(&mem);
+            // Released pages change without being marked dirty: the guest gave them up.
+            changes.check(&allowed, false)?;
+            let zero = |page: u64| {
+                let mut b = vec![0u8; BALLOON_PAGE_SIZE as usize];
+                mem.read_slice(&mut b, GuestAddress(page)).unwrap();
+                b.iter().all(|x| *x == 0)
+            };
+            // (Released pages of region 0 keep their contents, and the used rings are there.)
+            let private = changes.changed_pages.iter().filter(|p| **p >= hostile::DATA.0);
+            for page in private.filter(|p| releasable.contains(p)) {
+                prop_assert!(zero(*page), "page {:#x} changed but was not released", page);
+            }
+            for &page in &must_go {
+                prop_assert!(zero(page), "page {:#x} of an inflate list was not released", page);
+            }
+        }
+    }
+}

@@ -1028,3 +1028,161 @@ mod tests {
         rig.dev.deactivate().unwrap();
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    //! The request queue of a hostile driver against the block device.
+
+    use std::io::Write;
+
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::devices::virtio::VirtioInterrupt;
+    use crate::devices::virtio::hostile::{self, BufGen, ByteSet, ChainGen, Snapshot};
+    use crate::devices::virtio::queue_util::{drain_queue, notify_used};
+
+    const SECTORS: u64 = 64;
+
+    /// A request header: type, reserved, sector.
+    fn header_bytes(req: u32, sector: u64) -> Vec<u8> {
+        let mut h = req.to_le_bytes().to_vec();
+        h.extend_from_slice(&[0; 4]);
+        h.extend_from_slice(&sector.to_le_bytes());
+        h
+    }
+
+    /// Mostly requests shaped like one: a readable header of a known type, data buffers
+    /// mostly in the direction the type wants, a writable status byte.
+    fn request() -> BoxedStrategy<ChainGen> {
+        let req_type = prop_oneof![
+            4 => Just(VIRTIO_BLK_T_IN),
+            3 => Just(VIRTIO_BLK_T_OUT),
+            1 => Just(VIRTIO_BLK_T_FLUSH),
+            1 => Just(VIRTIO_BLK_T_GET_ID),
+            1 => any::<u32>(),
+        ];
+        let sector = prop_oneof![
+            8 => 0..SECTORS / 2,
+            2 => SECTORS / 2..SECTORS,
+            1 => Just(SECTORS - 1),
+            1 => Just(SECTORS),
+            1 => Just(u64::MAX),
+            1 => any::<u64>(),
+        ];
+        let request =
+            (req_type, sector).prop_flat_map(|(req, sector)| {
+                let header_len = prop_oneof![6 => Just(HEADER_LEN), 1 => hostile::any_len()];
+                let header = hostile::buf(hostile::pinned_addr(), header_len.boxed(), 0.05)
+                    .prop_map(move |b| BufGen {
+                        content: header_bytes(req, sector),
+                        ..b
+                    });
+                let write = match req {
+                    VIRTIO_BLK_T_OUT => 0.1,
+                    _ => 0.9,
+                };
+                let data_len = prop_oneof![
+                    6 => (1u32..=8).prop_map(|s| s * SECTOR_SIZE as u32),
+                    1 => Just(VIRTIO_BLK_ID_BYTES),
+                    1 => hostile::any_len(),
+                ];
+                let data = hostile::buf(hostile::data_addr(), data_len.boxed(), write);
+                let status = hostile::buf(hostile::data_addr(), hostile::len_or(1), 0.95);
+                (header, vec(data, 0..3), status).prop_map(|(h, data, s)| {
+                    let mut bufs = vec![h];
+                    bufs.extend(data);
+                    bufs.push(s);
+                    bufs
+                })
+            });
+        hostile::mostly_plain(request.boxed(), 0.5)
+    }
+
+    fn image() -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let bytes: Vec<u8> = (0..SECTORS * SECTOR_SIZE)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        f.write_all(&bytes).unwrap();
+        f
+    }
+
+    proptest! {
+        #![proptest_config(hostile::config())]
+
+        #[test]
+        fn block_requests_from_any_queue_never_panic_or_touch_memory_outside_the_descriptors(
+            q in hostile::queue(request()),
+            read_only: bool,
+            seed: u64,
+        ) {
+            let mem = hostile::guest_memory();
+            hostile::fill(&mem, seed);
+            let (queue, layout) = q.build(&mem, 0);
+            let offered = hostile::offered(&mem, &layout);
+            let img = image();
+            let image_before = std::fs::read(img.path()).unwrap();
+            let file = OpenOptions::new().read(true).write(!read_only).open(img.path()).unwrap();
+            let requests = BlockRequests {
+                file: Arc::new(file),
+                read_only,
+                capacity: SECTORS,
+                serial: *b"hostile-guest-drive\0",
+                counters: Arc::new(Counters::default()),
+            };
+            let counters = requests.counters.clone();
+            let snapshot = Snapshot::take(&mem);
+
+            let m = mem.clone();
+            let line = Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap());
+            let interrupt = VirtioInterrupt::new(line);
+            hostile::bounded(move || {
+                let mut queue = queue;
+                drain_queue(&mut queue, &m, |chain| requests.handle(chain, &m));
+                notify_used(&mut queue, &m, &interrupt);
+            });
+
+            // Every request is completed: the ones with a writable status byte in guest
+            // memory report the status byte and the data they were given, the others
+            // nothing; a failed request writes its status byte only.
+            let used = hostile::used(&mem, &layout, &offered)?;
+            let returnable = offered.iter().filter(|c| c.head < layout.size).count();
+            prop_assert_eq!(used.len(), returnable, "a request was left on the ring");
+            let mut allowed = ByteSet::default();
+            hostile::allow_used_ring(&mut allowed, &layout);
+            for (len, chain) in &used {
+                let status = chain
+                    .descs
+                    .last()
+                    .filter(|d| d.write && d.len >= 1 && hostile::in_memory(&mem, d.addr, 1));
+                let Some(status) = status.filter(|_| chain.terminated) else {
+                    prop_assert_eq!(*len, 0, "a chain without a status byte reports bytes: {:?}", chain);
+                    continue;
+                };
+                prop_assert!(*len >= 1, "the status byte was not reported: {:?}", chain);
+                prop_assert!(
+                    u64::from(*len) <= chain.writable_len(),
+                    "used length {} exceeds the {} device-writable bytes of {:?}",
+                    len, chain.writable_len(), chain
+                );
+                for (addr, n) in chain.writable_prefix(u64::from(*len) - 1) {
+                    allowed.insert(addr, n);
+                }
+                allowed.insert(status.addr, 1);
+            }
+            snapshot.changes(&mem).check(&allowed, true)?;
+
+            let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let m = &counters;
+            let accounted = c(&m.reads) + c(&m.writes) + c(&m.flushes) + c(&m.get_ids) + c(&m.errors);
+            prop_assert_eq!(accounted, offered.len() as u64, "every request is counted once");
+            let image_after = std::fs::read(img.path()).unwrap();
+            prop_assert_eq!(image_after.len(), image_before.len(), "the image changed size");
+            if read_only {
+                prop_assert!(image_after == image_before, "a read-only image was written");
+            }
+        }
+    }
+}

@@ -14,6 +14,8 @@
 
 pub mod balloon;
 pub mod block;
+#[cfg(test)]
+pub(crate) mod hostile;
 pub mod mmio;
 pub mod net;
 pub mod persist;

@@ -136,9 +136,13 @@ impl RngRequests {
         }
         let mut written = 0usize;
         for d in descs {
+            if written == MAX_BYTES_PER_REQUEST {
+                break;
+            }
+            // An empty buffer holds nothing, but the ones after it still count.
             let n = (d.len as usize).min(MAX_BYTES_PER_REQUEST - written);
             if n == 0 {
-                break;
+                continue;
             }
             buf.resize(n, 0);
             fill_random(&mut buf[..n]).map_err(|e| format!("getrandom failed: {e}"))?;
@@ -264,6 +268,21 @@ mod tests {
         let (queues, events) = dev.deactivate().unwrap();
         assert_eq!(queues[0].next_used(), 1);
         assert_eq!(events.len(), 1);
+    }
+
+    #[test]
+    fn rng_fills_the_buffers_after_an_empty_one() {
+        // Found by the property test below: an empty first buffer used to end the fill, so
+        // the request was refused with nothing written.
+        let mem = guest_memory(MEM);
+        let mut drv = Driver::new(&mem, 0, 16);
+        drv.add(&[wr(0x10_0000, 0), wr(0x10_1000, 32)]);
+        let mut dev = Rng::new();
+        activate(&mut dev, &mem, &drv);
+        assert_eq!(drv.wait_used(1).len(), 32);
+        assert_eq!(dev.metrics().errors, 0);
+        assert!(is_dirty(&mem, 0x10_1000));
+        dev.deactivate();
     }
 
     #[test]
@@ -396,5 +415,79 @@ mod tests {
             })
             .unwrap_err();
         assert!(matches!(err, ActivateError::QueueCount { got: 0, want: 1 }));
+    }
+}
+
+#[cfg(test)]
+mod proptests {
+    //! The request queue of a hostile driver against the entropy device.
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::devices::virtio::VirtioInterrupt;
+    use crate::devices::virtio::hostile::{self, ByteSet, Snapshot};
+    use crate::devices::virtio::queue_util::{drain_queue, notify_used};
+
+    proptest! {
+        #![proptest_config(hostile::config())]
+
+        #[test]
+        fn rng_requests_from_any_queue_fill_exactly_the_writable_bytes_they_report_and_nothing_else(
+            q in hostile::queue(hostile::chain(0.85)),
+            seed: u64,
+        ) {
+            let mem = hostile::guest_memory();
+            hostile::fill(&mem, seed);
+            let (queue, layout) = q.build(&mem, 0);
+            let offered = hostile::offered(&mem, &layout);
+            let counters = Arc::new(Counters::default());
+            let mut requests = RngRequests { counters: counters.clone(), buf: Vec::new() };
+            let snapshot = Snapshot::take(&mem);
+
+            let m = mem.clone();
+            let interrupt = VirtioInterrupt::new(Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+            hostile::bounded(move || {
+                let mut queue = queue;
+                drain_queue(&mut queue, &m, |chain| requests.serve(chain, &m));
+                notify_used(&mut queue, &m, &interrupt);
+            });
+
+            // A chain that ends, lies in guest memory and is all device-writable gets its
+            // first min(length, 64 KiB) bytes filled and reports exactly that; any other
+            // chain is returned empty and untouched.
+            let used = hostile::used(&mem, &layout, &offered)?;
+            let returnable = offered.iter().filter(|c| c.head < layout.size).count();
+            prop_assert_eq!(used.len(), returnable, "a request was left on the ring");
+            let mut allowed = ByteSet::default();
+            hostile::allow_used_ring(&mut allowed, &layout);
+            let mut filled = Vec::new();
+            for (len, chain) in &used {
+                let servable = chain.terminated
+                    && chain.all_writable()
+                    && chain.buffers_in_memory(&mem);
+                let want = if servable {
+                    chain.writable_len().min(MAX_BYTES_PER_REQUEST as u64)
+                } else {
+                    0
+                };
+                prop_assert_eq!(u64::from(*len), want, "used length of {:?}", chain);
+                for (addr, n) in chain.writable_prefix(want) {
+                    allowed.insert(addr, n);
+                    filled.push((addr, n));
+                }
+            }
+            let changes = snapshot.changes(&mem);
+            changes.check(&allowed, true)?;
+            for (addr, n) in filled {
+                let pages = (addr & !0xfff..addr + n).step_by(0x1000);
+                for page in pages {
+                    prop_assert!(changes.dirty_pages.contains(&page), "filled page {:#x} is not dirty", page);
+                }
+            }
+            let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            prop_assert_eq!(c(&counters.requests) + c(&counters.errors), offered.len() as u64);
+            prop_assert_eq!(c(&counters.bytes), used.iter().map(|(l, _)| u64::from(*l)).sum::<u64>());
+        }
     }
 }

@@ -155,6 +155,18 @@ impl Tap {
     }
 }
 
+#[cfg(test)]
+impl Tap {
+    /// A tap over any file that passes whole frames (one end of a datagram socket pair),
+    /// for driving the device without a network namespace.
+    pub(crate) fn from_file(file: File, name: &str) -> Tap {
+        Tap {
+            file,
+            name: name.to_string(),
+        }
+    }
+}
+
 impl AsRawFd for Tap {
     fn as_raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()

@@ -99,6 +99,16 @@ impl WorkerCtl {
     }
 }
 
+#[cfg(test)]
+impl WorkerCtl {
+    /// A control over an epoll of its own, for calling a handler without its thread.
+    pub(crate) fn for_test() -> Self {
+        WorkerCtl {
+            epoll: Epoll::new().unwrap(),
+        }
+    }
+}
+
 /// A running worker thread that owns a handler of type `H`.
 pub struct Worker<H: WorkerHandler> {
     name: String,

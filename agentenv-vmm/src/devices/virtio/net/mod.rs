@@ -600,4 +600,6 @@ impl Drop for Net {
 }
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;

@@ -8,6 +8,8 @@
 //! (`host`), what the guest transmits (`tx`) and what it receives (`rx`) each have a file.
 
 mod host;
+#[cfg(test)]
+mod proptests;
 mod rx;
 mod tx;
 
