@@ -225,6 +225,23 @@ fn the_guide_and_deploy_configs_load_for_both_services_without_unknown_keys() {
     }
 }
 
+/// `KEY="value"` lines of the guide's example of `/etc/default/aenv`.
+fn guide_node_env() -> Vec<String> {
+    let guide = read("docs/static-multi-node.md");
+    let block = guide
+        .split("```bash")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .find(|b| b.contains("AENV_NODE_ID="))
+        .expect("the guide shows /etc/default/aenv")
+        .to_string();
+    block
+        .lines()
+        .filter(|l| l.contains("=\""))
+        .map(String::from)
+        .collect()
+}
+
 #[test]
 fn the_node_example_environment_matches_the_guide() {
     let env = read("deploy/aenv.env");
@@ -232,11 +249,21 @@ fn the_node_example_environment_matches_the_guide() {
         "API_ADDR=\"0.0.0.0:8000\"",
         "AENV_NODE_ID=\"node-a\"",
         "AENV_OBSERVABILITY_SCHEDULER_REPORT_ENABLED=\"true\"",
-        "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=\"http://10.0.0.10:9090\"",
+        "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=\"https://10.0.0.10:9090\"",
     ] {
         assert!(
             env.lines().any(|l| l == line),
             "deploy/aenv.env lacks {line}"
+        );
+    }
+    // Each line of the guide's example (but the secrets' placeholders) is the example
+    // file's.
+    let guide = guide_node_env();
+    assert!(guide.len() > 10, "{guide:?}");
+    for line in guide.iter().filter(|l| !l.contains("=\"<")) {
+        assert!(
+            env.lines().any(|l| l == line),
+            "the guide shows {line}, deploy/aenv.env does not"
         );
     }
     // Every variable it sets is a documented one.
@@ -248,6 +275,87 @@ fn the_node_example_environment_matches_the_guide() {
         let k = l.split('=').next().unwrap();
         assert!(doc.contains(&format!("`{k}`")), "{k} is not documented");
     }
+}
+
+/// The value of `key` in an environment file.
+fn env_value(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(&format!("{key}="))
+            .map(|v| v.trim_matches('"').to_string())
+    })
+}
+
+#[test]
+fn the_deploy_examples_use_tls_and_the_cluster_token_on_every_link() {
+    // (deploy_install.rs checks that install.sh installs every file they name.)
+    let cp: serde_json::Value = serde_json::from_str(&read("deploy/control-plane.json")).unwrap();
+    let (s, g) = (&cp["scheduler"], &cp["gateway"]);
+    let path = |v: &serde_json::Value, what: &str| -> String {
+        let p = v.as_str().unwrap_or_default().to_string();
+        assert!(
+            p.starts_with("/etc/agentenv/"),
+            "{what} = {p:?}: a file the install puts under /etc/agentenv"
+        );
+        p
+    };
+    // The scheduler: TLS, client certificates required, the token.
+    let token = path(&s["cluster_token_file"], "scheduler.cluster_token_file");
+    path(&s["tls"]["cert_file"], "scheduler.tls.cert_file");
+    path(&s["tls"]["key_file"], "scheduler.tls.key_file");
+    let ca = path(&s["tls"]["client_ca_file"], "scheduler.tls.client_ca_file");
+    // The gateway: TLS toward clients, mutual TLS toward nodes and scheduler with its
+    // own certificate, the same token.
+    assert_eq!(
+        path(&g["cluster_token_file"], "gateway.cluster_token_file"),
+        token,
+        "one token file for scheduler and gateway"
+    );
+    path(&g["tls"]["cert_file"], "gateway.tls.cert_file");
+    path(&g["tls"]["key_file"], "gateway.tls.key_file");
+    for link in ["node_tls", "scheduler_tls"] {
+        assert_eq!(
+            path(&g[link]["ca_file"], link),
+            ca,
+            "gateway.{link}.ca_file"
+        );
+        assert_eq!(g[link]["cert_file"], g["tls"]["cert_file"], "{link}");
+        assert_eq!(g[link]["key_file"], g["tls"]["key_file"], "{link}");
+    }
+    for n in s["nodes"].as_array().unwrap() {
+        assert!(
+            n["endpoint"].as_str().unwrap().starts_with("https://"),
+            "{n}: nodes serve TLS"
+        );
+    }
+    for (section, v) in [("scheduler", s), ("gateway", g)] {
+        for k in ["allow_plain_http", "insecure_no_auth", "open_lookups"] {
+            assert!(v.get(k).is_none(), "{section}.{k} in the secure example");
+        }
+    }
+
+    // The node: TLS on its API with client certificates required, mutual TLS to the
+    // scheduler, the token.
+    let env = read("deploy/aenv.env");
+    for k in [
+        "AENV_TLS_CERT_FILE",
+        "AENV_TLS_KEY_FILE",
+        "AENV_TLS_CLIENT_CA_FILE",
+        "AENV_SCHEDULER_CA_FILE",
+        "AENV_SCHEDULER_CLIENT_CERT_FILE",
+        "AENV_SCHEDULER_CLIENT_KEY_FILE",
+        "AENV_CLUSTER_TOKEN_FILE",
+    ] {
+        let v = env_value(&env, k).unwrap_or_else(|| panic!("deploy/aenv.env lacks {k}"));
+        assert!(
+            v.starts_with("/etc/aenv/"),
+            "{k}={v}: a file the install puts under /etc/aenv"
+        );
+    }
+    assert!(env_value(&env, "AENV_ALLOW_PLAIN_HTTP").is_none());
+    assert!(
+        env_value(&env, "AENV_OBSERVABILITY_SCHEDULER_ENDPOINT")
+            .is_some_and(|e| e.starts_with("https://"))
+    );
 }
 
 /// TOML key paths of the node config file, read from the `File*` structs of
