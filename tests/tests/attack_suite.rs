@@ -173,6 +173,9 @@ fn start_node(home: &Path, store: &Path, port: u16) -> Proc {
         cmd.env(k, v);
     }
     cmd.env("AENV_SNAPSHOT_STORE", store);
+    // Plain HTTP on every address (the attacker talks to the API in clear): what is
+    // tested is that a sandbox cannot reach the port at all, whatever it speaks.
+    cmd.env("AENV_ALLOW_PLAIN_HTTP", "true");
     let p = Proc::spawn(NODE_ID, cmd)
         .with_host_rules(&node_iface_prefix(IDX), Path::new(NODE_RUNTIME_DIR));
     p.wait_for("node listening", Duration::from_secs(900));
