@@ -112,7 +112,7 @@ impl Net {
                 "exec",
                 &self.ns(host),
                 "curl",
-                "-s",
+                "-sS",
                 "-m",
                 "60",
                 "-w",
@@ -123,7 +123,19 @@ impl Net {
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-        (code.trim().parse().unwrap_or(0), body.to_string())
+        let code = code.trim().parse().unwrap_or(0);
+        if code == 0 {
+            // No HTTP answer: the body says why, for the assertion that reads it.
+            return (
+                0,
+                format!(
+                    "{body}[curl {}: {}]",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            );
+        }
+        (code, body.to_string())
     }
 
     /// A call with the API key, trusting the cluster's CA: (status, JSON body).
