@@ -172,6 +172,22 @@ pub struct NodeConfig {
     /// Node-local staging of snapshot captures and downloads
     /// (`AENV_SNAPSHOT_LOCAL_CACHE_PATH`, default `<home>/snapshot-local-cache`).
     pub snapshot_local_cache: PathBuf,
+    /// Template builds this node runs at once (`AENV_TEMPLATE_BUILD_CONCURRENCY`,
+    /// `[template].build_concurrency`, 2); more wait as `waiting`.
+    pub template_build_concurrency: usize,
+    /// Longest one build step may run (`AENV_TEMPLATE_STEP_TIMEOUT_SECS`,
+    /// `[template].step_timeout_secs`, 1800).
+    pub template_step_timeout: Duration,
+    /// Longest a template's ready command may take to succeed, in a build and at each
+    /// create (`AENV_TEMPLATE_READY_TIMEOUT_SECS`, `[template].ready_timeout_secs`, 120).
+    pub template_ready_timeout: Duration,
+    /// Registry of image names that name none (`AENV_OCI_DEFAULT_REGISTRY`,
+    /// `[template].default_registry`); unset: the host's
+    /// `/etc/containers/registries.conf` `unqualified-search-registries`.
+    pub oci_default_registry: Option<String>,
+    /// Registries reached over plain HTTP (`AENV_OCI_INSECURE_REGISTRIES`, comma list,
+    /// `[template].insecure_registries`), e.g. a registry on loopback.
+    pub oci_insecure_registries: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -198,6 +214,8 @@ struct FileConfig {
     sandbox: FileSandbox,
     #[serde(default)]
     sandbox_proxy: FileProxy,
+    #[serde(default)]
+    template: FileTemplate,
     #[serde(default)]
     orchestrator: FileOrchestrator,
     #[serde(default)]
@@ -249,6 +267,16 @@ struct FileProxy {
     domains: Option<Vec<String>>,
     upload_idle_timeout_ms: Option<u64>,
     response_header_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileTemplate {
+    build_concurrency: Option<u64>,
+    step_timeout_secs: Option<u64>,
+    ready_timeout_secs: Option<u64>,
+    default_registry: Option<String>,
+    insecure_registries: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -613,6 +641,46 @@ impl NodeConfig {
                     .unwrap_or(crate::backend::jail::DEFAULT_LAYER_POOL_SIZE as u64),
             ),
         )?;
+        let template_build_concurrency = env_u64(&env, "AENV_TEMPLATE_BUILD_CONCURRENCY")?
+            .or(file.template.build_concurrency)
+            .unwrap_or(2);
+        if template_build_concurrency == 0 || template_build_concurrency > 64 {
+            return Err(invalid(
+                "template.build_concurrency",
+                template_build_concurrency.to_string(),
+                "use 1 to 64",
+            ));
+        }
+        let template_step_timeout = env_u64(&env, "AENV_TEMPLATE_STEP_TIMEOUT_SECS")?
+            .or(file.template.step_timeout_secs)
+            .unwrap_or(1800);
+        let template_ready_timeout = env_u64(&env, "AENV_TEMPLATE_READY_TIMEOUT_SECS")?
+            .or(file.template.ready_timeout_secs)
+            .unwrap_or(120);
+        for (key, v) in [
+            ("template.step_timeout_secs", template_step_timeout),
+            ("template.ready_timeout_secs", template_ready_timeout),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "0", "use at least 1 second"));
+            }
+        }
+        let oci_insecure_registries: Vec<String> = match env("AENV_OCI_INSECURE_REGISTRIES") {
+            Some(v) => v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            None => file
+                .template
+                .insecure_registries
+                .clone()
+                .unwrap_or_default(),
+        };
+        let oci_default_registry = env("AENV_OCI_DEFAULT_REGISTRY")
+            .or(file.template.default_registry.clone())
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty());
         let default_cpu_count = file.machine.vcpu_count.unwrap_or(2);
         let default_memory_mb = file.machine.mem_size_mib.unwrap_or(512);
         if default_cpu_count == 0 {
@@ -702,6 +770,11 @@ impl NodeConfig {
             agent_ready_timeout: Duration::from_secs(o.agent_ready_timeout_secs.unwrap_or(30)),
             snapshot_repository,
             snapshot_local_cache,
+            template_build_concurrency: template_build_concurrency as usize,
+            template_step_timeout: Duration::from_secs(template_step_timeout),
+            template_ready_timeout: Duration::from_secs(template_ready_timeout),
+            oci_default_registry,
+            oci_insecure_registries,
         })
     }
 }

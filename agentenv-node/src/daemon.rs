@@ -227,6 +227,23 @@ impl Daemon {
             ..LifecycleConfig::default()
         };
         let orch = Orchestrator::new(backend, lc, TokenIssuer::new(&seed), store)?;
+        let catalog = Arc::new(crate::template::catalog::TemplateCatalog::new(
+            snapshots.storage().clone(),
+            &seed,
+        ));
+        let mut bs = crate::lifecycle::BuildSettings::new(&cfg.node_id, &cfg.home);
+        bs.max_concurrent = cfg.template_build_concurrency;
+        bs.step_timeout = cfg.template_step_timeout;
+        bs.ready_timeout = cfg.template_ready_timeout;
+        bs.default_registry = cfg.oci_default_registry.clone();
+        bs.insecure_registries = cfg.oci_insecure_registries.clone();
+        orch.set_templates(Arc::new(crate::lifecycle::Templates::new(
+            catalog,
+            crate::template::TemplateStore::new(crate::template::TemplateStoreConfig::new(
+                &cfg.template_path,
+            )),
+            bs,
+        )?));
         orch.set_snapshot_repository(snapshots);
         let identity = NodeIdentity {
             node_id: cfg.node_id.clone(),
@@ -245,6 +262,9 @@ impl Daemon {
                 response_headers: cfg.proxy_response_header_timeout,
             },
         );
+        state
+            .tls
+            .store(cfg.tls.enabled(), std::sync::atomic::Ordering::Relaxed);
         let listener =
             TcpListener::bind(cfg.api_addr)
                 .await

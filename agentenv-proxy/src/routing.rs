@@ -132,6 +132,14 @@ pub fn path_sandbox_id(path: &str) -> Option<&str> {
     }
 }
 
+/// `PUT /templates/{id}/files/{hash}`: the upload of a template build's files, to the
+/// link the API gave. The SDKs send no API key there; the link carries a signature the
+/// node checks, so the gateway lets it through without the key.
+pub fn is_template_upload(method: &Method, path: &str) -> bool {
+    *method == Method::PUT
+        && matches!(segments(path).as_slice(), ["templates", id, "files", hash] if !id.is_empty() && !hash.is_empty())
+}
+
 /// A sandbox control-plane request: forwarded by path id without `/proxy`,
 /// and never exempt from the API key.
 pub fn is_control_plane(method: &Method, path: &str) -> bool {
@@ -340,6 +348,24 @@ mod tests {
         ] {
             assert_eq!(path_sandbox_id(p), None, "{p}");
         }
+    }
+
+    #[test]
+    fn only_template_file_uploads_pass_without_the_key() {
+        assert!(is_template_upload(
+            &Method::PUT,
+            "/templates/abc/files/0123"
+        ));
+        assert!(!is_template_upload(
+            &Method::GET,
+            "/templates/abc/files/0123"
+        ));
+        assert!(!is_template_upload(&Method::PUT, "/templates/abc/files"));
+        assert!(!is_template_upload(
+            &Method::PUT,
+            "/templates/abc/files/x/y"
+        ));
+        assert!(!is_template_upload(&Method::PUT, "/sandboxes/abc/files/x"));
     }
 
     #[test]

@@ -292,6 +292,15 @@ pub struct Cluster {
 impl Cluster {
     /// Starts the scheduler (static node list), `n` nodes reporting to it, then the gateway.
     pub fn start(n: u8, first_idx: u8) -> Cluster {
+        Self::start_with(n, first_idx, &|_| Vec::new())
+    }
+
+    /// [`Cluster::start`] with more environment for node `i` (0-based) from `extra`.
+    pub fn start_with(
+        n: u8,
+        first_idx: u8,
+        extra: &dyn Fn(u8) -> Vec<(String, String)>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let nodes: Vec<(String, SocketAddr)> = (0..n)
             .map(|i| {
@@ -346,13 +355,15 @@ impl Cluster {
             .iter()
             .enumerate()
             .map(|(i, (id, addr))| {
+                let mut env = shared.to_vec();
+                env.extend(extra(i as u8));
                 start_node_with_env(
                     first_idx + i as u8,
                     id,
                     *addr,
                     tempfile::tempdir().expect("node home"),
                     Some(&scheduler),
-                    &shared,
+                    &env,
                 )
             })
             .collect();

@@ -374,6 +374,7 @@ fn node_toml_keys() -> BTreeSet<String> {
             "FileOrchestrator" => "orchestrator.",
             "FileMachine" => "machine.",
             "FileJail" => "jail.",
+            "FileTemplate" => "template.",
             "FileSnapshot" => "snapshot.",
             "FilePosixFs" => "backend.posix_fs.",
             "FileOss" => "backend.oss.",

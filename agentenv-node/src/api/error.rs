@@ -7,6 +7,7 @@ use crate::dataplane::{Body, json_error};
 use crate::ids::InvalidSandboxId;
 use crate::lifecycle::LifecycleError;
 use crate::snapshot::SnapshotError;
+use crate::template::catalog::CatalogError;
 
 /// The response that ends a handler early: an error.
 pub(super) struct Reject(Box<Response<Body>>);
@@ -62,6 +63,8 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
         LifecycleError::InvalidState { .. } => StatusCode::CONFLICT,
         LifecycleError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
         LifecycleError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        LifecycleError::Conflict(_) => StatusCode::CONFLICT,
+        LifecycleError::Catalog(c) => catalog_status(c),
         LifecycleError::Backend(b) => match b {
             BackendError::UnknownTemplate(n) => {
                 return json_error(StatusCode::BAD_REQUEST, format!("template {n} not found"));
@@ -80,6 +83,23 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
         LifecycleError::NoSnapshotRepository => StatusCode::SERVICE_UNAVAILABLE,
     };
     json_error(status, e.to_string())
+}
+
+impl From<CatalogError> for Reject {
+    fn from(e: CatalogError) -> Self {
+        json_error(catalog_status(&e), e.to_string()).into()
+    }
+}
+
+fn catalog_status(e: &CatalogError) -> StatusCode {
+    match e {
+        CatalogError::InvalidName(_) | CatalogError::InvalidTag(_) => StatusCode::BAD_REQUEST,
+        CatalogError::NameTaken { .. } => StatusCode::CONFLICT,
+        CatalogError::NotFound(_) | CatalogError::BuildNotFound { .. } => StatusCode::NOT_FOUND,
+        CatalogError::Forged { .. } | CatalogError::Corrupt { .. } | CatalogError::Storage(_) => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+    }
 }
 
 fn snapshot_status(e: &SnapshotError) -> StatusCode {

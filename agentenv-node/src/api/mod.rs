@@ -13,6 +13,7 @@ mod proxy;
 mod route;
 mod sandboxes;
 mod snapshots;
+mod templates;
 
 pub use body::query_pairs;
 pub use model::*;
@@ -72,6 +73,8 @@ pub struct ApiState {
     http: Family<HttpLabels, Histogram>,
     host: Mutex<Option<sysinfo::System>>,
     machine: serde_json::Value,
+    /// The listener serves TLS (links the node hands out say `https`).
+    pub tls: std::sync::atomic::AtomicBool,
 }
 
 impl ApiState {
@@ -102,6 +105,7 @@ impl ApiState {
             http,
             host: Mutex::new(sysinfo::System::new().ok()),
             machine: nodes::machine_info(),
+            tls: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -159,7 +163,9 @@ pub async fn handle(
             }
             Some(route) => {
                 let label = route.label().to_string();
-                let r = if key_ok {
+                // An upload link carries its own signature (the SDKs send no key).
+                let signed = matches!(route, Route::TemplateUpload(..));
+                let r = if key_ok || signed {
                     control(&state, route, req).await
                 } else {
                     status_only(StatusCode::UNAUTHORIZED)
@@ -209,8 +215,21 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
         Route::Snapshot(id) => snapshots::take(state, &id, req).await,
         Route::Snapshots => snapshots::list(state, &req).await,
         Route::SnapshotGet(id) => snapshots::get(state, id).await,
-        Route::TemplateAlias(alias) => snapshots::alias(state, &alias).await,
-        Route::TemplateDelete(id) => snapshots::delete(state, &id).await,
+        Route::TemplateAlias(alias) => templates::alias(state, &alias).await,
+        Route::TemplateDelete(id) => templates::delete(state, &id).await,
+        Route::TemplateCreate => templates::create(state, req).await,
+        Route::TemplateList | Route::TemplateListV2 => templates::list(state, false).await,
+        Route::DefaultTemplates => templates::list(state, true).await,
+        Route::TemplateGet(id) => templates::get(state, &id).await,
+        Route::TemplatePatch(id, v2) => templates::patch(state, &id, req, v2).await,
+        Route::TemplateFile(id, hash) => templates::file_link(state, &id, &hash, &req).await,
+        Route::TemplateUpload(id, hash) => templates::upload(state, &id, &hash, req).await,
+        Route::BuildStart(id, b) => templates::start_build(state, &id, &b, req).await,
+        Route::BuildStatus(id, b) => templates::build_status(state, &id, &b, &req).await,
+        Route::BuildLogs(id, b) => templates::build_logs(state, &id, &b, &req).await,
+        Route::TagsAssign => templates::assign_tags(state, req).await,
+        Route::TagsRemove => templates::remove_tags(state, req).await,
+        Route::Tags(id) => templates::tags(state, &id).await,
         Route::Nodes => nodes::list(state, &req),
         Route::Node(id) => nodes::get(state, &id),
     };

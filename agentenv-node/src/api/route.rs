@@ -24,6 +24,20 @@ pub(super) enum Route {
     SnapshotGet(String),
     TemplateDelete(String),
     TemplateAlias(String),
+    TemplateCreate,
+    TemplateList,
+    TemplateListV2,
+    DefaultTemplates,
+    TemplateGet(String),
+    TemplatePatch(String, bool),
+    TemplateFile(String, String),
+    TemplateUpload(String, String),
+    BuildStart(String, String),
+    BuildStatus(String, String),
+    BuildLogs(String, String),
+    TagsAssign,
+    TagsRemove,
+    Tags(String),
 }
 
 impl Route {
@@ -48,6 +62,21 @@ impl Route {
             Route::SnapshotGet(_) => "/snapshots/{snapshot_id}",
             Route::TemplateDelete(_) => "/templates/{template_id}",
             Route::TemplateAlias(_) => "/templates/aliases/{alias}",
+            Route::TemplateCreate => "/v3/templates",
+            Route::TemplateList => "/templates",
+            Route::TemplateListV2 => "/v2/templates",
+            Route::DefaultTemplates => "/default-templates",
+            Route::TemplateGet(_) => "/templates/{template_id}",
+            Route::TemplatePatch(_, false) => "/templates/{template_id}",
+            Route::TemplatePatch(_, true) => "/v2/templates/{template_id}",
+            Route::TemplateFile(..) | Route::TemplateUpload(..) => {
+                "/templates/{template_id}/files/{hash}"
+            }
+            Route::BuildStart(..) => "/v2/templates/{template_id}/builds/{build_id}",
+            Route::BuildStatus(..) => "/templates/{template_id}/builds/{build_id}/status",
+            Route::BuildLogs(..) => "/templates/{template_id}/builds/{build_id}/logs",
+            Route::TagsAssign | Route::TagsRemove => "/templates/tags",
+            Route::Tags(_) => "/templates/{template_id}/tags",
         }
     }
 }
@@ -80,9 +109,41 @@ pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::GET, ["templates", "aliases", alias]) if !alias.is_empty() => {
             Route::TemplateAlias(alias.to_string())
         }
+        (Method::POST, ["templates", "tags"]) => Route::TagsAssign,
+        (Method::DELETE, ["templates", "tags"]) => Route::TagsRemove,
         (Method::DELETE, ["templates", id]) if !id.is_empty() => {
             Route::TemplateDelete(id.to_string())
         }
+        (Method::POST, ["v3", "templates"]) | (Method::POST, ["v2", "templates"]) => {
+            Route::TemplateCreate
+        }
+        (Method::GET, ["templates"]) => Route::TemplateList,
+        (Method::GET, ["v2", "templates"]) => Route::TemplateListV2,
+        (Method::GET, ["default-templates"]) => Route::DefaultTemplates,
+        (Method::GET, ["templates", id]) if !id.is_empty() => Route::TemplateGet(id.to_string()),
+        (Method::PATCH, ["templates", id]) if !id.is_empty() => {
+            Route::TemplatePatch(id.to_string(), false)
+        }
+        (Method::PATCH, ["v2", "templates", id]) if !id.is_empty() => {
+            Route::TemplatePatch(id.to_string(), true)
+        }
+        (Method::GET, ["templates", id, "files", hash]) => {
+            Route::TemplateFile(id.to_string(), hash.to_string())
+        }
+        (Method::PUT, ["templates", id, "files", hash]) => {
+            Route::TemplateUpload(id.to_string(), hash.to_string())
+        }
+        (Method::POST, ["v2", "templates", id, "builds", b])
+        | (Method::POST, ["templates", id, "builds", b]) => {
+            Route::BuildStart(id.to_string(), b.to_string())
+        }
+        (Method::GET, ["templates", id, "builds", b, "status"]) => {
+            Route::BuildStatus(id.to_string(), b.to_string())
+        }
+        (Method::GET, ["templates", id, "builds", b, "logs"]) => {
+            Route::BuildLogs(id.to_string(), b.to_string())
+        }
+        (Method::GET, ["templates", id, "tags"]) => Route::Tags(id.to_string()),
         (Method::GET, ["nodes"]) => Route::Nodes,
         (Method::GET, ["nodes", id]) if !id.is_empty() => Route::Node(id.to_string()),
         _ => return None,
@@ -134,5 +195,21 @@ mod tests {
             Some(Route::TemplateDelete("web".into()))
         );
         assert_eq!(match_route(&Method::POST, "/process.Process/Start"), None);
+        assert_eq!(
+            match_route(&Method::POST, "/v3/templates"),
+            Some(Route::TemplateCreate)
+        );
+        assert_eq!(
+            match_route(&Method::GET, "/templates/t1/builds/b1/status"),
+            Some(Route::BuildStatus("t1".into(), "b1".into()))
+        );
+        assert_eq!(
+            match_route(&Method::PUT, "/templates/t1/files/h"),
+            Some(Route::TemplateUpload("t1".into(), "h".into()))
+        );
+        assert_eq!(
+            match_route(&Method::DELETE, "/templates/tags"),
+            Some(Route::TagsRemove)
+        );
     }
 }

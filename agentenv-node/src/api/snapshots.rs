@@ -9,7 +9,6 @@ use super::body::{json_response, page_response, read_json};
 use super::error::{Reply, bad_request};
 use super::model::{SnapshotBody, SnapshotInfoJson, SnapshotQuery};
 use crate::clock::ms_rfc3339;
-use crate::dataplane::{json_error, status_only};
 use crate::ids::parse_sandbox_id;
 use crate::lifecycle::LifecycleError;
 use crate::snapshot::{SnapshotError, SnapshotRecord};
@@ -44,29 +43,6 @@ pub(super) async fn get(state: &ApiState, id: String) -> Reply {
         Some(rec) => Ok(json_response(StatusCode::OK, &snapshot_json(&rec))),
         None => Err(SnapshotError::NotFound(id).into()),
     }
-}
-
-/// `GET /templates/aliases/{alias}`: the snapshot of that name.
-pub(super) async fn alias(state: &ApiState, alias: &str) -> Reply {
-    crate::snapshot::validate_name(alias)?;
-    let repo = state.orch.snapshot_repository()?;
-    match repo.resolve(alias).await? {
-        Some(rec) => Ok(json_response(
-            StatusCode::OK,
-            &serde_json::json!({"templateID": rec.id, "public": false}),
-        )),
-        None => Err(json_error(
-            StatusCode::NOT_FOUND,
-            format!("no snapshot or template named {alias}"),
-        )
-        .into()),
-    }
-}
-
-/// `DELETE /templates/{id or name}`: deletes the snapshot.
-pub(super) async fn delete(state: &ApiState, id: &str) -> Reply {
-    state.orch.snapshot_repository()?.delete(id).await?;
-    Ok(status_only(StatusCode::NO_CONTENT))
 }
 
 fn snapshot_json(r: &SnapshotRecord) -> SnapshotInfoJson {

@@ -34,8 +34,12 @@ impl Orchestrator {
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
         let id = crate::ids::new_sandbox_id();
-        let from = self.resolve_snapshot(&req.template).await?;
         let mut req = req;
+        let custom = self.resolve_custom_template(&req.template).await?;
+        let from = match &custom {
+            Some(_) => None,
+            None => self.resolve_snapshot(&req.template).await?,
+        };
         let mut kept = None;
         let (mut snapshot_id, mut snapshot_name) = (None, None);
         if let Some(snap) = &from {
@@ -48,6 +52,14 @@ impl Orchestrator {
             req.memory_mb = req.memory_mb.or(Some(snap.resources.memory_mb));
             snapshot_id = Some(snap.id.clone());
             snapshot_name = snap.alias.clone();
+        }
+        if let Some(c) = &custom {
+            req.template = c.local.clone();
+            let mut env = c.state.env.clone();
+            env.extend(std::mem::take(&mut req.options.env_vars));
+            req.options.env_vars = env;
+            snapshot_id = Some(c.template_id.clone());
+            snapshot_name = c.name.clone();
         }
         let rec = SandboxRecord {
             id: id.clone(),
@@ -76,7 +88,36 @@ impl Orchestrator {
             self.discard_imported(kept.as_ref()).await;
             return Err(LifecycleError::ShuttingDown);
         }
-        let started = self.start_backend(&mut rec.clone(), false).await;
+        let mut started = self.start_backend(&mut rec.clone(), false).await;
+        if let (Ok(addr), Some(c)) = (&started, &custom)
+            && (c.start_cmd.is_some() || c.ready_cmd.is_some())
+        {
+            let stage = self.metrics.start("create_warm", "start_cmd");
+            let mut state = c.state.clone();
+            state.env = rec.options.env_vars.clone();
+            let ready = self
+                .start_and_wait_ready_at(
+                    &id,
+                    *addr,
+                    &state,
+                    c.start_cmd.as_deref(),
+                    c.ready_cmd.as_deref(),
+                    self.templates
+                        .get()
+                        .map(|t| t.settings.ready_timeout)
+                        .unwrap_or(Duration::from_secs(120)),
+                )
+                .await;
+            stage.finish(ready.is_ok());
+            if let Err(reason) = ready {
+                self.release(&id, "cleanup after a failed start command")
+                    .await;
+                started = Err(LifecycleError::Agent {
+                    id: id.clone(),
+                    reason: format!("the template's start command: {reason}"),
+                });
+            }
+        }
         total.finish(started.is_ok());
         if started.is_err() {
             // A layer the backend did not take over (or gave back) goes.
@@ -178,15 +219,26 @@ impl Orchestrator {
     }
 
     async fn init_agent(&self, rec: &SandboxRecord, addr: SandboxAddress) -> Result<(), String> {
+        self.init_agent_for(&rec.id, &rec.options.env_vars, addr)
+            .await
+    }
+
+    /// Gives sandbox `id`'s agent its token and environment (`POST /init`).
+    pub(super) async fn init_agent_for(
+        &self,
+        id: &str,
+        env: &std::collections::BTreeMap<String, String>,
+        addr: SandboxAddress,
+    ) -> Result<(), String> {
         let mut client =
             agentenv_guest::client::GuestClient::new(&format!("http://{}", addr.agent()))
                 .map_err(|e| e.to_string())?;
         // Every agent requires its token: the create body's `secure` is not asked.
-        let token = self.tokens.envd_token(&rec.id);
+        let token = self.tokens.envd_token(id);
         client = client.with_access_token(&token);
         let ts = time_rfc3339(SystemTime::now());
         let body = serde_json::json!({
-            "envVars": rec.options.env_vars,
+            "envVars": env,
             "accessToken": token,
             "timestamp": ts,
         });

@@ -18,6 +18,7 @@
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
 //! creates from them), `listing` (get, list, usage, the data plane's route).
 
+mod build;
 mod create;
 mod listing;
 mod metrics;
@@ -28,6 +29,7 @@ mod snapshot;
 mod state;
 mod timeout;
 
+pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Templates};
 pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
 pub use persist::{PausedStore, PersistError};
@@ -65,6 +67,8 @@ pub enum LifecycleError {
     ShuttingDown,
     #[error("{0}")]
     BadRequest(String),
+    #[error("{0}")]
+    Conflict(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]
@@ -75,6 +79,8 @@ pub enum LifecycleError {
     Persist(#[from] PersistError),
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    Catalog(#[from] crate::template::catalog::CatalogError),
     #[error(
         "this node has no snapshot repository: configure AENV_SNAPSHOT_STORE (a directory shared by the nodes) or the oss repository"
     )]
@@ -206,6 +212,7 @@ pub struct Orchestrator {
     shutting_down: AtomicBool,
     events: Mutex<Option<mpsc::UnboundedSender<SandboxEvent>>>,
     snapshots: OnceLock<Arc<SnapshotRepo>>,
+    templates: OnceLock<Arc<Templates>>,
     create_successes: AtomicU64,
     create_fails: AtomicU64,
     metrics: LifecycleMetrics,
@@ -239,6 +246,7 @@ impl Orchestrator {
             shutting_down: AtomicBool::new(false),
             events: Mutex::new(None),
             snapshots: OnceLock::new(),
+            templates: OnceLock::new(),
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
             metrics: LifecycleMetrics::default(),

@@ -312,6 +312,11 @@ impl SnapshotRepo {
         self.storage.describe()
     }
 
+    /// The store itself (templates live in it too).
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
     /// A new empty node-local directory for a capture or a download; removed on drop.
     pub fn staging_dir(&self) -> Result<StagingDir, SnapshotError> {
         let path = self

@@ -16,8 +16,12 @@
 //! (`--variant=minbase bookworm` plus [`BASE_PACKAGES`]). The Debian mirror is the
 //! configured one, else the one the host's apt uses.
 
+pub mod apply;
+pub mod catalog;
 pub mod image;
 mod mirror;
+pub mod oci;
+pub mod steps;
 
 pub use mirror::{MirrorError, find_host_mirror, parse_deb822_sources, parse_one_line_sources};
 
@@ -245,6 +249,85 @@ impl TemplateStore {
         let result = self.build_base(name, progress).await;
         drop(lock);
         result
+    }
+
+    /// Template `name`, made by `make` (given the new root filesystem directory) unless
+    /// it is there. Like [`TemplateStore::ensure`], concurrent callers wait for one
+    /// build, and the template appears whole or not at all.
+    pub async fn ensure_derived<F, Fut>(
+        &self,
+        name: &str,
+        source: &str,
+        progress: Progress,
+        make: F,
+    ) -> Result<Template, TemplateError>
+    where
+        F: FnOnce(PathBuf) -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        validate_template_name(name)?;
+        if let Ok(t) = self.get(name) {
+            return Ok(t);
+        }
+        std::fs::create_dir_all(&self.cfg.root)
+            .map_err(io_err(format!("creating {}", self.cfg.root.display())))?;
+        let lock_path = self.cfg.root.join(format!(".{name}.lock"));
+        let lock = tokio::task::spawn_blocking(move || lock_file(&lock_path))
+            .await
+            .map_err(|e| TemplateError::Io {
+                context: "waiting for the template build lock".into(),
+                source: std::io::Error::other(e),
+            })??;
+        if let Ok(t) = self.get(name) {
+            drop(lock);
+            return Ok(t);
+        }
+        self.remove_stale_builds(name);
+        let nonce: u64 = rand::random();
+        let build_dir = self.cfg.root.join(format!(".build-{name}-{nonce:016x}"));
+        let rootfs = build_dir.join("rootfs");
+        std::fs::create_dir_all(&rootfs)
+            .map_err(io_err(format!("creating {}", rootfs.display())))?;
+        progress(&format!(
+            "preparing template {name} on this node from {source}"
+        ));
+        let made = make(rootfs)
+            .await
+            .map_err(|reason| TemplateError::BuildFailed {
+                name: name.to_string(),
+                status: "failed".into(),
+                tail: reason,
+            });
+        let result = made.and_then(|()| {
+            let meta = TemplateMeta {
+                name: name.to_string(),
+                built_at: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+                source: source.to_string(),
+            };
+            let raw = serde_json::to_vec_pretty(&meta).map_err(|e| TemplateError::Io {
+                context: "encoding template.json".into(),
+                source: std::io::Error::other(e),
+            })?;
+            std::fs::write(build_dir.join("template.json"), raw)
+                .map_err(io_err("writing template.json"))?;
+            std::fs::rename(&build_dir, self.template_dir(name)).map_err(io_err(format!(
+                "publishing template {name} into {}",
+                self.template_dir(name).display()
+            )))
+        });
+        if let Err(e) = result {
+            if let Err(rm) = std::fs::remove_dir_all(&build_dir) {
+                tracing::warn!(path = %build_dir.display(), error = %rm, "removing a failed template");
+            }
+            drop(lock);
+            return Err(e);
+        }
+        drop(lock);
+        progress(&format!("template {name} is ready on this node"));
+        self.get(name)
     }
 
     /// Removes build directories of `name` left by interrupted builds. Call with the lock.

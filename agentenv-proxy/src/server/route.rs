@@ -97,7 +97,8 @@ impl Router {
         let exempt = local_path
             || proxy_path
             || matches!(f.host_route, Ok(Some(_)))
-            || (!control_plane && id_header && f.has_port);
+            || (!control_plane && id_header && f.has_port)
+            || (!id_header && !f.has_port && crate::routing::is_template_upload(f.method, d));
         if !exempt && !authorized() {
             return Decision::Reject(StatusCode::UNAUTHORIZED, "");
         }
