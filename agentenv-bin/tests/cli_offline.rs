@@ -143,12 +143,12 @@ fn an_unreachable_server_is_named_in_the_error() {
     assert!(!b.credentials_path().exists());
     // A Dockerfile that cannot be built is refused before any request, naming the line.
     let df = a.config.path().join("Dockerfile");
-    std::fs::write(&df, "FROM ubuntu\nCOPY . /app\n").unwrap();
+    std::fs::write(&df, "FROM ubuntu\nHEALTHCHECK CMD true\n").unwrap();
     let o = a.run(&["build", df.to_str().unwrap(), "--name", "x"]);
     assert_eq!(
         stderr(&o).trim(),
         format!(
-            "Error: {}: line 2: COPY instructions are not supported by AENV template builds yet",
+            "Error: {}: line 2: HEALTHCHECK instructions are not supported by AENV template builds (supported: FROM, RUN, COPY, ADD, ENV, ARG, WORKDIR, USER, CMD, ENTRYPOINT)",
             df.display()
         )
     );

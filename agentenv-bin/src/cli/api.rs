@@ -97,6 +97,12 @@ impl Reply {
     }
 }
 
+/// A streamed request body.
+type UploadBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+/// Largest chunk of an upload read at once.
+const UPLOAD_CHUNK: usize = 256 * 1024;
+
 /// A request body as JSON.
 fn encode(body: &impl Serialize) -> Vec<u8> {
     serde_json::to_vec(body).unwrap_or_default()
@@ -108,6 +114,8 @@ pub struct Api {
     base: String,
     key: String,
     http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// For uploads to signed links (streamed bodies, no API key).
+    upload: Client<HttpsConnector<HttpConnector>, UploadBody>,
     /// For `https://` servers: the system's CAs (or `SSL_CERT_FILE`).
     tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
@@ -174,11 +182,13 @@ impl Api {
             .https_or_http()
             .enable_http1()
             .wrap_connector(conn);
-        let http = Client::builder(TokioExecutor::new()).build(conn);
+        let http = Client::builder(TokioExecutor::new()).build(conn.clone());
+        let upload = Client::builder(TokioExecutor::new()).build(conn);
         Ok(Api {
             base,
             key: creds.api_key.clone(),
             http,
+            upload,
             tls,
         })
     }
@@ -296,6 +306,76 @@ impl Api {
         self.ok(Method::GET, "/v2/sandboxes?limit=1", None, None)
             .await
             .map(|_| ())
+    }
+
+    /// `PUT` of the file at `path` (`len` bytes) to the absolute `url` (a signed upload
+    /// link: no API key), streamed with `Content-Length`; same TLS trust as the API.
+    pub async fn put_file(
+        &self,
+        url: &str,
+        path: &std::path::Path,
+        len: u64,
+    ) -> Result<(), ApiError> {
+        let file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| ApiError::Unreachable {
+                url: url.to_string(),
+                reason: format!("opening {}: {e}", path.display()),
+            })?;
+        let stream = futures::stream::unfold(file, |mut f| async move {
+            use tokio::io::AsyncReadExt;
+            let mut buf = vec![0u8; UPLOAD_CHUNK];
+            match f.read(&mut buf).await {
+                Ok(0) => None,
+                Ok(n) => {
+                    buf.truncate(n);
+                    Some((Ok(hyper::body::Frame::data(Bytes::from(buf))), f))
+                }
+                Err(e) => Some((Err(e), f)),
+            }
+        });
+        let body = BodyExt::boxed(http_body_util::StreamBody::new(stream));
+        let req = Request::builder()
+            .method(Method::PUT)
+            .uri(url)
+            .header(header::CONTENT_LENGTH, len)
+            .header(
+                header::USER_AGENT,
+                concat!("aenv/", env!("CARGO_PKG_VERSION")),
+            )
+            .body(body)
+            .map_err(|e| ApiError::BadUrl {
+                url: url.to_string(),
+                reason: e.to_string(),
+            })?;
+        let resp = self.upload.request(req).await.map_err(|e| {
+            let reason = error_chain(&e);
+            if reason.contains("invalid peer certificate") {
+                ApiError::Untrusted {
+                    url: url.to_string(),
+                    reason,
+                }
+            } else {
+                ApiError::Unreachable {
+                    url: url.to_string(),
+                    reason,
+                }
+            }
+        })?;
+        let status = resp.status();
+        let body = tokio::time::timeout(REQUEST_TIMEOUT, resp.into_body().collect())
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        if status.is_success() {
+            return Ok(());
+        }
+        Err(ApiError::Status {
+            status: status.as_u16(),
+            message: format!("uploading the files: {}", error_message(&body)),
+        })
     }
 
     /// A call whose answer is `T` as JSON (an empty answer reads as `null`).

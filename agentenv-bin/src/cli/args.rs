@@ -43,6 +43,38 @@ pub struct TemplateSize {
     pub memory: Option<u32>,
 }
 
+/// How sandboxes of a template a command builds start (`pull`, `build`).
+#[derive(Debug, Args)]
+pub struct StartOpts {
+    /// Command started when a sandbox boots from the template (run with /bin/sh -c).
+    #[arg(long)]
+    pub start_cmd: Option<String>,
+    /// Command (run with /bin/sh -c) whose success marks the start command ready.
+    #[arg(long)]
+    pub ready_cmd: Option<String>,
+    /// Ready when something listens on this TCP port.
+    #[arg(long, value_name = "PORT", conflicts_with = "ready_cmd")]
+    pub probe: Option<u16>,
+}
+
+impl StartOpts {
+    /// The ready command: `--ready-cmd`, else the `--probe` check.
+    pub fn ready(&self) -> Option<String> {
+        match self.probe {
+            Some(p) => Some(port_probe(p)),
+            None => self.ready_cmd.clone(),
+        }
+    }
+}
+
+/// A POSIX-sh command that succeeds once a TCP socket listens on `port` (reads
+/// `/proc/net/tcp{,6}`: no bash, ss or nc needed in the image).
+pub fn port_probe(port: u16) -> String {
+    format!(
+        "grep -Eq ':{port:04X} [0-9A-F]+:[0-9A-F]{{4}} 0A ' /proc/net/tcp /proc/net/tcp6 2>/dev/null"
+    )
+}
+
 /// Parses `KEY=VALUE` (a non-empty key).
 pub fn parse_kv(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
@@ -76,6 +108,28 @@ mod tests {
                 .contains("divisible by 1024")
         );
         assert!(parse_disk("x").unwrap_err().contains("positive integer"));
+    }
+
+    #[test]
+    fn template_port_probe_reads_listening_sockets_with_plain_sh() {
+        assert_eq!(
+            port_probe(8080),
+            "grep -Eq ':1F90 [0-9A-F]+:[0-9A-F]{4} 0A ' /proc/net/tcp /proc/net/tcp6 2>/dev/null"
+        );
+        // This machine's own listening sockets answer it.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let ok = |p: u16| {
+            std::process::Command::new("/bin/sh")
+                .arg("-c")
+                .arg(port_probe(p))
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(ok(port));
+        drop(l);
+        assert!(!ok(port));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! [`shell`], [`files`] and [`process`] hold what the data-plane commands share.
 
 pub mod api;
+pub mod archive;
 pub mod args;
 pub mod commands;
 pub mod complete;

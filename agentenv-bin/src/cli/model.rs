@@ -107,25 +107,39 @@ pub struct TemplateCreated {
     pub build_id: Option<String>,
 }
 
-/// `POST /v2/templates/{templateID}/builds/{buildID}`: what the build starts from and does.
-#[derive(Debug, Serialize)]
+/// `POST /v2/templates/{templateID}/builds/{buildID}`: what the build starts from
+/// (`fromTemplate` or `fromImage`) and does.
+#[derive(Debug, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct BuildRequest {
-    pub from_image: String,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub steps: Option<Vec<BuildStep>>,
+    pub from_template: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_image: Option<String>,
+    pub steps: Vec<BuildStep>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub start_cmd: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ready_cmd: Option<String>,
 }
 
-/// One build step (`RUN`, `ENV`, `ARG`, `WORKDIR`, `USER`) and its arguments.
+/// One build step (`RUN`, `COPY`, `ENV`, `WORKDIR`, `USER`), its arguments and, for
+/// `COPY`, the hash of the uploaded files.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BuildStep {
     #[serde(rename = "type")]
     pub kind: String,
     pub args: Vec<String>,
+    #[serde(rename = "filesHash", skip_serializing_if = "Option::is_none")]
+    pub files_hash: Option<String>,
+}
+
+/// The answer to `GET /templates/{templateID}/files/{hash}`.
+#[derive(Debug, Default, Deserialize)]
+pub struct FileLink {
+    #[serde(default)]
+    pub present: bool,
+    pub url: Option<String>,
 }
 
 /// `GET /templates/{templateID}/builds/{buildID}/status`.
@@ -136,7 +150,17 @@ pub struct BuildStatus {
     #[serde(rename = "buildID")]
     pub build_id: Option<String>,
     pub status: Option<String>,
+    #[serde(rename = "logEntries", default)]
+    pub log_entries: Vec<LogEntry>,
     pub reason: Option<BuildFailure>,
+}
+
+/// One line of a build's log.
+#[derive(Debug, Default, Deserialize)]
+pub struct LogEntry {
+    #[serde(default)]
+    pub message: String,
+    pub level: Option<String>,
 }
 
 /// Why a build failed.
@@ -144,6 +168,23 @@ pub struct BuildStatus {
 pub struct BuildFailure {
     pub message: Option<String>,
     pub step: Option<String>,
+}
+
+/// `GET /templates/{id or name}`: the template and its builds, newest first.
+#[derive(Debug, Default, Deserialize)]
+pub struct TemplateDetail {
+    #[serde(rename = "templateID")]
+    pub template_id: Option<String>,
+    #[serde(default)]
+    pub builds: Vec<BuildRef>,
+}
+
+/// One build of a [`TemplateDetail`].
+#[derive(Debug, Default, Deserialize)]
+pub struct BuildRef {
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub status: Option<String>,
 }
 
 /// `GET /templates/aliases/{alias}`.
@@ -167,6 +208,7 @@ pub struct TemplateInfo {
     pub memory_mb: Option<u64>,
     #[serde(rename = "diskSizeMB")]
     pub disk_size_mb: Option<u64>,
+    pub created_at: Option<String>,
     pub updated_at: Option<String>,
 }
 
@@ -243,18 +285,36 @@ mod tests {
                 "metadata": {"a": "b"}, "cpuCount": 2, "memoryMB": 512, "diskSizeMB": 2048})
         );
         let build = BuildRequest {
-            from_image: "python:3.12".into(),
-            steps: Some(vec![BuildStep {
-                kind: "RUN".into(),
-                args: vec!["true".into()],
-            }]),
-            start_cmd: None,
+            from_image: Some("python:3.12".into()),
+            steps: vec![
+                BuildStep {
+                    kind: "RUN".into(),
+                    args: vec!["true".into()],
+                    files_hash: None,
+                },
+                BuildStep {
+                    kind: "COPY".into(),
+                    args: vec!["a".into(), "/a".into(), "".into(), "".into()],
+                    files_hash: Some("ab".into()),
+                },
+            ],
             ready_cmd: Some("true".into()),
+            ..Default::default()
         };
         assert_eq!(
             serde_json::to_value(&build).unwrap(),
             serde_json::json!({"fromImage": "python:3.12",
-                "steps": [{"type": "RUN", "args": ["true"]}], "readyCmd": "true"})
+                "steps": [{"type": "RUN", "args": ["true"]},
+                    {"type": "COPY", "args": ["a", "/a", "", ""], "filesHash": "ab"}],
+                "readyCmd": "true"})
+        );
+        assert_eq!(
+            serde_json::to_value(BuildRequest {
+                from_template: Some("base".into()),
+                ..Default::default()
+            })
+            .unwrap(),
+            serde_json::json!({"fromTemplate": "base", "steps": []})
         );
         assert_eq!(
             serde_json::to_value(NewSnapshot { name: None }).unwrap(),

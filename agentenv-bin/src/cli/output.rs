@@ -117,14 +117,22 @@ pub fn templates(items: &[Listed<TemplateInfo>], f: Format) -> std::io::Result<(
     let rows: Vec<Vec<String>> = items
         .iter()
         .map(|Listed { item: t, .. }| {
+            let names = if t.names.is_empty() {
+                &t.aliases
+            } else {
+                &t.names
+            };
             vec![
-                opt(&t.names.first().or(t.aliases.first())),
+                if names.is_empty() {
+                    "-".into()
+                } else {
+                    names.join(",")
+                },
                 opt(&t.template_id),
                 opt(&t.build_status),
                 opt(&t.cpu_count),
                 opt(&t.memory_mb),
-                opt(&t.disk_size_mb),
-                opt(&t.updated_at),
+                opt(&t.created_at),
             ]
         })
         .collect();
@@ -135,8 +143,7 @@ pub fn templates(items: &[Listed<TemplateInfo>], f: Format) -> std::io::Result<(
             "STATUS",
             "CPU",
             "MEM (MiB)",
-            "DISK (MiB)",
-            "UPDATED",
+            "CREATED",
         ],
         &rows,
     ))

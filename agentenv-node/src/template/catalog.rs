@@ -340,10 +340,31 @@ impl TemplateCatalog {
         Ok(())
     }
 
+    /// Reads a signed object. Records are rewritten in place (a build's status, a
+    /// template's tags), and a store may hand out a mix of two versions to a read that
+    /// overlaps a rewrite: a read that does not parse or verify is tried again before it
+    /// counts as corrupt or forged.
     async fn get_signed<T: DeserializeOwned>(
         &self,
         key: &str,
         what: impl Fn() -> String,
+    ) -> Result<Option<T>, CatalogError> {
+        let mut tries = 0;
+        loop {
+            match self.get_signed_once(key, &what).await {
+                Err(CatalogError::Corrupt { .. } | CatalogError::Forged { .. }) if tries < 3 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20 * tries)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn get_signed_once<T: DeserializeOwned>(
+        &self,
+        key: &str,
+        what: &impl Fn() -> String,
     ) -> Result<Option<T>, CatalogError> {
         let Some(raw) = self.storage.read(key, MAX_OBJECT).await? else {
             return Ok(None);

@@ -6,7 +6,7 @@ use clap::Args;
 use super::template::{create_and_build, watch_build};
 use crate::cli::CliError;
 use crate::cli::api::Api;
-use crate::cli::args::TemplateSize;
+use crate::cli::args::{StartOpts, TemplateSize};
 use crate::cli::model::BuildRequest;
 
 /// Build a template from an OCI image and wait for it (unless --detach).
@@ -15,7 +15,8 @@ use crate::cli::model::BuildRequest;
 Examples:
   aenv pull ubuntu:22.04                       # template `ubuntu`
   aenv pull python:3.12-slim --name py --cpu 2 --memory 1024
-  aenv pull nginx:latest --start-cmd 'nginx -g \"daemon off;\"' --probe 80 -d")]
+  aenv pull nginx:latest --start-cmd 'nginx -g \"daemon off;\"' --probe 80 -d
+  aenv template watch nginx                    # follow a detached build")]
 pub struct PullArgs {
     /// Image reference, e.g. ubuntu:22.04.
     pub image: String,
@@ -24,15 +25,8 @@ pub struct PullArgs {
     pub name: Option<String>,
     #[command(flatten)]
     pub size: TemplateSize,
-    /// Command started when a sandbox boots from the template.
-    #[arg(long)]
-    pub start_cmd: Option<String>,
-    /// Command whose success marks the start command ready.
-    #[arg(long)]
-    pub ready_cmd: Option<String>,
-    /// Ready when this TCP port accepts connections.
-    #[arg(long, value_name = "PORT", conflicts_with = "ready_cmd")]
-    pub probe: Option<u16>,
+    #[command(flatten)]
+    pub start: StartOpts,
     /// Start the build and return.
     #[arg(short, long)]
     pub detach: bool,
@@ -44,15 +38,11 @@ pub struct PullArgs {
 /// Creates the template, starts its build and (unless `--detach`) follows it.
 pub async fn run(api: &Api, args: PullArgs) -> Result<i32, CliError> {
     let name = args.name.unwrap_or_else(|| image_leaf(&args.image));
-    let ready_cmd = match args.probe {
-        Some(p) => Some(format!(": >/dev/tcp/127.0.0.1/{p}")),
-        None => args.ready_cmd,
-    };
     let build = BuildRequest {
-        from_image: args.image,
-        steps: None,
-        start_cmd: args.start_cmd,
-        ready_cmd,
+        from_image: Some(args.image),
+        ready_cmd: args.start.ready(),
+        start_cmd: args.start.start_cmd,
+        ..Default::default()
     };
     let (tid, bid) = create_and_build(api, name.clone(), args.size, build).await?;
     if args.detach {

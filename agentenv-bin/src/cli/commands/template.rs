@@ -8,7 +8,8 @@ use serde::de::IgnoredAny;
 use crate::cli::api::{self, Api, ApiError};
 use crate::cli::args::{OutputOpt, TemplateSize};
 use crate::cli::model::{
-    BuildRequest, BuildStatus, Listed, NewTemplate, TemplateAlias, TemplateCreated, TemplateInfo,
+    BuildRequest, BuildStatus, Listed, NewTemplate, TemplateAlias, TemplateCreated, TemplateDetail,
+    TemplateInfo,
 };
 use crate::cli::{CliError, io_err, output};
 
@@ -24,13 +25,14 @@ pub enum TemplateCmd {
         #[command(flatten)]
         output: OutputOpt,
     },
-    /// Delete a template (name or ID); also deletes snapshots.
+    /// Delete a template or a snapshot (name or ID).
     #[command(
         visible_alias = "rm",
         after_help = "Example:\n  aenv template rm my-template"
     )]
     Delete { template: String },
-    /// Follow a template build until it is ready or fails.
+    /// Follow the latest build of a template (name or ID): print its log until it is
+    /// ready (exit 0) or fails (exit 1).
     #[command(after_help = "Example:\n  aenv template watch my-template")]
     Watch { template: String },
 }
@@ -44,44 +46,90 @@ pub async fn run(api: &Api, cmd: TemplateCmd) -> Result<i32, CliError> {
             Ok(0)
         }
         TemplateCmd::Delete { template } => {
-            let id = resolve(api, &template).await?;
+            let (id, what) = resolve(api, &template).await?;
             let path = format!("/templates/{}", api::seg(&id));
             api.send::<IgnoredAny>(Method::DELETE, &path, None::<&()>)
                 .await?;
-            println!("Deleted template {id}");
+            println!("Deleted {what} {template} ({id})");
             Ok(0)
         }
         TemplateCmd::Watch { template } => {
-            let id = resolve(api, &template).await?;
-            // The build ID of a template is its template ID.
-            watch_build(api, &id, &id, &template, None).await
+            let detail = detail(api, &template).await?;
+            let tid = detail.template_id.unwrap_or_else(|| template.clone());
+            let Some(build) = detail.builds.first() else {
+                return Err(CliError::Usage(format!(
+                    "template {template} has no builds to watch"
+                )));
+            };
+            watch_build(api, &tid, &build.build_id, &template, None).await
         }
     }
 }
 
-/// The ID of template `t`: `t` itself when it is a UUID, else what its alias names.
-async fn resolve(api: &Api, t: &str) -> Result<String, CliError> {
-    let is_uuid = t.len() == 36 && t.bytes().filter(|b| *b == b'-').count() == 4;
-    if is_uuid {
-        return Ok(t.to_string());
-    }
-    let path = format!("/templates/aliases/{}", api::seg(t));
-    let alias: Option<TemplateAlias> = api.get_json(&path).await?;
-    alias.and_then(|a| a.template_id).ok_or_else(|| {
-        CliError::Api(ApiError::BadResponse {
-            path,
-            reason: "no templateID".into(),
+/// Whether `t` looks like a UUID (a snapshot ID; template IDs are 20 characters).
+fn is_uuid(t: &str) -> bool {
+    t.len() == 36
+        && t.char_indices().all(|(i, c)| {
+            if matches!(i, 8 | 13 | 18 | 23) {
+                c == '-'
+            } else {
+                c.is_ascii_hexdigit()
+            }
         })
-    })
 }
 
-/// Creates template `name` of `size` and starts its build; prints and returns the
-/// template and build IDs.
-pub async fn create_and_build(
+/// "template X not found" for a 404 (or a name the server refuses) on `t`.
+fn not_found(t: &str, e: ApiError) -> CliError {
+    match e {
+        ApiError::Status {
+            status: 404 | 400, ..
+        } => CliError::Usage(format!(
+            "template {t} not found; list templates with `aenv template ls`"
+        )),
+        e => CliError::Api(e),
+    }
+}
+
+/// `GET /templates/{t}`: the template (by name, `name:tag` or ID) and its builds.
+async fn detail(api: &Api, t: &str) -> Result<TemplateDetail, CliError> {
+    let path = format!("/templates/{}", api::seg(t));
+    let d: Option<TemplateDetail> = api.get_json(&path).await.map_err(|e| not_found(t, e))?;
+    Ok(d.unwrap_or_default())
+}
+
+/// The ID of template or snapshot `t` (name or ID), and which of the two it is.
+async fn resolve(api: &Api, t: &str) -> Result<(String, &'static str), CliError> {
+    if is_uuid(t) {
+        return Ok((t.to_ascii_lowercase(), "snapshot"));
+    }
+    match detail(api, t).await {
+        Ok(d) => {
+            return Ok((d.template_id.unwrap_or_else(|| t.to_string()), "template"));
+        }
+        Err(CliError::Usage(_)) => {}
+        Err(e) => return Err(e),
+    }
+    // Snapshots are templates to the SDKs; their names resolve here.
+    let path = format!("/templates/aliases/{}", api::seg(t));
+    let alias: Option<TemplateAlias> = api.get_json(&path).await.map_err(|e| not_found(t, e))?;
+    match alias.and_then(|a| a.template_id) {
+        Some(id) => Ok((id, "snapshot")),
+        None => Err(not_found(
+            t,
+            ApiError::Status {
+                status: 404,
+                message: String::new(),
+            },
+        )),
+    }
+}
+
+/// Creates template `name` of `size` (or a new build of the template of that name)
+/// and returns its template and build IDs.
+pub async fn create_template(
     api: &Api,
     name: String,
-    size: TemplateSize,
-    build: BuildRequest,
+    size: &TemplateSize,
 ) -> Result<(String, String), CliError> {
     let new = NewTemplate {
         name,
@@ -99,14 +147,42 @@ pub async fn create_and_build(
     };
     let tid = created.template_id.ok_or_else(|| missing("templateID"))?;
     let bid = created.build_id.ok_or_else(|| missing("buildID"))?;
-    let path = format!("/v2/templates/{}/builds/{}", api::seg(&tid), api::seg(&bid));
-    api.send::<IgnoredAny>(Method::POST, &path, Some(&build))
+    Ok((tid, bid))
+}
+
+/// Starts build `bid` of template `tid` with `build`.
+pub async fn start_build(
+    api: &Api,
+    tid: &str,
+    bid: &str,
+    build: &BuildRequest,
+) -> Result<(), CliError> {
+    let path = format!("/v2/templates/{}/builds/{}", api::seg(tid), api::seg(bid));
+    api.send::<IgnoredAny>(Method::POST, &path, Some(build))
         .await?;
+    Ok(())
+}
+
+/// Creates template `name` of `size`, starts its build; prints and returns the
+/// template and build IDs.
+pub async fn create_and_build(
+    api: &Api,
+    name: String,
+    size: TemplateSize,
+    build: BuildRequest,
+) -> Result<(String, String), CliError> {
+    let (tid, bid) = create_template(api, name, &size).await?;
+    start_build(api, &tid, &bid, &build).await?;
     println!("Created template {tid} (build {bid})");
     Ok((tid, bid))
 }
 
-/// Polls a build's status once a second until it is ready, fails or `limit` passes.
+/// How often a followed build is polled.
+const POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Follows a build: prints its log lines as they come (stdout), a spinner with its
+/// status on a terminal (stderr); 0 when it is ready, an error naming the reason and
+/// the step when it failed, or when `limit` seconds pass.
 pub async fn watch_build(
     api: &Api,
     tid: &str,
@@ -114,7 +190,7 @@ pub async fn watch_build(
     name: &str,
     limit: Option<u64>,
 ) -> Result<i32, CliError> {
-    let path = format!(
+    let base = format!(
         "/templates/{}/builds/{}/status",
         api::seg(tid),
         api::seg(bid)
@@ -125,19 +201,46 @@ pub async fn watch_build(
             b.finish_and_clear();
         }
     };
+    let print = |line: &str| match &bar {
+        Some(b) => b.suspend(|| println!("{line}")),
+        None => println!("{line}"),
+    };
     let deadline = limit.map(|s| tokio::time::Instant::now() + std::time::Duration::from_secs(s));
+    let mut offset = 0usize;
     let mut unknown_seen = std::collections::BTreeSet::new();
     loop {
-        let st: Option<BuildStatus> = api.get_json(&path).await?;
+        let path = format!("{base}?logsOffset={offset}");
+        let st: Option<BuildStatus> = match api.get_json(&path).await {
+            Ok(st) => st,
+            Err(e) => {
+                finish();
+                return Err(match e {
+                    ApiError::Status { status: 404, .. } => {
+                        CliError::Usage(format!("build {bid} of template {name} not found"))
+                    }
+                    e => CliError::Api(e),
+                });
+            }
+        };
         let st = st.unwrap_or_default();
-        if st.template_id.is_some_and(|t| t != tid) || st.build_id.is_some_and(|b| b != bid) {
+        if st.template_id.as_ref().is_some_and(|t| t != tid)
+            || st.build_id.as_ref().is_some_and(|b| b != bid)
+        {
             finish();
             return Err(CliError::Usage("Build status response mismatch".into()));
         }
-        match st.status.as_deref().unwrap_or("") {
+        let got = st.log_entries.len();
+        for e in &st.log_entries {
+            print(&e.message);
+        }
+        offset += got;
+        let status = st.status.as_deref().unwrap_or("");
+        match status {
+            // Finished: drain the log first (the last answer carries no entries).
+            "ready" | "error" if got > 0 => continue,
             "ready" => {
                 finish();
-                println!("Build succeeded: template {tid} is ready.");
+                println!("Build succeeded: template {name} ({tid}) is ready.");
                 return Ok(0);
             }
             "error" => {
@@ -167,6 +270,20 @@ pub async fn watch_build(
                 "Timed out waiting for build. Resume with: aenv template watch {name}"
             )));
         }
-        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        if got == 0 {
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_ids_are_not_uuids() {
+        assert!(is_uuid("0b5c3a5e-1c2d-4e5f-8a9b-0c1d2e3f4a5b"));
+        assert!(!is_uuid("abcdefghij0123456789"));
+        assert!(!is_uuid("my-template"));
     }
 }
