@@ -4,230 +4,28 @@
 //! Needs `docker-registry`, `skopeo` and `apache2-utils` (htpasswd), all listed in
 //! scripts/apt-packages.txt.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use agentenv_node::template::oci::{
     LayerCache, LayerMediaType, OciError, PullOptions, RegistryAuth, pull,
 };
-use sha2::{Digest, Sha256};
+use agentenv_testkit::free_port;
+use agentenv_testkit::registry::{
+    ImageConfig, Layout, TestRegistry, push, sha256_digest as sha256, tar_of_dir, tar_of_files,
+};
 
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
-const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
-const LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
-
-fn need(tool: &str, package: &str) -> PathBuf {
-    for dir in ["/usr/bin", "/usr/sbin", "/usr/local/bin"] {
-        let p = Path::new(dir).join(tool);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!(
-        "{tool} is missing: install the Debian package {package} (apt-get install -y {package}; it is listed in scripts/apt-packages.txt)"
-    );
-}
-
-fn sha256(data: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(data)))
-}
-
-/// A `docker-registry serve` on a free loopback port, killed when dropped.
-struct TestRegistry {
-    child: Child,
-    addr: SocketAddr,
-    storage: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for TestRegistry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl TestRegistry {
-    fn start(htpasswd: Option<(&str, &str)>) -> Self {
-        let bin = need("docker-registry", "docker-registry");
-        let dir = tempfile::tempdir().unwrap();
-        let storage = dir.path().join("storage");
-        std::fs::create_dir(&storage).unwrap();
-        let port = free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let mut cfg = format!(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-            storage.display()
-        );
-        if let Some((user, pass)) = htpasswd {
-            let tool = need("htpasswd", "apache2-utils");
-            let out = Command::new(tool)
-                .args(["-Bbn", user, pass])
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "htpasswd failed: {out:?}");
-            let file = dir.path().join("htpasswd");
-            std::fs::write(&file, &out.stdout).unwrap();
-            cfg.push_str(&format!(
-                "auth:\n  htpasswd:\n    realm: test\n    path: {}\n",
-                file.display()
-            ));
-        }
-        let cfg_path = dir.path().join("config.yml");
-        std::fs::write(&cfg_path, cfg).unwrap();
-        let child = Command::new(bin)
-            .arg("serve")
-            .arg(&cfg_path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut reg = Self {
-            child,
-            addr,
-            storage,
-            _dir: dir,
-        };
-        reg.wait_ready();
-        reg
-    }
-
-    /// Polls `/v2/` until the registry answers with an HTTP status line.
-    fn wait_ready(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("docker-registry exited before answering: {status}");
-            }
-            if let Ok(mut s) = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)) {
-                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                let req = format!(
-                    "GET /v2/ HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-                    self.addr
-                );
-                let mut buf = [0u8; 12];
-                if s.write_all(req.as_bytes()).is_ok()
-                    && s.read_exact(&mut buf).is_ok()
-                    && buf.starts_with(b"HTTP/1.1 ")
-                {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "docker-registry did not answer on {} within 10 s",
-                self.addr
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn reference(&self, repo_tag: &str) -> String {
-        format!("{}/{repo_tag}", self.addr)
-    }
-
-    /// The file holding blob `digest` in the registry's storage.
-    fn blob_file(&self, digest: &str) -> PathBuf {
-        let hex = digest.strip_prefix("sha256:").unwrap();
-        self.storage
-            .join("docker/registry/v2/blobs/sha256")
-            .join(&hex[..2])
-            .join(hex)
-            .join("data")
-    }
-}
-
-/// An OCI image layout being written.
-struct Layout {
-    dir: PathBuf,
-}
-
-/// A descriptor as JSON, plus the digest.
-struct Desc {
-    json: serde_json::Value,
-    digest: String,
-}
-
-impl Layout {
-    fn new(dir: PathBuf) -> Self {
-        std::fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
-        std::fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
-        Self { dir }
-    }
-
-    fn blob(&self, data: &[u8], media_type: &str) -> Desc {
-        let digest = sha256(data);
-        let hex = digest.strip_prefix("sha256:").unwrap();
-        std::fs::write(self.dir.join("blobs/sha256").join(hex), data).unwrap();
-        Desc {
-            json: serde_json::json!({"mediaType": media_type, "digest": digest, "size": data.len()}),
-            digest,
-        }
-    }
-
-    /// A gzip layer from an uncompressed tar: (descriptor, diff id).
-    fn layer(&self, tar: &[u8]) -> (Desc, String) {
-        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-        gz.write_all(tar).unwrap();
-        (self.blob(&gz.finish().unwrap(), LAYER_GZIP), sha256(tar))
-    }
-
-    /// An image manifest of `layers` with a config: the manifest's descriptor.
-    fn image(&self, arch: &str, layers: &[&[u8]]) -> Desc {
-        let (descs, diff_ids): (Vec<_>, Vec<_>) = layers.iter().map(|l| self.layer(l)).unzip();
-        let config = serde_json::json!({
-            "architecture": arch,
-            "os": "linux",
-            "config": {
-                "Env": ["PATH=/usr/bin:/bin", "GREETING=hello"],
-                "WorkingDir": "/app",
-                "User": "1000:1000",
-                "Entrypoint": ["/bin/tool"],
-                "Cmd": ["--help"],
-            },
-            "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        });
-        let config = self.blob(&serde_json::to_vec(&config).unwrap(), OCI_CONFIG);
-        let mut json = serde_json::json!({
-            "schemaVersion": 2,
-            "mediaType": OCI_MANIFEST,
-            "config": config.json,
-            "layers": descs.into_iter().map(|d| d.json).collect::<Vec<_>>(),
-        });
-        let m = self.blob(&serde_json::to_vec(&json).unwrap(), OCI_MANIFEST);
-        json = m.json;
-        json["platform"] = serde_json::json!({"architecture": arch, "os": "linux"});
-        Desc {
-            json,
-            digest: m.digest,
-        }
-    }
-
-    /// `index.json` naming `desc` as `tag`.
-    fn tag(&self, desc: &Desc, tag: &str) {
-        let mut entry = desc.json.clone();
-        entry["annotations"] = serde_json::json!({"org.opencontainers.image.ref.name": tag});
-        let index = serde_json::json!({"schemaVersion": 2, "manifests": [entry]});
-        std::fs::write(
-            self.dir.join("index.json"),
-            serde_json::to_vec(&index).unwrap(),
-        )
-        .unwrap();
+/// The config of the test image: every runtime field set.
+fn test_config(arch: &str) -> ImageConfig {
+    ImageConfig {
+        architecture: arch.into(),
+        env: vec!["PATH=/usr/bin:/bin".into(), "GREETING=hello".into()],
+        working_dir: Some("/app".into()),
+        user: Some("1000:1000".into()),
+        entrypoint: vec!["/bin/tool".into()],
+        cmd: vec!["--help".into()],
     }
 }
 
@@ -252,65 +50,18 @@ fn make_rootfs(dir: &Path) {
     std::fs::write(dir.join("opq/sub/lower2"), b"lower").unwrap();
 }
 
-fn tar_of_dir(dir: &Path) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    b.follow_symlinks(false);
-    b.mode(tar::HeaderMode::Complete);
-    b.append_dir_all(".", dir).unwrap();
-    b.into_inner().unwrap()
-}
-
-fn file_entry(b: &mut tar::Builder<Vec<u8>>, path: &str, data: &[u8]) {
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_mode(0o644);
-    h.set_size(data.len() as u64);
-    h.set_mtime(1_700_000_000);
-    h.set_uid(0);
-    h.set_gid(0);
-    b.append_data(&mut h, path, data).unwrap();
-}
-
 /// The second layer: an OCI whiteout, an opaque directory, a replaced file.
 fn second_layer() -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    file_entry(&mut b, ".wh.gone.txt", b"");
-    file_entry(&mut b, "opq/.wh..wh..opq", b"");
-    file_entry(&mut b, "opq/upper", b"upper");
-    file_entry(&mut b, "etc/hello", b"hello from layer 2\n");
-    b.into_inner().unwrap()
+    tar_of_files(&[
+        (".wh.gone.txt", b""),
+        ("opq/.wh..wh..opq", b""),
+        ("opq/upper", b"upper"),
+        ("etc/hello", b"hello from layer 2\n"),
+    ])
 }
 
 fn arch_layer(arch: &str) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    file_entry(&mut b, "arch", arch.as_bytes());
-    b.into_inner().unwrap()
-}
-
-fn skopeo(args: &[&str]) {
-    let bin = need("skopeo", "skopeo");
-    let out = Command::new(bin)
-        .arg("--insecure-policy")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "skopeo {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Pushes the layout at `layout` (tag `tag`) to `dest` (`host:port/repo:tag`).
-fn push(layout: &Path, tag: &str, dest: &str, extra: &[&str]) {
-    let src = format!("oci:{}:{tag}", layout.display());
-    let dst = format!("docker://{dest}");
-    let mut args = vec!["copy", "--dest-tls-verify=false"];
-    args.extend_from_slice(extra);
-    args.push(&src);
-    args.push(&dst);
-    skopeo(&args);
+    tar_of_files(&[("arch", arch.as_bytes())])
 }
 
 /// Builds the two-layer test image in `dir` and pushes it to `dest` (`host:port/repo:tag`).
@@ -320,9 +71,9 @@ fn push_test_image(dir: &Path, dest: &str, extra: &[&str]) {
     let layout = Layout::new(dir.join("layout"));
     let l1 = tar_of_dir(&rootfs);
     let l2 = second_layer();
-    let m = layout.image("amd64", &[&l1, &l2]);
+    let m = layout.image(&test_config("amd64"), &[&l1, &l2]);
     layout.tag(&m, "v1");
-    push(&layout.dir, "v1", dest, extra);
+    push(layout.dir(), "v1", dest, extra);
 }
 
 struct Lines(Arc<Mutex<Vec<String>>>);
@@ -485,17 +236,12 @@ async fn oci_pull_picks_linux_amd64_from_an_index() {
     let reg = TestRegistry::start(None);
     let dir = tempfile::tempdir().unwrap();
     let layout = Layout::new(dir.path().join("layout"));
-    let arm = layout.image("arm64", &[&arch_layer("arm64")]);
-    let amd = layout.image("amd64", &[&arch_layer("amd64")]);
-    let index = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_INDEX,
-        "manifests": [arm.json, amd.json],
-    });
-    let index = layout.blob(&serde_json::to_vec(&index).unwrap(), OCI_INDEX);
+    let arm = layout.image(&test_config("arm64"), &[&arch_layer("arm64")]);
+    let amd = layout.image(&test_config("amd64"), &[&arch_layer("amd64")]);
+    let index = layout.index(&[&arm, &amd]);
     layout.tag(&index, "multi");
     let dest = reg.reference("test/multi:multi");
-    push(&layout.dir, "multi", &dest, &["--all"]);
+    push(layout.dir(), "multi", &dest, &["--all"]);
 
     let cache = LayerCache::new(dir.path().join("cache"));
     let img = pull(&dest, &opts(dir.path()), &cache, progress().1)
@@ -525,7 +271,7 @@ async fn oci_pull_with_basic_auth() {
     let e = pull(&dest, &o, &cache, progress().1).await.unwrap_err();
     assert!(matches!(e, OciError::Auth { .. }), "{e:?}");
     let msg = e.to_string();
-    assert!(msg.contains(&reg.addr.to_string()), "{msg}");
+    assert!(msg.contains(&reg.addr().to_string()), "{msg}");
     assert!(msg.contains("check the username and password"), "{msg}");
     assert!(!msg.contains("wrong-password"), "{msg}");
 

@@ -4,6 +4,8 @@
 //!   result instead of a panic): poll a check until it passes or a deadline passes;
 //! * [`bins`]: the workspace's binaries, static builds included;
 //! * `moto` (feature `s3`): a real S3-compatible server on loopback;
+//! * `registry` (feature `registry`): a real OCI registry on loopback, OCI image layouts
+//!   written from a directory, `skopeo` pushes;
 //! * `vmm` (feature `vmm`): guest programs for the VMM, as minimal ELF "kernels";
 //! * `host_rules` and `node` (feature `node`): the host firewall chains a test's backends
 //!   install, the shared template cache, a log subscriber, the root check.
@@ -16,6 +18,8 @@ pub mod moto;
 #[cfg(feature = "node")]
 pub mod node;
 mod poll;
+#[cfg(feature = "registry")]
+pub mod registry;
 #[cfg(feature = "vmm")]
 pub mod vmm;
 

@@ -20,3 +20,37 @@ pub fn init_tracing() {
 pub fn unless_root(why: &str) -> Option<String> {
     (!nix::unistd::Uid::effective().is_root()).then(|| why.to_string())
 }
+
+/// Makes sure the `base` template is in [`TEMPLATE_CACHE`] (built there once).
+pub async fn ensure_base() {
+    let store = agentenv_node::template::TemplateStore::new(
+        agentenv_node::template::TemplateStoreConfig::new(TEMPLATE_CACHE),
+    );
+    store
+        .ensure(
+            agentenv_node::template::BASE_TEMPLATE,
+            std::sync::Arc::new(|l: &str| eprintln!("[template base] {l}")),
+        )
+        .await
+        .expect("the base template");
+}
+
+/// A template directory `dir` holding only `base`, as hard links into
+/// [`TEMPLATE_CACHE`] (call [`ensure_base`] first): a node given it
+/// (`AENV_TEMPLATE_PATH`) makes every other template itself, and what it makes goes
+/// with `dir`.
+pub fn templates_with_base(dir: &std::path::Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).expect("creating the template directory");
+    let st = std::process::Command::new("cp")
+        .arg("-al")
+        .arg(std::path::Path::new(TEMPLATE_CACHE).join("base"))
+        .arg(dir.join("base"))
+        .status()
+        .expect("running cp");
+    assert!(
+        st.success(),
+        "cp -al of the base template into {}",
+        dir.display()
+    );
+    dir.to_path_buf()
+}

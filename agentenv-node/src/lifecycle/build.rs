@@ -29,8 +29,9 @@ use crate::clock::{ms_since_epoch, time_rfc3339};
 use crate::config::BackendKind;
 use crate::template::catalog::{
     BaseRef, BuildReason, BuildRecord, BuildResult, BuildStatus, CacheEntry, CatalogError,
-    LayerRef, LogLine, RunState, TemplateCatalog, TemplateRecord,
+    ImageLayer, ImageRecord, LayerRef, LogLine, RunState, TemplateCatalog, TemplateRecord,
 };
+use crate::template::oci::LayerMediaType;
 use crate::template::steps::{BaseSpec, BuildSpec, Step, split_reference};
 use crate::template::{BASE_TEMPLATE, Progress, TemplateStore};
 
@@ -416,7 +417,8 @@ impl Orchestrator {
             build.heartbeat_at_ms = now;
             match result {
                 Ok(res) => {
-                    build.status = BuildStatus::Ready;
+                    // The result first, then the tags, then `ready`: a client that sees
+                    // `ready` finds the template by its tags at once.
                     build.result = Some(res);
                     let published = async {
                         t.catalog.save_build(&build).await?;
@@ -432,7 +434,9 @@ impl Orchestrator {
                             rec.tags.insert(tag, build.build_id.clone());
                         }
                         rec.updated_at_ms = now;
-                        t.catalog.save_record(&rec).await
+                        t.catalog.save_record(&rec).await?;
+                        build.status = BuildStatus::Ready;
+                        t.catalog.save_build(&build).await
                     }
                     .await;
                     match published {
@@ -664,7 +668,13 @@ impl Orchestrator {
                 password,
             } => {
                 let pulled = self
-                    .pull_image(t, reference, username.clone(), password.clone(), progress)
+                    .pull_image(
+                        t,
+                        reference,
+                        username.clone(),
+                        password.clone(),
+                        progress.clone(),
+                    )
                     .await?;
                 let state = RunState {
                     env: pulled
@@ -677,6 +687,47 @@ impl Orchestrator {
                     workdir: pulled.config.working_dir.clone().filter(|w| !w.is_empty()),
                     user: pulled.config.user.clone().filter(|u| !u.is_empty()),
                 };
+                // Into the store: other nodes make the base from there, without the
+                // registry or its credentials.
+                if t.catalog
+                    .image(&pulled.manifest_digest)
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_none()
+                {
+                    progress(&format!(
+                        "storing image {reference} ({} layers) in {}",
+                        pulled.layers.len(),
+                        t.catalog.describe()
+                    ));
+                    let mut layers = Vec::with_capacity(pulled.layers.len());
+                    for l in &pulled.layers {
+                        let hex = l.digest.trim_start_matches("sha256:").to_string();
+                        t.catalog
+                            .put_blob(&hex, l.size, &l.path)
+                            .await
+                            .map_err(|e| format!("storing layer {}: {e}", l.digest))?;
+                        layers.push(ImageLayer {
+                            sha256: hex,
+                            size: l.size,
+                            compression: match l.media_type {
+                                LayerMediaType::Plain => "plain",
+                                LayerMediaType::Gzip => "gzip",
+                                LayerMediaType::Zstd => "zstd",
+                            }
+                            .into(),
+                        });
+                    }
+                    t.catalog
+                        .save_image(&ImageRecord {
+                            reference: reference.clone(),
+                            manifest_digest: pulled.manifest_digest.clone(),
+                            layers,
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
                 Ok((
                     BaseRef::Image {
                         reference: reference.clone(),
@@ -711,7 +762,9 @@ impl Orchestrator {
         let Some(b) = t.catalog.build(&rec.template_id, &build_id).await? else {
             return Ok(None);
         };
-        if b.status != BuildStatus::Ready || b.result.is_none() {
+        // A build's result is there only once it succeeded (its status turns `ready`
+        // just after its tags move to it).
+        if b.result.is_none() || b.status == BuildStatus::Error {
             return Ok(None);
         }
         Ok(Some((rec, b)))
@@ -782,31 +835,82 @@ impl Orchestrator {
                     if t.store.get(&name).is_ok() {
                         return Ok(name);
                     }
-                    // Pulled by digest: the cache holds its layers after the build's pull.
-                    let by_digest = match reference.split_once('@') {
-                        Some((r, _)) => format!("{r}@{manifest_digest}"),
-                        None => {
-                            let r = reference
-                                .rsplit_once(':')
-                                .filter(|(_, tag)| !tag.contains('/'))
-                                .map(|(r, _)| r)
-                                .unwrap_or(reference);
-                            format!("{r}@{manifest_digest}")
-                        }
-                    };
-                    let pulled = self
-                        .pull_image(t, &by_digest, None, None, progress.clone())
-                        .await?;
+                    let image = t
+                        .catalog
+                        .image(manifest_digest)
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .ok_or_else(|| {
+                            format!("image {reference} ({manifest_digest}) is not in the store: build the template again")
+                        })?;
+                    // Layers from the node's image cache, else from the store.
+                    let cache = crate::template::oci::LayerCache::new(&t.settings.oci_cache);
+                    let staging = t.staging_dir().map_err(|f| f.message)?;
+                    let mut files = Vec::with_capacity(image.layers.len());
+                    for (i, l) in image.layers.iter().enumerate() {
+                        let digest = format!("sha256:{}", l.sha256);
+                        let path = match cache.lookup(&digest, l.size) {
+                            Some(p) => p,
+                            None => {
+                                progress(&format!(
+                                    "fetching image layer {}/{} {} ({:.1} MiB) from {}",
+                                    i + 1,
+                                    image.layers.len(),
+                                    &l.sha256[..12],
+                                    l.size as f64 / (1 << 20) as f64,
+                                    t.catalog.describe()
+                                ));
+                                let p = staging.0.join(&l.sha256);
+                                t.catalog
+                                    .get_blob(&l.sha256, &p)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                p
+                            }
+                        };
+                        files.push((path, l.compression.clone()));
+                    }
                     t.store
                         .ensure_derived(
                             &name,
                             &format!("image {reference} ({manifest_digest})"),
                             progress,
                             move |rootfs| async move {
-                                tokio::task::spawn_blocking(move || {
-                                    pulled.unpack_into(&rootfs).map_err(|e| e.to_string())?;
-                                    std::fs::create_dir_all(rootfs.join("agentenv"))
-                                        .map_err(|e| e.to_string())
+                                tokio::task::spawn_blocking(move || -> Result<(), String> {
+                                    for (path, compression) in &files {
+                                        let f =
+                                            std::fs::File::open(path).map_err(|e| e.to_string())?;
+                                        let opts = crate::template::apply::ApplyOptions::default();
+                                        let applied = match compression.as_str() {
+                                            "gzip" => crate::template::apply::apply_layer(
+                                                flate2::read::MultiGzDecoder::new(f),
+                                                &rootfs,
+                                                &opts,
+                                            ),
+                                            "zstd" => crate::template::apply::apply_layer(
+                                                zstd::stream::read::Decoder::new(f)
+                                                    .map_err(|e| e.to_string())?,
+                                                &rootfs,
+                                                &opts,
+                                            ),
+                                            _ => crate::template::apply::apply_layer(
+                                                f, &rootfs, &opts,
+                                            ),
+                                        };
+                                        applied.map_err(|e| {
+                                            format!("unpacking image layer {}: {e}", path.display())
+                                        })?;
+                                    }
+                                    // What the jail mounts over, and the agent's directory.
+                                    for d in ["agentenv", "proc", "sys", "dev", "tmp"] {
+                                        let p = rootfs.join(d);
+                                        if std::fs::symlink_metadata(&p).is_err() {
+                                            std::fs::create_dir_all(&p)
+                                                .map_err(|e| e.to_string())?;
+                                        }
+                                    }
+                                    drop(staging);
+                                    Ok(())
                                 })
                                 .await
                                 .map_err(|e| e.to_string())?
@@ -1147,6 +1251,30 @@ impl Orchestrator {
                     }
                     Err(e) => return Err(format!("reading the uploaded files: {e}")),
                 }
+                // A gzip archive is unpacked here: the build image needs no gzip.
+                let local = {
+                    let uploaded = local.clone();
+                    let plain = staging.0.join("files.plain.tar");
+                    tokio::task::spawn_blocking(move || -> std::io::Result<PathBuf> {
+                        use std::io::Read;
+                        let mut magic = [0u8; 2];
+                        let mut f = std::fs::File::open(&uploaded)?;
+                        let n = f.read(&mut magic)?;
+                        if n < 2 || magic != [0x1f, 0x8b] {
+                            return Ok(uploaded);
+                        }
+                        let mut gz =
+                            flate2::read::MultiGzDecoder::new(std::fs::File::open(&uploaded)?);
+                        let mut out = std::fs::File::create(&plain)?;
+                        std::io::copy(&mut gz, &mut out)?;
+                        Ok(plain)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| {
+                        format!("the uploaded files of COPY {src} are not a readable tar.gz: {e}")
+                    })?
+                };
                 let remote = format!("/tmp/.agentenv-copy-{files_hash}.tar");
                 let client = self.guest(bx, "root")?;
                 client

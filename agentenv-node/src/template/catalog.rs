@@ -192,6 +192,25 @@ pub struct CacheEntry {
     pub state: RunState,
 }
 
+/// An OCI image a build started from, kept in the store so that every node makes the
+/// base from the store, never from the registry (which may need credentials only the
+/// build had).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRecord {
+    pub reference: String,
+    pub manifest_digest: String,
+    /// Layers bottom first: the blob's SHA-256 (its digest), size and compression
+    /// (`plain`, `gzip`, `zstd`).
+    pub layers: Vec<ImageLayer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageLayer {
+    pub sha256: String,
+    pub size: u64,
+    pub compression: String,
+}
+
 /// One build log line, as the E2B API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogLine {
@@ -322,6 +341,49 @@ impl TemplateCatalog {
 
     fn cache_key(key: &str) -> String {
         format!("templates/cache/{key}.json")
+    }
+
+    fn image_key(manifest_digest: &str) -> String {
+        format!(
+            "templates/images/{}.json",
+            manifest_digest.trim_start_matches("sha256:")
+        )
+    }
+
+    pub fn blob_key(sha256: &str) -> String {
+        format!("templates/blobs/{sha256}")
+    }
+
+    /// The stored image with manifest digest `digest`.
+    pub async fn image(&self, digest: &str) -> Result<Option<ImageRecord>, CatalogError> {
+        let hex = digest.trim_start_matches("sha256:");
+        if !is_sha256_hex(hex) {
+            return Ok(None);
+        }
+        let r: Option<ImageRecord> = self
+            .get_signed(&Self::image_key(digest), || format!("image {digest}"))
+            .await?;
+        Ok(r.filter(|r| r.manifest_digest == digest))
+    }
+
+    pub async fn save_image(&self, r: &ImageRecord) -> Result<(), CatalogError> {
+        self.put_signed(&Self::image_key(&r.manifest_digest), r)
+            .await
+    }
+
+    /// Uploads an image layer blob (content-addressed by its digest) unless it is there.
+    pub async fn put_blob(&self, sha256: &str, size: u64, path: &Path) -> Result<(), CatalogError> {
+        let key = Self::blob_key(sha256);
+        if self.storage.stat(&key).await?.map(|m| m.size) != Some(size) {
+            self.storage.put_file(&key, path).await?;
+        }
+        Ok(())
+    }
+
+    /// Downloads an image layer blob to `path`, verifying its digest.
+    pub async fn get_blob(&self, sha256: &str, path: &Path) -> Result<(), CatalogError> {
+        self.get_verified(&Self::blob_key(sha256), sha256, path)
+            .await
     }
 
     pub fn layer_key(sha256: &str) -> String {
@@ -590,9 +652,19 @@ impl TemplateCatalog {
                 reason: format!("{:?} is not a SHA-256", layer.sha256),
             });
         }
-        self.storage
-            .get_file(&Self::layer_key(&layer.sha256), path)
-            .await?;
+        self.get_verified(&Self::layer_key(&layer.sha256), &layer.sha256, path)
+            .await
+    }
+
+    /// Downloads `key` to `path` and checks that its content hashes to `sha256`.
+    async fn get_verified(&self, key: &str, sha256: &str, path: &Path) -> Result<(), CatalogError> {
+        if !is_sha256_hex(sha256) {
+            return Err(CatalogError::Corrupt {
+                what: format!("object {key}"),
+                reason: format!("{sha256:?} is not a SHA-256"),
+            });
+        }
+        self.storage.get_file(key, path).await?;
         let p = path.to_path_buf();
         let got = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
             use sha2::Digest;
@@ -605,10 +677,10 @@ impl TemplateCatalog {
         .ok()
         .and_then(|r| r.ok())
         .unwrap_or_default();
-        if got != layer.sha256 {
+        if got != sha256 {
             let _ = std::fs::remove_file(path);
             return Err(CatalogError::Forged {
-                what: format!("layer {}", layer.sha256),
+                what: format!("layer {sha256}"),
                 reason: format!("its content hashes to {got}"),
             });
         }

@@ -98,16 +98,7 @@ pub fn iface_prefix(slot: u8) -> String {
 
 /// Makes sure the `base` template exists in the shared cache (built once).
 pub async fn ensure_base() {
-    let mut cfg = agentenv_node::template::TemplateStoreConfig::new(TEMPLATE_CACHE);
-    cfg.root = PathBuf::from(TEMPLATE_CACHE);
-    let store = agentenv_node::template::TemplateStore::new(cfg);
-    store
-        .ensure(
-            agentenv_node::template::BASE_TEMPLATE,
-            std::sync::Arc::new(|l: &str| eprintln!("[template base] {l}")),
-        )
-        .await
-        .expect("template base");
+    agentenv_testkit::node::ensure_base().await;
 }
 
 /// A node serving in this process until the returned sender fires.
