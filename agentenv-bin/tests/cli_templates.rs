@@ -8,34 +8,9 @@
 mod cli_common;
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
 
-use agentenv_tests::{API_KEY, TEMPLATE_CACHE, free_port, skip_reason, start_node_with_env};
+use agentenv_tests::{API_KEY, free_port, node_templates, skip_reason, start_node_with_env};
 use cli_common::{Aenv, stderr, stdout};
-
-/// A template directory holding `base` (hard links into the shared test cache, built
-/// there first if needed), so builds land here and not in the shared cache.
-fn node_templates(dir: &Path) -> String {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let store = agentenv_node::template::TemplateStore::new(
-        agentenv_node::template::TemplateStoreConfig::new(TEMPLATE_CACHE),
-    );
-    rt.block_on(store.ensure(
-        agentenv_node::template::BASE_TEMPLATE,
-        agentenv_node::template::log_progress(),
-    ))
-    .expect("the base template");
-    std::fs::create_dir_all(dir).unwrap();
-    let st = Command::new("cp")
-        .arg("-al")
-        .arg(Path::new(TEMPLATE_CACHE).join("base"))
-        .arg(dir.join("base"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "cp -al of the base template");
-    dir.display().to_string()
-}
 
 fn listed_names(a: &Aenv) -> Vec<(String, String)> {
     let out = a.ok(&["template", "ls", "-o", "json"]);

@@ -12,16 +12,8 @@ use node_common::{Node, api, create, request, run};
 /// A node whose template directory holds only `base` (hard links into the shared test
 /// cache), so what it materializes is its own and goes with the test.
 async fn node(home: &Path, slot: u8, step_timeout: Duration) -> Node {
-    node_common::ensure_base().await;
-    let tpl = home.join("templates");
-    std::fs::create_dir_all(&tpl).unwrap();
-    let st = std::process::Command::new("cp")
-        .arg("-al")
-        .arg(PathBuf::from(node_common::TEMPLATE_CACHE).join("base"))
-        .arg(tpl.join("base"))
-        .status()
-        .unwrap();
-    assert!(st.success());
+    agentenv_testkit::node::ensure_base().await;
+    let tpl = agentenv_testkit::node::templates_with_base(&home.join("templates"));
     let mut c = node_common::config(home, slot);
     c.template_path = tpl;
     c.template_step_timeout = step_timeout;

@@ -1,6 +1,6 @@
 //! Helpers of the cross-process tests: the real `agentenv-scheduler`, `agentenv-gateway`
 //! and `agentenv-node` binaries started on loopback with static configuration, and the
-//! official E2B Python SDK in a virtual environment.
+//! official E2B SDKs: Python in a virtual environment, JS installed with `npm ci`.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -196,7 +196,7 @@ pub struct NodeProc {
     pub proc: Proc,
 }
 
-/// Environment of a test node with index `idx` (0..8): its own data directory, address
+/// Environment of a test node with index `idx` (0..=25): its own data directory, address
 /// pool, interface prefix and cgroup parent.
 pub fn node_env(
     idx: u8,
@@ -400,6 +400,20 @@ impl Cluster {
             _dir: dir,
         }
     }
+
+    /// Waits until the gateway's `GET /nodes` lists `n` nodes.
+    pub fn wait_nodes_listed(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while api(self.gateway, "GET", "/nodes", "")
+            .1
+            .as_array()
+            .map(|a| a.len())
+            != Some(n)
+        {
+            assert!(Instant::now() < deadline, "{n} nodes listed by the gateway");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 /// Waits until the scheduler has a heartbeat from every node in `ids`.
@@ -523,4 +537,77 @@ pub fn e2b_python() -> Result<PathBuf, String> {
         return Err("`pip install e2b` failed (is PyPI reachable?)".into());
     }
     Ok(py)
+}
+
+/// A local template directory `dir` holding `base` (hard links into [`TEMPLATE_CACHE`],
+/// built there first if needed), so a node given it (`AENV_TEMPLATE_PATH`) sees no
+/// template but `base` at start. Returns `dir` as a string.
+pub fn node_templates(dir: &Path) -> String {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(agentenv_testkit::node::ensure_base());
+    agentenv_testkit::node::templates_with_base(dir)
+        .display()
+        .to_string()
+}
+
+/// How many creates on the node at `addr` fetched a template (its stage metric).
+pub fn template_fetches(addr: SocketAddr) -> u64 {
+    let out = Command::new("curl")
+        .args(["-s", &format!("http://{addr}/metrics")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .filter(|l| {
+            l.starts_with("agentenv_sandbox_stage_duration_seconds_count")
+                && l.contains("stage=\"template_fetch\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Where the JS SDK's `package.json`, `package-lock.json` and `.npmrc` are kept.
+const E2B_JS_FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/js");
+
+/// A directory whose `node_modules` holds the official E2B JS SDK at the version locked in
+/// `tests/fixtures/js/package-lock.json` (`target/e2b-js`, installed once with `npm ci`
+/// under a file lock, again when the lockfile changes). A script finds the SDK with
+/// `createRequire(<dir>/package.json)`.
+pub fn e2b_js() -> Result<PathBuf, String> {
+    let dir = target_dir().join("e2b-js");
+    let fixture = Path::new(E2B_JS_FIXTURE);
+    let lockfile = std::fs::read(fixture.join("package-lock.json"))
+        .map_err(|e| format!("reading the JS lockfile: {e}"))?;
+    // The lockfile a finished install was made from.
+    let stamp = dir.join("installed-package-lock.json");
+    let installed = || {
+        dir.join("node_modules/e2b/package.json").exists()
+            && std::fs::read(&stamp).is_ok_and(|s| s == lockfile)
+    };
+    if installed() {
+        return Ok(dir);
+    }
+    let lock = target_dir().join("e2b-js.lock");
+    let f = std::fs::File::create(&lock).map_err(|e| e.to_string())?;
+    let _guard = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| format!("locking {}: {e}", lock.display()))?;
+    if installed() {
+        return Ok(dir);
+    }
+    let _ = std::fs::remove_file(&stamp);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    for f in ["package.json", "package-lock.json", ".npmrc"] {
+        std::fs::copy(fixture.join(f), dir.join(f))
+            .map_err(|e| format!("copying {f} to {}: {e}", dir.display()))?;
+    }
+    let st = Command::new("npm")
+        .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
+        .current_dir(&dir)
+        .status()
+        .map_err(|e| format!("npm not runnable (install Node.js 20 and npm): {e}"))?;
+    if !st.success() || !dir.join("node_modules/e2b/package.json").exists() {
+        return Err("`npm ci` of the E2B JS SDK failed (is the npm registry reachable?)".into());
+    }
+    std::fs::write(&stamp, &lockfile).map_err(|e| e.to_string())?;
+    Ok(dir)
 }

@@ -5,50 +5,9 @@
 //! from the shared store); a rebuild with one changed step served from the layer cache
 //! up to that step; a failing `RUN` that publishes nothing.
 
-use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
-use agentenv_tests::{API_KEY, Cluster, TEMPLATE_CACHE, api, e2b_python, skip_reason};
-
-/// A local template directory holding `base` (hard links into the shared test cache,
-/// built there first if needed), so a node sees no template but `base` at start.
-fn node_templates(dir: &Path) -> String {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let store = agentenv_node::template::TemplateStore::new(
-        agentenv_node::template::TemplateStoreConfig::new(TEMPLATE_CACHE),
-    );
-    rt.block_on(store.ensure(
-        agentenv_node::template::BASE_TEMPLATE,
-        agentenv_node::template::log_progress(),
-    ))
-    .expect("the base template");
-    std::fs::create_dir_all(dir).unwrap();
-    let st = Command::new("cp")
-        .arg("-al")
-        .arg(Path::new(TEMPLATE_CACHE).join("base"))
-        .arg(dir.join("base"))
-        .status()
-        .unwrap();
-    assert!(st.success(), "cp -al of the base template");
-    dir.display().to_string()
-}
-
-/// How many creates on the node at `addr` fetched a template (its stage metric).
-fn template_fetches(addr: std::net::SocketAddr) -> u64 {
-    let out = Command::new("curl")
-        .args(["-s", &format!("http://{addr}/metrics")])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .filter(|l| {
-            l.starts_with("agentenv_sandbox_stage_duration_seconds_count")
-                && l.contains("stage=\"template_fetch\"")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
+use agentenv_tests::{API_KEY, Cluster, e2b_python, node_templates, skip_reason, template_fetches};
 
 #[test]
 fn sdk_builds_a_template_on_one_node_and_sandboxes_start_from_it_on_both() {
@@ -61,19 +20,10 @@ fn sdk_builds_a_template_on_one_node_and_sandboxes_start_from_it_on_both() {
     let tpl: Vec<String> = (0..2)
         .map(|i| node_templates(&dirs.path().join(format!("node-{i}"))))
         .collect();
-    let cluster = Cluster::start_with(2, 6, &|i| {
+    let cluster = Cluster::start_with(2, 17, &|i| {
         vec![("AENV_TEMPLATE_PATH".to_string(), tpl[i as usize].clone())]
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while api(cluster.gateway, "GET", "/nodes", "")
-        .1
-        .as_array()
-        .map(|a| a.len())
-        != Some(2)
-    {
-        assert!(std::time::Instant::now() < deadline, "two nodes reporting");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.wait_nodes_listed(2);
     let gw = format!("http://{}", cluster.gateway);
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),

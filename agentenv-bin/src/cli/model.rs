@@ -116,6 +116,9 @@ pub struct BuildRequest {
     pub from_template: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub from_image: Option<String>,
+    /// Credentials of the image's registry (`{"type":"registry","username","password"}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_image_registry: Option<serde_json::Value>,
     pub steps: Vec<BuildStep>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub start_cmd: Option<String>,

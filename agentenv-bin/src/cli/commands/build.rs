@@ -131,6 +131,7 @@ pub async fn run(api: &Api, args: BuildArgs) -> Result<i32, CliError> {
     let build = BuildRequest {
         from_template: base_template,
         from_image: image,
+        from_image_registry: None,
         steps,
         start_cmd: args.start.start_cmd.clone().or(plan.start_cmd),
         ready_cmd: args.start.ready(),

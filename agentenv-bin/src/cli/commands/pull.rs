@@ -16,6 +16,7 @@ Examples:
   aenv pull ubuntu:22.04                       # template `ubuntu`
   aenv pull python:3.12-slim --name py --cpu 2 --memory 1024
   aenv pull nginx:latest --start-cmd 'nginx -g \"daemon off;\"' --probe 80 -d
+  AENV_REGISTRY_PASSWORD=... aenv pull registry.example/team/app:1 --registry-user ci
   aenv template watch nginx                    # follow a detached build")]
 pub struct PullArgs {
     /// Image reference, e.g. ubuntu:22.04.
@@ -27,6 +28,10 @@ pub struct PullArgs {
     pub size: TemplateSize,
     #[command(flatten)]
     pub start: StartOpts,
+    /// User name at the image's registry; the password comes from the environment
+    /// variable AENV_REGISTRY_PASSWORD (never a flag: it would show in the process list).
+    #[arg(long, value_name = "USER")]
+    pub registry_user: Option<String>,
     /// Start the build and return.
     #[arg(short, long)]
     pub detach: bool,
@@ -38,8 +43,20 @@ pub struct PullArgs {
 /// Creates the template, starts its build and (unless `--detach`) follows it.
 pub async fn run(api: &Api, args: PullArgs) -> Result<i32, CliError> {
     let name = args.name.unwrap_or_else(|| image_leaf(&args.image));
+    let from_image_registry = match args.registry_user {
+        None => None,
+        Some(user) => {
+            let password = std::env::var("AENV_REGISTRY_PASSWORD").map_err(|_| {
+                CliError::Usage(
+                    "--registry-user needs the password in AENV_REGISTRY_PASSWORD".into(),
+                )
+            })?;
+            Some(serde_json::json!({"type": "registry", "username": user, "password": password}))
+        }
+    };
     let build = BuildRequest {
         from_image: Some(args.image),
+        from_image_registry,
         ready_cmd: args.start.ready(),
         start_cmd: args.start.start_cmd,
         ..Default::default()
