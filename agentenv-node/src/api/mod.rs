@@ -1,7 +1,8 @@
 //! The node's HTTP surface: the E2B-compatible REST control plane and, on the same
 //! listener, the data plane (see [`crate::dataplane`]).
 //!
-//! The rooms: `route` (which request is which operation), `sandboxes`, `snapshots`
+//! The rooms: `route` (which request is which operation), `sandboxes`, `snapshots`,
+//! `templates` (builds and uploads), `template_catalog` (templates, names, tags)
 //! and `nodes` (the handlers), `proxy` (data-plane requests), `error` (errors as
 //! responses), `body` (JSON in and out, query strings), `model` (the JSON shapes).
 
@@ -13,6 +14,7 @@ mod proxy;
 mod route;
 mod sandboxes;
 mod snapshots;
+mod template_catalog;
 mod templates;
 
 pub use body::query_pairs;
@@ -215,21 +217,21 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
         Route::Snapshot(id) => snapshots::take(state, &id, req).await,
         Route::Snapshots => snapshots::list(state, &req).await,
         Route::SnapshotGet(id) => snapshots::get(state, id).await,
-        Route::TemplateAlias(alias) => templates::alias(state, &alias).await,
-        Route::TemplateDelete(id) => templates::delete(state, &id).await,
+        Route::TemplateAlias(alias) => template_catalog::alias(state, &alias).await,
+        Route::TemplateDelete(id) => template_catalog::delete(state, &id).await,
         Route::TemplateCreate => templates::create(state, req).await,
-        Route::TemplateList | Route::TemplateListV2 => templates::list(state, false).await,
-        Route::DefaultTemplates => templates::list(state, true).await,
-        Route::TemplateGet(id) => templates::get(state, &id).await,
-        Route::TemplatePatch(id, v2) => templates::patch(state, &id, req, v2).await,
+        Route::TemplateList | Route::TemplateListV2 => template_catalog::list(state, false).await,
+        Route::DefaultTemplates => template_catalog::list(state, true).await,
+        Route::TemplateGet(id) => template_catalog::get(state, &id).await,
+        Route::TemplatePatch(id, v2) => template_catalog::patch(state, &id, req, v2).await,
         Route::TemplateFile(id, hash) => templates::file_link(state, &id, &hash, &req).await,
         Route::TemplateUpload(id, hash) => templates::upload(state, &id, &hash, req).await,
         Route::BuildStart(id, b) => templates::start_build(state, &id, &b, req).await,
         Route::BuildStatus(id, b) => templates::build_status(state, &id, &b, &req).await,
         Route::BuildLogs(id, b) => templates::build_logs(state, &id, &b, &req).await,
-        Route::TagsAssign => templates::assign_tags(state, req).await,
-        Route::TagsRemove => templates::remove_tags(state, req).await,
-        Route::Tags(id) => templates::tags(state, &id).await,
+        Route::TagsAssign => template_catalog::assign_tags(state, req).await,
+        Route::TagsRemove => template_catalog::remove_tags(state, req).await,
+        Route::Tags(id) => template_catalog::tags(state, &id).await,
         Route::Nodes => nodes::list(state, &req),
         Route::Node(id) => nodes::get(state, &id),
     };
