@@ -438,6 +438,24 @@ pub(super) async fn start_build(
     Ok(status_only(StatusCode::ACCEPTED))
 }
 
+/// The template and build that path segments name (404 naming what is missing).
+async fn build_of<'a>(
+    state: &'a ApiState,
+    tid: &str,
+    bid: &str,
+) -> Result<(&'a Arc<Templates>, TemplateRecord, BuildRecord), super::error::Reject> {
+    let t = templates(state)?;
+    let rec = template_of(t, tid).await?;
+    let bid = decode(bid);
+    match t.catalog.build(&rec.template_id, &bid).await? {
+        Some(b) => Ok((t, rec, b)),
+        None => Err(not_found(format!(
+            "build {bid} of template {} not found",
+            rec.template_id
+        ))),
+    }
+}
+
 fn level_rank(l: &str) -> u8 {
     match l {
         "debug" => 0,
@@ -454,15 +472,8 @@ pub(super) async fn build_status(
     bid: &str,
     req: &Request<Incoming>,
 ) -> Reply {
-    let t = templates(state)?;
-    let rec = template_of(t, tid).await?;
-    let bid = decode(bid);
-    let Some(b) = t.catalog.build(&rec.template_id, &bid).await? else {
-        return Err(not_found(format!(
-            "build {bid} of template {} not found",
-            rec.template_id
-        )));
-    };
+    let (t, rec, b) = build_of(state, tid, bid).await?;
+    let bid = b.build_id.clone();
     let q = query_pairs(req.uri().query().unwrap_or(""));
     let offset: usize = q
         .get("logsOffset")
@@ -513,15 +524,8 @@ pub(super) async fn build_logs(
     bid: &str,
     req: &Request<Incoming>,
 ) -> Reply {
-    let t = templates(state)?;
-    let rec = template_of(t, tid).await?;
-    let bid = decode(bid);
-    if t.catalog.build(&rec.template_id, &bid).await?.is_none() {
-        return Err(not_found(format!(
-            "build {bid} of template {} not found",
-            rec.template_id
-        )));
-    }
+    let (t, _, b) = build_of(state, tid, bid).await?;
+    let bid = b.build_id.clone();
     let q = query_pairs(req.uri().query().unwrap_or(""));
     let limit: usize = q
         .get("limit")

@@ -231,15 +231,7 @@ impl TemplateStore {
             Err(TemplateError::NotFound(_)) if name == BASE_TEMPLATE => {}
             Err(e) => return Err(e),
         }
-        std::fs::create_dir_all(&self.cfg.root)
-            .map_err(io_err(format!("creating {}", self.cfg.root.display())))?;
-        let lock_path = self.cfg.root.join(format!(".{name}.lock"));
-        let lock = tokio::task::spawn_blocking(move || lock_file(&lock_path))
-            .await
-            .map_err(|e| TemplateError::Io {
-                context: "waiting for the template build lock".into(),
-                source: std::io::Error::other(e),
-            })??;
+        let lock = self.build_lock(name).await?;
         // Someone else may have built it while we waited for the lock.
         if let Ok(t) = self.get(name) {
             drop(lock);
@@ -269,15 +261,7 @@ impl TemplateStore {
         if let Ok(t) = self.get(name) {
             return Ok(t);
         }
-        std::fs::create_dir_all(&self.cfg.root)
-            .map_err(io_err(format!("creating {}", self.cfg.root.display())))?;
-        let lock_path = self.cfg.root.join(format!(".{name}.lock"));
-        let lock = tokio::task::spawn_blocking(move || lock_file(&lock_path))
-            .await
-            .map_err(|e| TemplateError::Io {
-                context: "waiting for the template build lock".into(),
-                source: std::io::Error::other(e),
-            })??;
+        let lock = self.build_lock(name).await?;
         if let Ok(t) = self.get(name) {
             drop(lock);
             return Ok(t);
@@ -298,26 +282,7 @@ impl TemplateStore {
                 status: "failed".into(),
                 tail: reason,
             });
-        let result = made.and_then(|()| {
-            let meta = TemplateMeta {
-                name: name.to_string(),
-                built_at: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0),
-                source: source.to_string(),
-            };
-            let raw = serde_json::to_vec_pretty(&meta).map_err(|e| TemplateError::Io {
-                context: "encoding template.json".into(),
-                source: std::io::Error::other(e),
-            })?;
-            std::fs::write(build_dir.join("template.json"), raw)
-                .map_err(io_err("writing template.json"))?;
-            std::fs::rename(&build_dir, self.template_dir(name)).map_err(io_err(format!(
-                "publishing template {name} into {}",
-                self.template_dir(name).display()
-            )))
-        });
+        let result = made.and_then(|()| self.publish(&build_dir, name, source));
         if let Err(e) = result {
             if let Err(rm) = std::fs::remove_dir_all(&build_dir) {
                 tracing::warn!(path = %build_dir.display(), error = %rm, "removing a failed template");
@@ -328,6 +293,43 @@ impl TemplateStore {
         drop(lock);
         progress(&format!("template {name} is ready on this node"));
         self.get(name)
+    }
+
+    /// Takes the build lock of template `name` (waiting for another builder, in this
+    /// process or another sharing the store).
+    async fn build_lock(&self, name: &str) -> Result<Flock<File>, TemplateError> {
+        std::fs::create_dir_all(&self.cfg.root)
+            .map_err(io_err(format!("creating {}", self.cfg.root.display())))?;
+        let lock_path = self.cfg.root.join(format!(".{name}.lock"));
+        tokio::task::spawn_blocking(move || lock_file(&lock_path))
+            .await
+            .map_err(|e| TemplateError::Io {
+                context: "waiting for the template build lock".into(),
+                source: std::io::Error::other(e),
+            })?
+    }
+
+    /// Writes `template.json` into the finished `build_dir` and renames it to template
+    /// `name` (the template appears whole). Call with the lock.
+    fn publish(&self, build_dir: &Path, name: &str, source: &str) -> Result<(), TemplateError> {
+        let meta = TemplateMeta {
+            name: name.to_string(),
+            built_at: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            source: source.to_string(),
+        };
+        let raw = serde_json::to_vec_pretty(&meta).map_err(|e| TemplateError::Io {
+            context: "encoding template.json".into(),
+            source: std::io::Error::other(e),
+        })?;
+        std::fs::write(build_dir.join("template.json"), raw)
+            .map_err(io_err("writing template.json"))?;
+        std::fs::rename(build_dir, self.template_dir(name)).map_err(io_err(format!(
+            "publishing template {name} into {}",
+            self.template_dir(name).display()
+        )))
     }
 
     /// Removes build directories of `name` left by interrupted builds. Call with the lock.
@@ -379,27 +381,11 @@ impl TemplateStore {
         })
         .and_then(|()| finish_rootfs(&rootfs))
         .and_then(|()| {
-            let meta = TemplateMeta {
-                name: name.to_string(),
-                built_at: SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0),
-                source: format!(
-                    "debootstrap --variant=minbase {BASE_SUITE} +{}",
-                    BASE_PACKAGES.join(",")
-                ),
-            };
-            let raw = serde_json::to_vec_pretty(&meta).map_err(|e| TemplateError::Io {
-                context: "encoding template.json".into(),
-                source: std::io::Error::other(e),
-            })?;
-            std::fs::write(build_dir.join("template.json"), raw)
-                .map_err(io_err("writing template.json"))?;
-            std::fs::rename(&build_dir, self.template_dir(name)).map_err(io_err(format!(
-                "publishing template {name} into {}",
-                self.template_dir(name).display()
-            )))
+            let source = format!(
+                "debootstrap --variant=minbase {BASE_SUITE} +{}",
+                BASE_PACKAGES.join(",")
+            );
+            self.publish(&build_dir, name, &source)
         });
         if let Err(e) = result {
             progress(&format!("building template {name} failed: {e}"));
