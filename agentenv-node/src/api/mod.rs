@@ -1,14 +1,17 @@
 //! The node's HTTP surface: the E2B-compatible REST control plane and, on the same
 //! listener, the data plane (see [`crate::dataplane`]).
 //!
-//! The rooms: `route` (which request is which operation), `sandboxes`, `snapshots`,
-//! `templates` (builds and uploads), `template_catalog` (templates, names, tags)
-//! and `nodes` (the handlers), `proxy` (data-plane requests), `error` (errors as
+//! The rooms: `route` (which request is which operation), `sandboxes`, `network`
+//! (egress rules), `metrics`, `logs`, `volumes`, `snapshots`, `templates` (builds and
+//! uploads), `template_catalog` (templates, names, tags) and `nodes` (the handlers), `proxy` (data-plane requests), `error` (errors as
 //! responses), `body` (JSON in and out, query strings), `model` (the JSON shapes).
 
 mod body;
 mod error;
+mod logs;
+mod metrics;
 mod model;
+mod network;
 mod nodes;
 mod proxy;
 mod route;
@@ -16,6 +19,7 @@ mod sandboxes;
 mod snapshots;
 mod template_catalog;
 mod templates;
+mod volumes;
 
 pub use body::query_pairs;
 pub use model::*;
@@ -214,6 +218,15 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
         Route::Connect(id) => sandboxes::connect(state, &id, req).await,
         Route::Timeout(id) => sandboxes::set_timeout(state, &id, req).await,
         Route::Refresh(id) => sandboxes::refresh(state, &id, req).await,
+        Route::Fork(id) => sandboxes::fork(state, &id, req).await,
+        Route::Network(id) => network::update(state, &id, req).await,
+        Route::SandboxMetrics(id) => metrics::sandbox(state, &id, &req).await,
+        Route::MetricsMany => metrics::many(state, &req).await,
+        Route::Logs(id, v2) => logs::get(state, &id, &req, v2).await,
+        Route::VolumeCreate => volumes::create(state, req).await,
+        Route::VolumeList => volumes::list(state).await,
+        Route::VolumeGet(id) => volumes::get(state, &id).await,
+        Route::VolumeDelete(id) => volumes::delete(state, &id).await,
         Route::Snapshot(id) => snapshots::take(state, &id, req).await,
         Route::Snapshots => snapshots::list(state, &req).await,
         Route::SnapshotGet(id) => snapshots::get(state, id).await,

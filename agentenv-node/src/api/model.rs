@@ -20,6 +20,9 @@ pub struct NewSandbox {
     pub template_id: Option<String>,
     pub timeout: Option<u64>,
     pub auto_pause: Option<bool>,
+    /// `false`: a timeout's pause keeps the files only (the sandbox starts afresh on
+    /// resume), as `POST /pause` with `memory: false`.
+    pub auto_pause_memory: Option<bool>,
     pub auto_resume: Option<AutoResume>,
     /// Accepted and ignored: every sandbox's agent requires its access token.
     pub secure: Option<bool>,
@@ -34,6 +37,15 @@ pub struct NewSandbox {
     /// The size of the sandbox's writable disk (an extension; E2B sets it per template).
     #[serde(rename = "diskSizeMB")]
     pub disk_size_mb: Option<u64>,
+    /// Volumes mounted into the sandbox.
+    pub volume_mounts: Option<Vec<VolumeMountJson>>,
+}
+
+/// `{name, path}` of `volumeMounts`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMountJson {
+    pub name: String,
+    pub path: String,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -46,6 +58,21 @@ pub struct AutoResume {
 #[serde(rename_all = "camelCase")]
 pub struct Network {
     pub allow_public_traffic: Option<bool>,
+    /// CIDRs, IPs and domain names (`*.` wildcards) the sandbox may reach; they win
+    /// over `deny_out`.
+    pub allow_out: Option<Vec<String>>,
+    /// CIDRs and IPs the sandbox may not reach.
+    pub deny_out: Option<Vec<String>>,
+    /// Nameservers reachable when `allow_out` names a domain.
+    pub dns_servers: Option<Vec<String>>,
+    /// Not served here: refused rather than ignored.
+    pub egress_proxy: Option<serde_json::Value>,
+    /// Not served here: refused rather than ignored.
+    pub rules: Option<serde_json::Value>,
+    /// Not served here: refused rather than ignored.
+    pub mask_request_host: Option<String>,
+    /// Not served here: refused rather than ignored.
+    pub https_ports: Option<Vec<u16>>,
 }
 
 impl NewSandbox {

@@ -17,6 +17,20 @@ pub(super) enum Route {
     Connect(String),
     Timeout(String),
     Refresh(String),
+    /// `POST /sandboxes/{id}/fork`.
+    Fork(String),
+    /// `PUT /sandboxes/{id}/network`.
+    Network(String),
+    /// `GET /sandboxes/{id}/metrics`.
+    SandboxMetrics(String),
+    /// `GET /sandboxes/metrics?sandbox_ids=…`.
+    MetricsMany,
+    /// `GET /sandboxes/{id}/logs` (false) and `/v2/sandboxes/{id}/logs` (true).
+    Logs(String, bool),
+    VolumeCreate,
+    VolumeList,
+    VolumeGet(String),
+    VolumeDelete(String),
     Nodes,
     Node(String),
     Snapshot(String),
@@ -55,6 +69,14 @@ impl Route {
             Route::Connect(_) => "/sandboxes/{sandbox_id}/connect",
             Route::Timeout(_) => "/sandboxes/{sandbox_id}/timeout",
             Route::Refresh(_) => "/sandboxes/{sandbox_id}/refreshes",
+            Route::Fork(_) => "/sandboxes/{sandbox_id}/fork",
+            Route::Network(_) => "/sandboxes/{sandbox_id}/network",
+            Route::SandboxMetrics(_) => "/sandboxes/{sandbox_id}/metrics",
+            Route::MetricsMany => "/sandboxes/metrics",
+            Route::Logs(_, false) => "/sandboxes/{sandbox_id}/logs",
+            Route::Logs(_, true) => "/v2/sandboxes/{sandbox_id}/logs",
+            Route::VolumeCreate | Route::VolumeList => "/volumes",
+            Route::VolumeGet(_) | Route::VolumeDelete(_) => "/volumes/{volume_id}",
             Route::Nodes => "/nodes",
             Route::Node(_) => "/nodes/{node_id}",
             Route::Snapshot(_) => "/sandboxes/{sandbox_id}/snapshots",
@@ -91,6 +113,7 @@ pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::POST, ["sandboxes"]) | (Method::POST, ["v2", "sandboxes"]) => Route::Create,
         (Method::GET, ["sandboxes"]) => Route::ListV1,
         (Method::GET, ["v2", "sandboxes"]) => Route::ListV2,
+        (Method::GET, ["sandboxes", "metrics"]) => Route::MetricsMany,
         (Method::GET, ["sandboxes", id]) if !id.is_empty() => Route::Get(id.to_ascii_lowercase()),
         (Method::DELETE, ["sandboxes", id]) if !id.is_empty() => {
             Route::Delete(id.to_ascii_lowercase())
@@ -103,6 +126,19 @@ pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
         }
         (Method::POST, ["sandboxes", id, "timeout"]) => Route::Timeout(id.to_ascii_lowercase()),
         (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "fork"]) => Route::Fork(id.to_ascii_lowercase()),
+        (Method::PUT, ["sandboxes", id, "network"]) => Route::Network(id.to_ascii_lowercase()),
+        (Method::GET, ["sandboxes", id, "metrics"]) => {
+            Route::SandboxMetrics(id.to_ascii_lowercase())
+        }
+        (Method::GET, ["sandboxes", id, "logs"]) => Route::Logs(id.to_ascii_lowercase(), false),
+        (Method::GET, ["v2", "sandboxes", id, "logs"]) => {
+            Route::Logs(id.to_ascii_lowercase(), true)
+        }
+        (Method::POST, ["volumes"]) => Route::VolumeCreate,
+        (Method::GET, ["volumes"]) => Route::VolumeList,
+        (Method::GET, ["volumes", id]) if !id.is_empty() => Route::VolumeGet(id.to_string()),
+        (Method::DELETE, ["volumes", id]) if !id.is_empty() => Route::VolumeDelete(id.to_string()),
         (Method::POST, ["sandboxes", id, "snapshots"]) => Route::Snapshot(id.to_ascii_lowercase()),
         (Method::GET, ["snapshots"]) => Route::Snapshots,
         (Method::GET, ["snapshots", id]) if !id.is_empty() => Route::SnapshotGet(id.to_string()),
@@ -195,6 +231,22 @@ mod tests {
             Some(Route::TemplateDelete("web".into()))
         );
         assert_eq!(match_route(&Method::POST, "/process.Process/Start"), None);
+        assert_eq!(
+            match_route(&Method::GET, "/sandboxes/metrics"),
+            Some(Route::MetricsMany)
+        );
+        assert_eq!(
+            match_route(&Method::GET, &format!("/v2/sandboxes/{id}/logs")),
+            Some(Route::Logs(id.into(), true))
+        );
+        assert_eq!(
+            match_route(&Method::PUT, &format!("/sandboxes/{id}/network")),
+            Some(Route::Network(id.into()))
+        );
+        assert_eq!(
+            match_route(&Method::DELETE, "/volumes/v1"),
+            Some(Route::VolumeDelete("v1".into()))
+        );
         assert_eq!(
             match_route(&Method::POST, "/v3/templates"),
             Some(Route::TemplateCreate)

@@ -133,6 +133,11 @@ pub(super) async fn refresh(state: &ApiState, id: &str, req: Request<Incoming>) 
     Ok(status_only(StatusCode::NO_CONTENT))
 }
 
+/// `POST /sandboxes/{id}/fork`.
+pub(super) async fn fork(_state: &ApiState, _id: &str, _req: Request<Incoming>) -> Reply {
+    Err(crate::dataplane::json_error(StatusCode::NOT_IMPLEMENTED, "not built yet").into())
+}
+
 /// The listed sandboxes: newest first, ties by id, none being deleted.
 fn sorted(mut v: Vec<SandboxRecord>) -> Vec<SandboxRecord> {
     v.retain(|r| r.state != State::Killing);

@@ -33,7 +33,9 @@ pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Tem
 pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
 pub use persist::{PausedStore, PersistError};
-pub use record::{CreateRequest, OnTimeout, SandboxOptions, SandboxRecord};
+pub use record::{
+    CreateRequest, EgressRules, OnTimeout, SandboxOptions, SandboxRecord, VolumeMount,
+};
 pub use state::{Op, State, TransitionError, next};
 
 use std::collections::HashMap;

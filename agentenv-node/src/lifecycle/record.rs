@@ -29,6 +29,46 @@ pub struct SandboxOptions {
     pub allow_public_traffic: bool,
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
+    /// Whether a pause on timeout keeps memory and processes (`autoPauseMemory`); without,
+    /// it keeps the files only.
+    #[serde(default = "yes")]
+    pub auto_pause_memory: bool,
+    /// Egress rules, as the API took them (checked).
+    #[serde(default, skip_serializing_if = "EgressRules::is_empty")]
+    pub network: EgressRules,
+    /// Volumes mounted into the sandbox.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A sandbox's egress rules as the API names them: `allowOut`, `denyOut`, `dnsServers`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressRules {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
+    /// `None`: the default nameservers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_servers: Option<Vec<String>>,
+}
+
+impl EgressRules {
+    pub fn is_empty(&self) -> bool {
+        self.allow_out.is_empty() && self.deny_out.is_empty() && self.dns_servers.is_none()
+    }
+}
+
+/// A volume mounted into a sandbox: its name and the absolute path inside.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    pub name: String,
+    pub path: String,
 }
 
 impl Default for SandboxOptions {
@@ -41,6 +81,9 @@ impl Default for SandboxOptions {
             allow_public_traffic: true,
             metadata: BTreeMap::new(),
             env_vars: BTreeMap::new(),
+            auto_pause_memory: true,
+            network: EgressRules::default(),
+            volume_mounts: Vec::new(),
         }
     }
 }
