@@ -1,6 +1,16 @@
-//! `GET /sandboxes` and `GET /v2/sandboxes` across the cluster: ask every
-//! node, merge newest first, deduplicate, and page with `x-next-token`.
+//! `GET /sandboxes` and `GET /v2/sandboxes` across the cluster: what each
+//! node is asked, how its pages are followed, and how the answers are merged
+//! (newest first, then by id, deduplicated) into the page a client gets.
+//!
+//! A v2 page is a window of the merged list after one cursor, the
+//! (`startedAt`, `sandboxID`) of the last item of the previous page. Every
+//! node is asked for its items after that cursor, `limit` of them at most
+//! (in node pages of at most [`NODE_PAGE_LIMIT`], following the node's
+//! `x-next-token`); the merged window holds the first `limit` of their
+//! union. The window never reaches past an item of a node that has more
+//! beyond what it gave, so walking the pages returns every sandbox once.
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 use base64::Engine;
@@ -9,8 +19,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-/// The sandbox id used as the cursor when no `nextToken` is given.
-pub const MAX_CURSOR_ID: &str = "ffffffff-ffff-ffff-ffff-ffffffffffff";
+/// The page size of `/v2/sandboxes` when the client gives no `limit`, as E2B.
+pub const DEFAULT_LIMIT: i64 = 100;
+/// The largest `limit` a node accepts for one page.
+pub const NODE_PAGE_LIMIT: usize = 100;
 
 /// Bad pagination parameters (answered with 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,12 +105,25 @@ impl<'de> Deserialize<'de> for Timestamp {
     }
 }
 
+/// A volume mounted into a listed sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub path: String,
+}
+
 /// One sandbox of a node's list, with exactly the fields the gateway relays.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListedSandbox {
     #[serde(rename = "templateID", default)]
     pub template_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "is_blank",
+        deserialize_with = "null_as_default"
+    )]
     pub alias: Option<String>,
     #[serde(rename = "sandboxID", default)]
     pub sandbox_id: String,
@@ -117,45 +142,66 @@ pub struct ListedSandbox {
     #[serde(
         default,
         skip_serializing_if = "BTreeMap::is_empty",
-        deserialize_with = "null_as_empty"
+        deserialize_with = "null_as_default"
     )]
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub state: String,
     #[serde(rename = "envdVersion", default)]
     pub envd_version: String,
+    #[serde(
+        rename = "volumeMounts",
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    pub volume_mounts: Vec<VolumeMount>,
+    #[serde(
+        rename = "envdUnresponsiveAtPause",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub envd_unresponsive_at_pause: Option<bool>,
 }
 
-fn null_as_empty<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+fn is_blank(alias: &Option<String>) -> bool {
+    alias.as_deref().is_none_or(str::is_empty)
+}
+
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
     Ok(Option::deserialize(d)?.unwrap_or_default())
 }
 
-/// Sorts newest first (then by id) and keeps the first, newest, entry of
-/// each sandbox id.
+/// The order of every list: newest first, then by id.
+pub fn list_order(a: &ListedSandbox, b: &ListedSandbox) -> Ordering {
+    b.started_at
+        .0
+        .cmp(&a.started_at.0)
+        .then_with(|| a.sandbox_id.cmp(&b.sandbox_id))
+}
+
+/// Sorts in [`list_order`] and keeps the first, newest, entry of each
+/// sandbox id.
 pub fn merge(mut items: Vec<ListedSandbox>) -> Vec<ListedSandbox> {
-    items.sort_by(|a, b| {
-        b.started_at
-            .0
-            .cmp(&a.started_at.0)
-            .then_with(|| a.sandbox_id.cmp(&b.sandbox_id))
-    });
+    items.sort_by(list_order);
     let mut seen = std::collections::HashSet::new();
     items.retain(|i| seen.insert(i.sandbox_id.clone()));
     items
 }
 
-/// Parses `limit`: absent or empty means unlimited.
-pub fn parse_limit(query: &[(String, String)]) -> Result<Option<i64>, PageError> {
+/// Parses `limit`: absent or empty means [`DEFAULT_LIMIT`].
+pub fn parse_limit(query: &[(String, String)]) -> Result<i64, PageError> {
     match query
         .iter()
         .find(|(k, _)| k == "limit")
         .map(|(_, v)| v.as_str())
     {
-        None | Some("") => Ok(None),
-        Some(v) => v
-            .parse()
-            .map(Some)
-            .map_err(|_| PageError::Limit(v.to_string())),
+        None | Some("") => Ok(DEFAULT_LIMIT),
+        Some(v) => v.parse().map_err(|_| PageError::Limit(v.to_string())),
     }
 }
 
@@ -167,13 +213,58 @@ fn is_uuid_shaped(id: &str) -> bool {
         })
 }
 
-/// Decodes a `nextToken` into its cursor; no token means "from now".
-pub fn parse_token(
-    token: Option<&str>,
-    now: OffsetDateTime,
-) -> Result<(Timestamp, String), PageError> {
+/// Where a page starts: after the item with this start time and id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub started_at: Timestamp,
+    pub sandbox_id: String,
+}
+
+impl Cursor {
+    /// The cursor just after `item`.
+    pub fn after(item: &ListedSandbox) -> Self {
+        Self {
+            started_at: item.started_at,
+            sandbox_id: item.sandbox_id.clone(),
+        }
+    }
+
+    /// Whether `item` comes after the cursor in [`list_order`].
+    pub fn precedes(&self, item: &ListedSandbox) -> bool {
+        item.started_at.0 < self.started_at.0
+            || (item.started_at.0 == self.started_at.0 && item.sandbox_id > self.sandbox_id)
+    }
+
+    /// The client's `nextToken`: URL-safe base64 (padded) of
+    /// `<startedAt, RFC 3339 in UTC>__<sandboxID>`.
+    pub fn token(&self) -> String {
+        URL_SAFE.encode(format!(
+            "{}__{}",
+            self.started_at.utc().format(),
+            self.sandbox_id
+        ))
+    }
+
+    /// The same cursor as a node's `nextToken`. A node reads the time to the
+    /// millisecond (as it writes it), so a finer time is rounded up: the
+    /// node then answers a superset, which [`Cursor::precedes`] trims.
+    pub fn node_token(&self) -> String {
+        let t = self.started_at.0.to_offset(time::UtcOffset::UTC);
+        let sub_ms = t.nanosecond() % 1_000_000;
+        let t = if sub_ms == 0 {
+            t
+        } else {
+            t + time::Duration::nanoseconds(i64::from(1_000_000 - sub_ms))
+        };
+        let t = t.format(&Rfc3339).unwrap_or_default();
+        URL_SAFE.encode(format!("{t}__{}", self.sandbox_id))
+    }
+}
+
+/// Decodes a client's `nextToken`; no token means the first page.
+pub fn parse_token(token: Option<&str>) -> Result<Option<Cursor>, PageError> {
     let token = match token {
-        None | Some("") => return Ok((Timestamp(now), MAX_CURSOR_ID.to_string())),
+        None | Some("") => return Ok(None),
         Some(t) => t,
     };
     let decoded = URL_SAFE
@@ -184,47 +275,157 @@ pub fn parse_token(
     let (ts, id) = decoded
         .split_once("__")
         .ok_or_else(|| PageError::Token("invalid cursor format".into()))?;
-    let ts = Timestamp::parse(ts)
+    let started_at = Timestamp::parse(ts)
         .map_err(|e| PageError::Token(format!("invalid timestamp format in cursor: {e}")))?;
     if !is_uuid_shaped(id) {
         return Err(PageError::Token(format!(
             "invalid sandbox id in cursor: {id}"
         )));
     }
-    Ok((ts, id.to_string()))
+    Ok(Some(Cursor {
+        started_at,
+        sandbox_id: id.to_string(),
+    }))
 }
 
-/// The token that continues after `last`.
+/// The token of the page that continues after `last`.
 pub fn make_token(last: &ListedSandbox) -> String {
-    URL_SAFE.encode(format!(
-        "{}__{}",
-        last.started_at.utc().format(),
-        last.sandbox_id
-    ))
+    Cursor::after(last).token()
 }
 
-/// One page of the merged list, and the token for the next page when the
-/// page is full.
-pub fn paginate(
+/// What to ask a node for next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRequest {
+    /// The node's `limit` (`None`: none is sent, for the unpaged v1 list).
+    pub limit: Option<usize>,
+    /// The node's `nextToken`.
+    pub token: Option<String>,
+}
+
+/// How one node's pages ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WalkEnd {
+    /// Still walking.
+    Open,
+    /// The node has nothing more.
+    Exhausted,
+    /// Enough was taken; the node has more.
+    Enough,
+    /// The node gave a token that goes nowhere (an empty page or the same
+    /// token again): what it gave so far is kept, the rest is not asked.
+    Stalled,
+}
+
+/// One node's items after a cursor, collected page by page: [`next_request`]
+/// says what to ask, [`take_page`] takes the answer, until it says `None`.
+///
+/// [`next_request`]: NodeWalk::next_request
+/// [`take_page`]: NodeWalk::take_page
+#[derive(Debug, Clone)]
+pub struct NodeWalk {
+    cursor: Option<Cursor>,
+    want: Option<usize>,
     items: Vec<ListedSandbox>,
-    cursor: (Timestamp, String),
-    limit: Option<i64>,
-) -> (Vec<ListedSandbox>, Option<String>) {
-    let (ct, cid) = cursor;
-    let mut page: Vec<ListedSandbox> = items
-        .into_iter()
-        .filter(|i| i.started_at.0 < ct.0 || (i.started_at.0 == ct.0 && i.sandbox_id > cid))
-        .collect();
-    match limit {
-        None => (page, None),
-        Some(l) if l <= 0 => (Vec::new(), None),
-        Some(l) => {
-            let l = usize::try_from(l).unwrap_or(usize::MAX);
-            page.truncate(l);
-            let token = (page.len() == l).then(|| make_token(page.last().expect("page is full")));
-            (page, token)
+    token: Option<String>,
+    end: WalkEnd,
+}
+
+impl NodeWalk {
+    /// Items after `cursor` (all, without one), `want` of them at most (all,
+    /// without it). With `want`, every page asked has a `limit`.
+    pub fn new(cursor: Option<Cursor>, want: Option<usize>) -> Self {
+        Self {
+            token: cursor.as_ref().map(Cursor::node_token),
+            cursor,
+            want,
+            items: Vec::new(),
+            end: WalkEnd::Open,
         }
     }
+
+    /// The next page to ask for, or `None` when the walk is over.
+    pub fn next_request(&self) -> Option<NodeRequest> {
+        if self.end != WalkEnd::Open {
+            return None;
+        }
+        let limit = self
+            .want
+            .map(|w| w.saturating_sub(self.items.len()).clamp(1, NODE_PAGE_LIMIT));
+        Some(NodeRequest {
+            limit,
+            token: self.token.clone(),
+        })
+    }
+
+    /// Takes one page the node answered and its `x-next-token`.
+    pub fn take_page(&mut self, page: Vec<ListedSandbox>, next: Option<String>) -> WalkEnd {
+        let progressed = !page.is_empty();
+        let cursor = self.cursor.as_ref();
+        self.items.extend(
+            page.into_iter()
+                .filter(|i| cursor.is_none_or(|c| c.precedes(i))),
+        );
+        self.end = match next {
+            None => WalkEnd::Exhausted,
+            Some(t) if !progressed || self.token.as_deref() == Some(t.as_str()) => WalkEnd::Stalled,
+            Some(t) => {
+                self.token = Some(t);
+                if self.want.is_some_and(|w| self.items.len() >= w) {
+                    WalkEnd::Enough
+                } else {
+                    WalkEnd::Open
+                }
+            }
+        };
+        self.end
+    }
+
+    /// What the node gave.
+    pub fn finish(self) -> NodeList {
+        NodeList {
+            items: self.items,
+            has_more: self.end == WalkEnd::Enough,
+        }
+    }
+}
+
+/// One node's items after the cursor, and whether it holds more after them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeList {
+    pub items: Vec<ListedSandbox>,
+    pub has_more: bool,
+}
+
+/// The client's page of the nodes' lists (each after the same cursor): the
+/// first `limit` items of their merge, never past the last item of a node
+/// that has more, and the token of the next page when anything is left.
+pub fn page(lists: Vec<NodeList>, limit: usize) -> (Vec<ListedSandbox>, Option<String>) {
+    // Items past a node's last one may be missing from the merge: the node
+    // has not given what lies between.
+    let horizon = lists
+        .iter()
+        .filter(|l| l.has_more)
+        .filter_map(|l| l.items.iter().max_by(|a, b| list_order(a, b)))
+        .min_by(|a, b| list_order(a, b))
+        .cloned();
+    let any_more = lists.iter().any(|l| l.has_more);
+    let merged = merge(lists.into_iter().flat_map(|l| l.items).collect());
+    let total = merged.len();
+    let page: Vec<ListedSandbox> = merged
+        .into_iter()
+        .take_while(|i| {
+            horizon
+                .as_ref()
+                .is_none_or(|h| list_order(i, h) != Ordering::Greater)
+        })
+        .take(limit)
+        .collect();
+    let more = any_more || page.len() < total;
+    let next = match page.last() {
+        Some(last) if more => Some(make_token(last)),
+        _ => None,
+    };
+    (page, next)
 }
 
 /// Parses a raw query like Go's `url.ParseQuery` (`+` is a space); pairs
@@ -262,22 +463,42 @@ pub fn query_escape(s: &str) -> String {
     out
 }
 
-/// The query sent to nodes for `/v2/sandboxes`: `limit` and `nextToken`
-/// removed, the rest re-encoded with keys sorted.
-pub fn v2_upstream_query(pairs: &[(String, String)]) -> String {
-    let mut kept: Vec<&(String, String)> = pairs
+/// The query of one v2 page asked of a node: the client's keys other than
+/// `limit` and `nextToken`, then the walk's own, re-encoded with keys sorted.
+pub fn v2_node_query(pairs: &[(String, String)], req: &NodeRequest) -> String {
+    let mut kept: Vec<(&str, &str)> = pairs
         .iter()
         .filter(|(k, _)| k != "limit" && k != "nextToken")
+        .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    kept.sort_by(|a, b| a.0.cmp(&b.0));
+    let limit = req.limit.map(|l| l.to_string());
+    if let Some(l) = &limit {
+        kept.push(("limit", l));
+    }
+    if let Some(t) = &req.token {
+        kept.push(("nextToken", t));
+    }
+    kept.sort_by(|a, b| a.0.cmp(b.0));
     kept.iter()
         .map(|(k, v)| format!("{}={}", query_escape(k), query_escape(v)))
         .collect::<Vec<_>>()
         .join("&")
 }
 
+/// The query of one v1 page asked of a node: the client's raw query as it
+/// came, with the node's `nextToken` added when the node pages it.
+pub fn v1_node_query(raw: &str, req: &NodeRequest) -> String {
+    match &req.token {
+        None => raw.to_string(),
+        Some(t) if raw.is_empty() => format!("nextToken={}", query_escape(t)),
+        Some(t) => format!("{raw}&nextToken={}", query_escape(t)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn item(id: &str, started: &str) -> ListedSandbox {
@@ -285,6 +506,98 @@ mod tests {
             serde_json::json!({"sandboxID": id, "startedAt": started, "templateID": "base"}),
         )
         .unwrap()
+    }
+
+    fn uuid(n: u32) -> String {
+        format!("00000000-0000-4000-8000-{n:012x}")
+    }
+
+    /// `ms` after 2026-01-01T00:00:00Z.
+    fn at_ms(id: &str, ms: u64) -> ListedSandbox {
+        let base = OffsetDateTime::from_unix_timestamp(1_767_225_600).unwrap();
+        let t = base + time::Duration::milliseconds(ms as i64);
+        item(id, &t.format(&Rfc3339).unwrap())
+    }
+
+    fn ids(items: &[ListedSandbox]) -> Vec<&str> {
+        items.iter().map(|i| i.sandbox_id.as_str()).collect()
+    }
+
+    /// A node's answer to one list page, as agentenv-node pages
+    /// (`api::model::paginate`): items sorted newest first then by id, those
+    /// after the token's (ms, id), `limit` of them (100 without one; more is
+    /// refused), and a token for the last one only when more follow.
+    fn node_answer(
+        sorted: &[ListedSandbox],
+        req: &NodeRequest,
+    ) -> (Vec<ListedSandbox>, Option<String>) {
+        let limit = req.limit.unwrap_or(100);
+        assert!(limit <= 100, "a node refuses limit {limit}");
+        let after = req.token.as_deref().map(|t| {
+            let raw = String::from_utf8(URL_SAFE.decode(t).unwrap()).unwrap();
+            let (ts, id) = raw.split_once("__").unwrap();
+            let ms = OffsetDateTime::parse(ts, &Rfc3339)
+                .unwrap()
+                .unix_timestamp_nanos()
+                / 1_000_000;
+            (ms, id.to_string())
+        });
+        let ms = |i: &ListedSandbox| i.started_at.0.unix_timestamp_nanos() / 1_000_000;
+        let mut page: Vec<ListedSandbox> = sorted
+            .iter()
+            .filter(|i| match &after {
+                None => true,
+                Some((t, id)) => ms(i) < *t || (ms(i) == *t && i.sandbox_id > *id),
+            })
+            .cloned()
+            .collect();
+        let more = page.len() > limit;
+        page.truncate(limit);
+        let next = if more {
+            page.last().map(|l| {
+                let t = l.started_at.0.format(&Rfc3339).unwrap();
+                URL_SAFE.encode(format!("{t}__{}", l.sandbox_id))
+            })
+        } else {
+            None
+        };
+        (page, next)
+    }
+
+    /// Walks one node (its items sorted) after `cursor`.
+    fn walk(
+        node: &[ListedSandbox],
+        cursor: Option<Cursor>,
+        want: Option<usize>,
+    ) -> (NodeList, Vec<NodeRequest>) {
+        let mut w = NodeWalk::new(cursor, want);
+        let mut asked = Vec::new();
+        while let Some(req) = w.next_request() {
+            let (items, next) = node_answer(node, &req);
+            asked.push(req);
+            w.take_page(items, next);
+        }
+        (w.finish(), asked)
+    }
+
+    /// Every page of the cluster `nodes` with `limit`, as a client walks them.
+    fn all_pages(nodes: &[Vec<ListedSandbox>], limit: usize) -> Vec<Vec<ListedSandbox>> {
+        let mut pages = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let cursor = parse_token(token.as_deref()).unwrap();
+            let lists = nodes
+                .iter()
+                .map(|n| walk(n, cursor.clone(), Some(limit)).0)
+                .collect();
+            let (items, next) = page(lists, limit);
+            pages.push(items);
+            match next {
+                Some(t) => token = Some(t),
+                None => return pages,
+            }
+            assert!(pages.len() < 10_000, "the walk does not end");
+        }
     }
 
     #[test]
@@ -309,13 +622,29 @@ mod tests {
     #[test]
     fn unknown_fields_are_dropped_and_empty_optionals_omitted() {
         let v: ListedSandbox = serde_json::from_str(
-            r#"{"templateID":"t","sandboxID":"s","clientID":"c","startedAt":"2026-01-01T00:00:00Z","endAt":"2026-01-01T01:00:00Z","cpuCount":2,"memoryMB":512,"diskSizeMB":1024,"metadata":null,"state":"running","envdVersion":"0.2","extra":1}"#,
+            r#"{"templateID":"t","alias":"","sandboxID":"s","clientID":"c","startedAt":"2026-01-01T00:00:00Z","endAt":"2026-01-01T01:00:00Z","cpuCount":2,"memoryMB":512,"diskSizeMB":1024,"metadata":null,"state":"running","envdVersion":"0.2","volumeMounts":null,"extra":1}"#,
         )
         .unwrap();
         assert_eq!(
             serde_json::to_string(&v).unwrap(),
             r#"{"templateID":"t","sandboxID":"s","clientID":"c","startedAt":"2026-01-01T00:00:00Z","endAt":"2026-01-01T01:00:00Z","cpuCount":2,"memoryMB":512,"diskSizeMB":1024,"state":"running","envdVersion":"0.2"}"#
         );
+    }
+
+    #[test]
+    fn volume_mounts_and_envd_unresponsive_at_pause_are_relayed() {
+        let v: ListedSandbox = serde_json::from_str(
+            r#"{"templateID":"t","alias":"base","sandboxID":"s","startedAt":"2026-01-01T00:00:00Z","metadata":{"team":"a"},"state":"paused","envdVersion":"0.2","volumeMounts":[{"name":"data","path":"/mnt/data","extra":1}],"envdUnresponsiveAtPause":false}"#,
+        )
+        .unwrap();
+        let out = serde_json::to_value(&v).unwrap();
+        assert_eq!(out["alias"], "base");
+        assert_eq!(out["metadata"], serde_json::json!({"team": "a"}));
+        assert_eq!(
+            out["volumeMounts"],
+            serde_json::json!([{"name": "data", "path": "/mnt/data"}])
+        );
+        assert_eq!(out["envdUnresponsiveAtPause"], false);
     }
 
     #[test]
@@ -341,76 +670,262 @@ mod tests {
     }
 
     #[test]
-    fn pages_follow_the_token_and_the_last_page_has_none() {
-        let ids = [
-            "00000000-0000-0000-0000-000000000001",
-            "00000000-0000-0000-0000-000000000002",
-            "00000000-0000-0000-0000-000000000003",
-        ];
-        let items = merge(vec![
-            item(ids[0], "2026-01-01T00:00:03Z"),
-            item(ids[1], "2026-01-01T00:00:02Z"),
-            item(ids[2], "2026-01-01T00:00:02Z"),
-        ]);
-        let now = OffsetDateTime::now_utc();
-        let (page, token) = paginate(items.clone(), parse_token(None, now).unwrap(), Some(2));
+    fn a_full_last_page_has_no_token_when_no_node_has_more() {
+        let node = vec![at_ms(&uuid(1), 3), at_ms(&uuid(2), 2)];
+        let (list, _) = walk(&node, None, Some(2));
+        assert!(!list.has_more);
+        let (items, next) = page(vec![list], 2);
+        assert_eq!(ids(&items), [uuid(1), uuid(2)]);
+        assert_eq!(next, None, "the page is full but nothing follows");
+    }
+
+    #[test]
+    fn a_node_with_more_gives_a_token_and_the_next_page_follows_it() {
+        let node: Vec<_> = (0..3).map(|i| at_ms(&uuid(i), 10 - u64::from(i))).collect();
+        let (list, asked) = walk(&node, None, Some(2));
+        assert!(list.has_more);
         assert_eq!(
-            page.iter()
-                .map(|i| i.sandbox_id.as_str())
-                .collect::<Vec<_>>(),
-            [ids[0], ids[1]]
+            asked,
+            [NodeRequest {
+                limit: Some(2),
+                token: None
+            }]
         );
-        let token = token.unwrap();
-        let (page, next) = paginate(
-            items.clone(),
-            parse_token(Some(&token), now).unwrap(),
-            Some(2),
-        );
+        let (items, next) = page(vec![list], 2);
+        assert_eq!(ids(&items), [uuid(0), uuid(1)]);
+        let cursor = parse_token(next.as_deref()).unwrap();
+        let (list, asked) = walk(&node, cursor, Some(2));
         assert_eq!(
-            page.iter()
-                .map(|i| i.sandbox_id.as_str())
-                .collect::<Vec<_>>(),
-            [ids[2]]
+            asked[0].token.as_deref(),
+            Some(make_token(&node[1]).as_str()),
+            "a millisecond cursor reaches the node in the node's own format"
         );
+        let (items, next) = page(vec![list], 2);
+        assert_eq!(ids(&items), [uuid(2)]);
         assert_eq!(next, None);
-        let (page, next) = paginate(items, parse_token(None, now).unwrap(), Some(0));
-        assert!(page.is_empty() && next.is_none());
+    }
+
+    #[test]
+    fn a_node_is_followed_past_its_page_cap_until_the_limit() {
+        let node: Vec<_> = (0..250)
+            .map(|i| at_ms(&uuid(i), u64::from(i / 3)))
+            .collect();
+        let mut node = node;
+        node.sort_by(list_order);
+        let (list, asked) = walk(&node, None, Some(230));
+        assert_eq!(list.items.len(), 230);
+        assert!(list.has_more);
+        let limits: Vec<_> = asked.iter().map(|r| r.limit).collect();
+        assert_eq!(limits, [Some(100), Some(100), Some(30)]);
+        let (list, asked) = walk(&node, None, None);
+        assert_eq!(list.items.len(), 250);
+        assert!(!list.has_more);
+        assert_eq!(asked.len(), 3, "v1 follows a paging node to its end");
+    }
+
+    #[test]
+    fn a_page_never_reaches_past_a_node_that_has_more() {
+        // Node a gave 2 of its items and has more; one of the two sits, newer,
+        // on node b too. Deduplicated, the merge holds 3 items, but b's oldest
+        // must wait: a's next items may come before it.
+        let a = NodeList {
+            items: vec![at_ms(&uuid(2), 8), at_ms(&uuid(1), 7)],
+            has_more: true,
+        };
+        let b = NodeList {
+            items: vec![at_ms(&uuid(2), 10), at_ms(&uuid(5), 2)],
+            has_more: false,
+        };
+        let (items, next) = page(vec![a, b], 3);
+        assert_eq!(ids(&items), [uuid(2), uuid(1)]);
+        assert_eq!(next, Some(make_token(&at_ms(&uuid(1), 7))));
+    }
+
+    #[test]
+    fn a_node_token_that_goes_nowhere_ends_the_walk() {
+        let mut w = NodeWalk::new(None, Some(10));
+        assert_eq!(
+            w.take_page(vec![at_ms(&uuid(1), 1)], Some("t1".into())),
+            WalkEnd::Open
+        );
+        assert_eq!(w.next_request().unwrap().token.as_deref(), Some("t1"));
+        assert_eq!(
+            w.take_page(vec![at_ms(&uuid(2), 0)], Some("t1".into())),
+            WalkEnd::Stalled
+        );
+        assert_eq!(w.next_request(), None);
+        let mut w = NodeWalk::new(None, None);
+        assert_eq!(w.take_page(vec![], Some("t".into())), WalkEnd::Stalled);
+        assert!(!w.finish().has_more);
+    }
+
+    #[test]
+    fn items_a_node_gives_before_the_cursor_are_dropped() {
+        // A node that ignores the cursor answers everything again.
+        let cursor = Cursor::after(&at_ms(&uuid(2), 5));
+        let mut w = NodeWalk::new(Some(cursor), Some(10));
+        w.take_page(
+            vec![
+                at_ms(&uuid(1), 6),
+                at_ms(&uuid(2), 5),
+                at_ms(&uuid(3), 5),
+                at_ms(&uuid(4), 4),
+            ],
+            None,
+        );
+        assert_eq!(ids(&w.finish().items), [uuid(3), uuid(4)]);
+    }
+
+    #[test]
+    fn node_tokens_are_the_nodes_millisecond_format_rounded_up() {
+        let id = uuid(7);
+        let c = Cursor::after(&item(&id, "2026-01-01T00:00:02.5Z"));
+        assert_eq!(
+            c.node_token(),
+            URL_SAFE.encode(format!("2026-01-01T00:00:02.5Z__{id}"))
+        );
+        assert_eq!(c.node_token(), c.token());
+        let c = Cursor::after(&item(&id, "2026-01-01T02:00:02.0001+02:00"));
+        assert_eq!(
+            c.node_token(),
+            URL_SAFE.encode(format!("2026-01-01T00:00:02.001Z__{id}"))
+        );
+        assert_eq!(
+            c.token(),
+            URL_SAFE.encode(format!("2026-01-01T00:00:02.0001Z__{id}"))
+        );
     }
 
     #[test]
     fn bad_tokens_and_limits_are_reported() {
-        let now = OffsetDateTime::now_utc();
         assert!(
-            parse_token(Some("!!!"), now)
+            parse_token(Some("!!!"))
                 .unwrap_err()
                 .to_string()
                 .starts_with("invalid next token: error decoding cursor")
         );
         let no_sep = URL_SAFE.encode("2026-01-01T00:00:00Z");
         assert_eq!(
-            parse_token(Some(&no_sep), now).unwrap_err().to_string(),
+            parse_token(Some(&no_sep)).unwrap_err().to_string(),
             "invalid next token: invalid cursor format"
         );
         let bad_id = URL_SAFE.encode("2026-01-01T00:00:00Z__sbx");
         assert_eq!(
-            parse_token(Some(&bad_id), now).unwrap_err().to_string(),
+            parse_token(Some(&bad_id)).unwrap_err().to_string(),
             "invalid next token: invalid sandbox id in cursor: sbx"
         );
+        assert_eq!(parse_token(Some("")).unwrap(), None);
         let q = parse_query("limit=abc");
         assert_eq!(
             parse_limit(&q).unwrap_err().to_string(),
             "invalid limit: \"abc\" is not an integer"
         );
-        assert_eq!(parse_limit(&parse_query("limit=")).unwrap(), None);
-        assert_eq!(parse_limit(&parse_query("limit=3")).unwrap(), Some(3));
+        assert_eq!(parse_limit(&parse_query("")).unwrap(), 100);
+        assert_eq!(parse_limit(&parse_query("limit=")).unwrap(), 100);
+        assert_eq!(parse_limit(&parse_query("limit=3")).unwrap(), 3);
+        assert_eq!(parse_limit(&parse_query("limit=500")).unwrap(), 500);
     }
 
     #[test]
-    fn v2_queries_drop_paging_keys_and_sort_the_rest() {
+    fn node_queries_replace_the_paging_keys_and_sort_v2_keys() {
         let q = parse_query("state=running&limit=2&metadata=team%3Dalpha&nextToken=abc&a=x+y");
+        let req = NodeRequest {
+            limit: Some(2),
+            token: Some("dG9r==".into()),
+        };
         assert_eq!(
-            v2_upstream_query(&q),
-            "a=x+y&metadata=team%3Dalpha&state=running"
+            v2_node_query(&q, &req),
+            "a=x+y&limit=2&metadata=team%3Dalpha&nextToken=dG9r%3D%3D&state=running"
         );
+        let first = NodeRequest {
+            limit: Some(100),
+            token: None,
+        };
+        assert_eq!(v2_node_query(&[], &first), "limit=100");
+        let v1 = NodeRequest {
+            limit: None,
+            token: Some("dG9r==".into()),
+        };
+        assert_eq!(
+            v1_node_query("metadata=team%3Dalpha", &v1),
+            "metadata=team%3Dalpha&nextToken=dG9r%3D%3D"
+        );
+        assert_eq!(v1_node_query("", &v1), "nextToken=dG9r%3D%3D");
+        assert_eq!(
+            v1_node_query(
+                "a=1",
+                &NodeRequest {
+                    limit: None,
+                    token: None
+                }
+            ),
+            "a=1"
+        );
+    }
+
+    #[test]
+    fn walking_two_nodes_with_tied_start_times_returns_each_sandbox_once() {
+        // 250 and 130 sandboxes; several share a millisecond on one node and
+        // across both.
+        let mut a: Vec<_> = (0..250)
+            .map(|i| at_ms(&uuid(i * 7 % 1000), u64::from(i / 5)))
+            .collect();
+        let mut b: Vec<_> = (0..130)
+            .map(|i| at_ms(&uuid(1000 + i * 13 % 500), 20 + u64::from(i / 4)))
+            .collect();
+        a.sort_by(list_order);
+        b.sort_by(list_order);
+        let expected = merge(a.iter().chain(&b).cloned().collect());
+        assert_eq!(expected.len(), 380);
+        for limit in [1, 50, 99, 100, 101, 190, 380, 500] {
+            let pages = all_pages(&[a.clone(), b.clone()], limit);
+            let sizes: Vec<usize> = pages.iter().map(Vec::len).collect();
+            let mut want = vec![limit; 380 / limit];
+            if 380 % limit != 0 || want.is_empty() {
+                want.push(380 % limit);
+            }
+            assert_eq!(sizes, want, "limit {limit}");
+            let walked: Vec<ListedSandbox> = pages.into_iter().flatten().collect();
+            assert_eq!(ids(&walked), ids(&expected), "limit {limit}");
+        }
+    }
+
+    fn cluster() -> impl Strategy<Value = (Vec<Vec<ListedSandbox>>, usize)> {
+        let node = prop::collection::vec(0u64..40, 0..160);
+        (prop::collection::vec(node, 1..4), 1usize..230).prop_map(|(nodes, limit)| {
+            let mut n = 0;
+            let nodes = nodes
+                .into_iter()
+                .map(|times| {
+                    let mut items: Vec<_> = times
+                        .into_iter()
+                        .map(|ms| {
+                            n += 1;
+                            // Ids that do not follow the node or the time.
+                            at_ms(&uuid(n * 7919 % 100_003), ms)
+                        })
+                        .collect();
+                    items.sort_by(list_order);
+                    items
+                })
+                .collect();
+            (nodes, limit)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn any_cluster_walked_with_any_limit_gives_every_sandbox_once_in_order(
+            (nodes, limit) in cluster()
+        ) {
+            let expected = merge(nodes.iter().flatten().cloned().collect());
+            let pages = all_pages(&nodes, limit);
+            let (last, full) = pages.split_last().unwrap();
+            prop_assert!(full.iter().all(|p| p.len() == limit));
+            prop_assert!(last.len() <= limit);
+            prop_assert!(!last.is_empty() || pages.len() == 1);
+            let walked: Vec<ListedSandbox> = pages.into_iter().flatten().collect();
+            prop_assert_eq!(ids(&walked), ids(&expected));
+        }
     }
 }

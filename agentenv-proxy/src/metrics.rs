@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use agentenv_core::metrics::{SharedRegistry, latency_histogram};
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -34,6 +35,11 @@ pub struct RpcLabels {
     pub status: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    pub node_id: String,
+}
+
 /// The gateway's metric families.
 #[derive(Clone)]
 pub struct GatewayMetrics {
@@ -42,6 +48,8 @@ pub struct GatewayMetrics {
     pub scheduler_rpc: Family<RpcLabels, Histogram>,
     /// Inbound connections (and relayed upgrades) currently open.
     pub open_connections: Gauge,
+    /// Cluster lists answered without a node, by the node left out.
+    pub cluster_list_missing_nodes: Family<NodeLabels, Counter>,
     registry: SharedRegistry,
     /// Tells this value's cached histogram handles from other values'.
     id: u64,
@@ -113,6 +121,7 @@ impl GatewayMetrics {
             latency_histogram as fn() -> Histogram,
         );
         let open_connections = Gauge::default();
+        let cluster_list_missing_nodes = Family::<NodeLabels, Counter>::default();
         let mut reg = Registry::default();
         reg.register(
             "agentenv_gateway_http_request_duration_seconds",
@@ -134,11 +143,17 @@ impl GatewayMetrics {
             "Client connections currently open, relayed upgrades included",
             open_connections.clone(),
         );
+        reg.register(
+            "agentenv_gateway_cluster_list_missing_nodes",
+            "Cluster sandbox lists answered without a node that did not answer, by node",
+            cluster_list_missing_nodes.clone(),
+        );
         Self {
             requests,
             upstream,
             scheduler_rpc,
             open_connections,
+            cluster_list_missing_nodes,
             registry: Arc::new(Mutex::new(reg)),
             id: {
                 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -206,6 +221,15 @@ impl GatewayMetrics {
     /// The registry to expose (e.g. with `agentenv_core::metrics::serve`).
     pub fn registry(&self) -> SharedRegistry {
         self.registry.clone()
+    }
+
+    /// Counts one cluster list answered without `node_id`.
+    pub fn count_missing_node(&self, node_id: &str) {
+        self.cluster_list_missing_nodes
+            .get_or_create(&NodeLabels {
+                node_id: node_id.to_string(),
+            })
+            .inc();
     }
 
     /// Counts one open connection until the guard is dropped.

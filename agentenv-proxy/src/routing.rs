@@ -11,6 +11,8 @@ pub const E2B_SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 pub const NODE_ID_HEADER: &str = "x-agentenv-node-id";
 pub const API_KEY_HEADER: &str = "x-api-key";
 pub const NEXT_TOKEN_HEADER: &str = "x-next-token";
+/// On a cluster list: the ids of the nodes that did not answer, comma-separated.
+pub const MISSING_NODES_HEADER: &str = "x-agentenv-missing-nodes";
 
 // The same names, parsed once: a lookup by `HeaderName` skips parsing.
 static SANDBOX_ID: HeaderName = HeaderName::from_static(SANDBOX_ID_HEADER);

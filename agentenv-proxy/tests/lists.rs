@@ -7,7 +7,7 @@ use std::sync::Arc;
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
 use agentenv_core::proto::scheduler_v1 as pb;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
-use agentenv_proxy::{Gateway, GrpcSchedulerClient};
+use agentenv_proxy::{Gateway, GatewayOptions, GrpcSchedulerClient};
 use agentenv_sched::{MemoryBindingStore, Scheduler};
 use common::*;
 use http::{Request, StatusCode};
@@ -30,6 +30,84 @@ async fn list_node(items: serde_json::Value) -> (FakeNode, Log) {
     .await
 }
 
+const MISSING: &str = "x-agentenv-missing-nodes";
+/// 2026-01-01T00:00:00Z in ms.
+const BASE_MS: u64 = 1_767_225_600_000;
+
+/// `n` sandboxes of node `node`, `per_ms` of them created in each
+/// millisecond from `BASE_MS + first_ms` on; every 10th is paused. Ids are
+/// UUIDs whose order follows neither the node nor the time.
+fn node_records(node: u32, n: u32, first_ms: u64, per_ms: u32) -> Vec<paging_node::Record> {
+    (0..n)
+        .map(|i| paging_node::Record {
+            id: format!(
+                "{:08x}-{node:04x}-4000-8000-{i:012x}",
+                i.wrapping_mul(2_654_435_761)
+            ),
+            created_ms: BASE_MS + first_ms + u64::from(i / per_ms),
+            state: if i % 10 == 9 { "paused" } else { "running" },
+        })
+        .collect()
+}
+
+/// Node a: 250 sandboxes over 50 ms; node b: 130 over 33 ms, 30 of them the
+/// same as a's. Several sandboxes share a millisecond on each node and across
+/// both.
+fn two_node_records() -> (Vec<paging_node::Record>, Vec<paging_node::Record>) {
+    (node_records(0xa, 250, 0, 5), node_records(0xb, 130, 20, 4))
+}
+
+/// The ids of `records` in list order (newest first, then by id).
+fn in_list_order<'a>(records: impl IntoIterator<Item = &'a paging_node::Record>) -> Vec<String> {
+    paging_node::sorted(records.into_iter().cloned().collect())
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// Walks `/v2/sandboxes?<query>` page by page; every page's ids and
+/// whether it carried a next token.
+async fn walk_v2(c: &Cluster, query: &str) -> Vec<(Vec<String>, bool)> {
+    let mut pages = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut url = format!("/v2/sandboxes?{query}");
+        if let Some(t) = &token {
+            url.push_str(&format!("&nextToken={}", t.replace('=', "%3D")));
+        }
+        let (status, headers, body) = get(&c.url(&url)).await;
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "{url}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        assert!(headers.get(MISSING).is_none());
+        token = headers
+            .get("x-next-token")
+            .map(|t| t.to_str().unwrap().to_string());
+        pages.push((ids(&body), token.is_some()));
+        if token.is_none() {
+            return pages;
+        }
+        assert!(pages.len() < 100, "the walk does not end");
+    }
+}
+
+/// The `limit` of every request in `log`.
+fn asked_limits(log: &Log) -> Vec<Option<usize>> {
+    log.lock()
+        .iter()
+        .map(|seen| {
+            let query = seen.uri.split_once('?').map_or("", |(_, q)| q);
+            agentenv_proxy::cluster_list::parse_query(query)
+                .into_iter()
+                .find(|(k, _)| k == "limit")
+                .map(|(_, v)| v.parse().unwrap())
+        })
+        .collect()
+}
+
 fn ids(body: &[u8]) -> Vec<String> {
     json(body)
         .as_array()
@@ -46,8 +124,11 @@ async fn sandbox_list_fans_out_merges_newest_first_and_forwards_query_and_host()
         sandbox("dup", "2026-01-01T00:00:05Z"),
     ]))
     .await;
+    let mut b_new = sandbox("b-new", "2026-01-01T00:00:03Z");
+    b_new["volumeMounts"] = serde_json::json!([{"name": "data", "path": "/mnt/data"}]);
+    b_new["envdUnresponsiveAtPause"] = true.into();
     let (b, log_b) = list_node(serde_json::json!([
-        sandbox("b-new", "2026-01-01T00:00:03Z"),
+        b_new,
         sandbox("dup", "2026-01-01T00:00:02Z"),
         sandbox("a-tie", "2026-01-01T00:00:03Z"),
     ]))
@@ -73,6 +154,12 @@ async fn sandbox_list_fans_out_merges_newest_first_and_forwards_query_and_host()
     );
     assert!(v[0].get("unknownField").is_none());
     assert!(v[0].get("alias").is_none() && v[0].get("metadata").is_none());
+    assert!(v[0].get("volumeMounts").is_none() && v[0].get("envdUnresponsiveAtPause").is_none());
+    assert_eq!(
+        v[2]["volumeMounts"],
+        serde_json::json!([{"name": "data", "path": "/mnt/data"}])
+    );
+    assert_eq!(v[2]["envdUnresponsiveAtPause"], true);
     for log in [&log_a, &log_b] {
         let seen = log.lock()[0].clone();
         assert_eq!(seen.uri, "/sandboxes?metadata=team%3Dalpha");
@@ -87,7 +174,7 @@ async fn sandbox_list_fans_out_merges_newest_first_and_forwards_query_and_host()
 }
 
 #[tokio::test]
-async fn v2_list_pages_with_next_token_and_hides_paging_from_nodes() {
+async fn v2_list_pages_with_next_token_and_asks_nodes_after_the_cursor() {
     let (a, log_a) = list_node(serde_json::json!([
         sandbox(
             "00000000-0000-0000-0000-00000000000a",
@@ -122,9 +209,11 @@ async fn v2_list_pages_with_next_token_and_hides_paging_from_nodes() {
     let token = headers["x-next-token"].to_str().unwrap().to_string();
     assert_eq!(
         log_a.lock()[0].uri,
-        "/v2/sandboxes?metadata=team%3Dalpha&state=running"
+        "/v2/sandboxes?limit=2&metadata=team%3Dalpha&state=running"
     );
 
+    // These nodes answer everything whatever they are asked: the gateway
+    // still keeps only what comes after the cursor.
     let (status, headers, body) = get(&c.url(&format!(
         "/v2/sandboxes?state=running&limit=2&nextToken={token}"
     )))
@@ -132,7 +221,16 @@ async fn v2_list_pages_with_next_token_and_hides_paging_from_nodes() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(ids(&body), ["00000000-0000-0000-0000-00000000000c"]);
     assert!(headers.get("x-next-token").is_none());
-    assert_eq!(log_a.lock()[1].uri, "/v2/sandboxes?state=running");
+    let node_token =
+        paging_node::encode_token(1_767_225_602_000, "00000000-0000-0000-0000-00000000000b");
+    assert_eq!(
+        log_a.lock()[1].uri,
+        format!(
+            "/v2/sandboxes?limit=2&nextToken={}&state=running",
+            node_token.replace('=', "%3D")
+        ),
+        "the cursor reaches the node as the node's own token"
+    );
 
     let (status, _, body) = get(&c.url("/v2/sandboxes?limit=abc")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
@@ -140,35 +238,325 @@ async fn v2_list_pages_with_next_token_and_hides_paging_from_nodes() {
     let (status, _, body) = get(&c.url("/v2/sandboxes?nextToken=%21%21")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message(&body).starts_with("invalid next token"));
+    let (status, _, body) = get(&c.url("/v2/sandboxes?limit=0")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ids(&body), Vec::<String>::new());
 }
 
 #[tokio::test]
-async fn a_failing_node_fails_the_whole_list() {
-    let (a, _) = list_node(serde_json::json!([])).await;
+async fn a_node_answering_5xx_or_garbage_is_left_out_and_named() {
+    let (a, _) = list_node(serde_json::json!([sandbox(
+        "00000000-0000-0000-0000-00000000000a",
+        "2026-01-01T00:00:03Z"
+    )]))
+    .await;
     let (bad, _) = FakeNode::canned(StatusCode::INTERNAL_SERVER_ERROR, &[], "boom").await;
+    let (garbage, _) = FakeNode::canned(StatusCode::OK, &[], "{not a list").await;
     let c = Cluster::ready(
-        &[("node-a", &a.endpoint), ("node-b", &bad.endpoint)],
+        &[
+            ("node-a", &a.endpoint),
+            ("node-b", &bad.endpoint),
+            ("node-c", &garbage.endpoint),
+        ],
         options(),
     )
     .await;
-    let (status, _, body) = get(&c.url("/sandboxes")).await;
+    for path in ["/sandboxes", "/v2/sandboxes"] {
+        let (status, headers, body) = get(&c.url(path)).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(ids(&body), ["00000000-0000-0000-0000-00000000000a"]);
+        assert_eq!(headers[MISSING], "node-b,node-c", "{path}");
+    }
+
+    let c = Cluster::ready(&[("node-c", &garbage.endpoint)], options()).await;
+    let (status, headers, body) = get(&c.url("/sandboxes")).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert_eq!(message(&body), "cluster list unavailable");
+    assert_eq!(headers[MISSING], "node-c");
+}
 
+#[tokio::test]
+async fn an_upstream_4xx_fails_the_whole_list_with_that_status() {
+    let (a, _) = paging_node::paging_node(node_records(0, 30, 0, 3), vec![]).await;
     let (denied, _) = FakeNode::canned(StatusCode::UNAUTHORIZED, &[], "").await;
     let c = Cluster::ready(
         &[("node-a", &a.endpoint), ("node-b", &denied.endpoint)],
         options(),
     )
     .await;
-    let (status, _, body) = get(&c.url("/sandboxes")).await;
-    assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert!(body.is_empty());
+    for path in ["/sandboxes", "/v2/sandboxes?limit=10"] {
+        let (status, headers, body) = get(&c.url(path)).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path}");
+        assert!(body.is_empty());
+        assert!(headers.get(MISSING).is_none());
+    }
+    let (refusing, _) = FakeNode::canned(StatusCode::BAD_REQUEST, &[], "{}").await;
+    let c = Cluster::ready(
+        &[("node-a", &a.endpoint), ("node-b", &refusing.endpoint)],
+        options(),
+    )
+    .await;
+    let (status, _, body) = get(&c.url("/v2/sandboxes?state=weird")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(message(&body), "Bad Request");
+}
 
-    let (garbage, _) = FakeNode::canned(StatusCode::OK, &[], "{not a list").await;
-    let c = Cluster::ready(&[("node-a", &garbage.endpoint)], options()).await;
-    let (status, _, _) = get(&c.url("/sandboxes")).await;
-    assert_eq!(status, StatusCode::BAD_GATEWAY);
+#[tokio::test]
+async fn v2_pages_walk_every_sandbox_of_both_nodes_once_in_order_with_tied_start_times() {
+    let (ra, rb) = two_node_records();
+    let expected = in_list_order(ra.iter().chain(&rb));
+    assert_eq!(expected.len(), 380);
+    let (a, log_a) = paging_node::paging_node(ra, vec![]).await;
+    let (b, log_b) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+
+    for limit in [50usize, 190, 250] {
+        log_a.lock().clear();
+        log_b.lock().clear();
+        let pages = walk_v2(&c, &format!("limit={limit}")).await;
+        let sizes: Vec<usize> = pages.iter().map(|(p, _)| p.len()).collect();
+        let mut want = vec![limit; 380 / limit];
+        if 380 % limit != 0 {
+            want.push(380 % limit);
+        }
+        assert_eq!(sizes, want, "limit {limit}");
+        let tokens: Vec<bool> = pages.iter().map(|(_, t)| *t).collect();
+        let mut want_tokens = vec![true; pages.len() - 1];
+        want_tokens.push(false);
+        assert_eq!(
+            tokens, want_tokens,
+            "only the last page goes without a token"
+        );
+        let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+        assert_eq!(walked, expected, "limit {limit}");
+        for log in [&log_a, &log_b] {
+            assert!(
+                asked_limits(log)
+                    .iter()
+                    .all(|l| l.is_some_and(|l| (1..=100).contains(&l))),
+                "a node is always asked for 1..100 items: {:?}",
+                asked_limits(log)
+            );
+        }
+    }
+    // Pages of 50 end inside groups of sandboxes started in the same
+    // millisecond on both nodes: the cursor must split them.
+    let started = |id: &str| {
+        let (ra, rb) = two_node_records();
+        ra.into_iter()
+            .chain(rb)
+            .find(|r| r.id == id)
+            .unwrap()
+            .created_ms
+    };
+    assert!(
+        (1..380 / 50).any(|k| started(&expected[k * 50 - 1]) == started(&expected[k * 50])),
+        "the data no longer puts a page boundary inside a millisecond"
+    );
+
+    // A page larger than a node's: its pages are followed.
+    log_a.lock().clear();
+    let (status, headers, body) = get(&c.url("/v2/sandboxes?limit=250")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ids(&body), expected[..250]);
+    assert!(headers.contains_key("x-next-token"));
+    assert_eq!(asked_limits(&log_a), [Some(100), Some(100), Some(50)]);
+    let followed = log_a.lock()[1].uri.clone();
+    assert!(
+        followed.contains("nextToken="),
+        "node a's own token is followed: {followed}"
+    );
+}
+
+#[tokio::test]
+async fn v2_pages_without_a_limit_hold_100_and_filters_reach_the_nodes() {
+    let (ra, rb) = two_node_records();
+    let expected = in_list_order(ra.iter().chain(&rb));
+    let running = in_list_order(ra.iter().chain(&rb).filter(|r| r.state == "running"));
+    let (a, log_a) = paging_node::paging_node(ra, vec![]).await;
+    let (b, _) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+
+    let pages = walk_v2(&c, "").await;
+    let sizes: Vec<usize> = pages.iter().map(|(p, _)| p.len()).collect();
+    assert_eq!(sizes, [100, 100, 100, 80]);
+    let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+    assert_eq!(walked, expected);
+
+    log_a.lock().clear();
+    let pages = walk_v2(&c, "state=running&limit=50").await;
+    let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+    assert_eq!(walked, running);
+    assert!(log_a.lock().iter().all(|s| s.uri.contains("state=running")));
+}
+
+#[tokio::test]
+async fn v1_list_returns_every_running_sandbox_of_every_node() {
+    let (ra, rb) = two_node_records();
+    let running = in_list_order(ra.iter().chain(&rb).filter(|r| r.state == "running"));
+    assert!(running.len() > 300);
+    let (a, _) = paging_node::paging_node(ra, vec![]).await;
+    let (b, _) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+    let (status, headers, body) = get(&c.url("/sandboxes")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("x-next-token").is_none());
+    assert_eq!(ids(&body), running);
+}
+
+#[tokio::test]
+async fn a_stopped_node_is_left_out_and_named_in_the_missing_nodes_header() {
+    let (ra, rb) = two_node_records();
+    let only_a = in_list_order(&ra);
+    let only_a_running = in_list_order(ra.iter().filter(|r| r.state == "running"));
+    let (a, _) = paging_node::paging_node(ra, vec![]).await;
+    let (b, _) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+    b.stop().await;
+
+    let (status, headers, body) = get(&c.url("/sandboxes")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers[MISSING], "node-b");
+    assert_eq!(ids(&body), only_a_running);
+
+    let mut walked = Vec::new();
+    let mut token: Option<String> = None;
+    let mut requests = 1;
+    loop {
+        let mut url = "/v2/sandboxes?limit=100".to_string();
+        if let Some(t) = &token {
+            url.push_str(&format!("&nextToken={t}"));
+        }
+        let (status, headers, body) = get(&c.url(&url)).await;
+        requests += 1;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers[MISSING], "node-b");
+        walked.extend(ids(&body));
+        token = headers
+            .get("x-next-token")
+            .map(|t| t.to_str().unwrap().to_string());
+        if token.is_none() {
+            break;
+        }
+    }
+    assert_eq!(walked, only_a);
+    let series = r#"agentenv_gateway_cluster_list_missing_nodes_total{node_id="node-b"}"#;
+    assert_eq!(
+        metric_value(&c.metrics_text(), series),
+        Some(f64::from(requests)),
+        "{}",
+        c.metrics_text()
+    );
+    assert_eq!(
+        metric_value(
+            &c.metrics_text(),
+            r#"agentenv_gateway_cluster_list_missing_nodes_total{node_id="node-a"}"#
+        ),
+        None
+    );
+}
+
+#[tokio::test]
+async fn every_node_down_gives_502_naming_them_all() {
+    let (a, _) = paging_node::paging_node(node_records(0, 3, 0, 1), vec![]).await;
+    let (b, _) = paging_node::paging_node(node_records(1, 3, 0, 1), vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+    a.stop().await;
+    b.stop().await;
+    for path in ["/sandboxes", "/v2/sandboxes", "/v2/sandboxes?limit=5"] {
+        let (status, headers, body) = get(&c.url(path)).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{path}");
+        assert_eq!(message(&body), "cluster list unavailable");
+        assert_eq!(headers[MISSING], "node-a,node-b");
+    }
+}
+
+#[tokio::test]
+async fn a_node_that_does_not_answer_in_time_is_left_out() {
+    let (a, _) = paging_node::paging_node(node_records(0, 3, 0, 1), vec![]).await;
+    let hanging = FakeNode::hanging().await;
+    let opts = GatewayOptions {
+        request_timeout: std::time::Duration::from_millis(300),
+        ..options()
+    };
+    let c = Cluster::ready(
+        &[("node-a", &a.endpoint), ("node-b", &hanging.endpoint)],
+        opts,
+    )
+    .await;
+    let (status, headers, body) = get(&c.url("/v2/sandboxes")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers[MISSING], "node-b");
+    assert_eq!(ids(&body).len(), 3);
+}
+
+#[tokio::test]
+async fn snapshot_list_pages_pass_through_unchanged_past_100() {
+    let snapshots: Vec<_> = node_records(0x5, 250, 0, 3)
+        .into_iter()
+        .map(|r| paging_node::Record {
+            state: "running",
+            ..r
+        })
+        .collect();
+    let expected = in_list_order(&snapshots);
+    let created: std::collections::HashMap<String, u64> = snapshots
+        .iter()
+        .map(|r| (r.id.clone(), r.created_ms))
+        .collect();
+    let (node, log) = paging_node::paging_node(vec![], snapshots).await;
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
+    for (query, sizes) in [("limit=100", vec![100, 100, 50]), ("", vec![100, 100, 50])] {
+        log.lock().clear();
+        let mut walked = Vec::new();
+        let mut got_sizes = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut q = query.to_string();
+            if let Some(t) = &token {
+                if !q.is_empty() {
+                    q.push('&');
+                }
+                q.push_str(&format!("nextToken={}", t.replace('=', "%3D")));
+            }
+            let url = if q.is_empty() {
+                "/snapshots".to_string()
+            } else {
+                format!("/snapshots?{q}")
+            };
+            let (status, headers, body) = get(&c.url(&url)).await;
+            assert_eq!(status, StatusCode::OK, "{url}");
+            assert_eq!(
+                log.lock().last().unwrap().uri,
+                url,
+                "the query reaches the node as sent"
+            );
+            let page: Vec<String> = json(&body)
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["snapshotID"].as_str().unwrap().to_string())
+                .collect();
+            got_sizes.push(page.len());
+            walked.extend(page);
+            token = headers
+                .get("x-next-token")
+                .map(|t| t.to_str().unwrap().to_string());
+            if let Some(t) = &token {
+                let last = walked.last().unwrap();
+                assert_eq!(
+                    *t,
+                    paging_node::encode_token(created[last], last),
+                    "the node's token is relayed as the node gave it"
+                );
+            }
+            if token.is_none() {
+                break;
+            }
+        }
+        assert_eq!(got_sizes, sizes, "{query:?}");
+        assert_eq!(walked, expected, "{query:?}");
+    }
 }
 
 #[tokio::test]

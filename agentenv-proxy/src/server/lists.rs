@@ -1,10 +1,13 @@
 //! Node and cluster lists: `GET /nodes` from the scheduler's heartbeat
 //! view, `/nodes/{id}` proxied to that node, and `GET /sandboxes` (and
-//! `/v2/sandboxes`, paginated) fanned out to every node and merged.
+//! `/v2/sandboxes`, paginated) fanned out to every node and merged; a node
+//! that does not answer is left out and named.
 
 use std::net::SocketAddr;
 
 use agentenv_core::proto::scheduler_v1 as pb;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
@@ -12,10 +15,10 @@ use tokio::time::Instant;
 use super::proxy::{ProxyPlan, request_host};
 use super::{ClientTls, Gateway, LIST_BODY_CAP, scheduler_error};
 use crate::body::{GatewayBody, boxed, concat, empty, error_response, json_response, read_prefix};
-use crate::cluster_list::{self, ListedSandbox};
+use crate::cluster_list::{self, Cursor, ListedSandbox, NodeList, NodeWalk, WalkEnd};
 use crate::forward::{Forwarded, rewrite_request_headers, upstream_uri};
 use crate::nodes::NodeView;
-use crate::routing::NEXT_TOKEN_HEADER;
+use crate::routing::{MISSING_NODES_HEADER, NEXT_TOKEN_HEADER};
 
 impl Gateway {
     /// `GET /nodes[?clusterID=…]`: the scheduler's view of the nodes.
@@ -73,7 +76,9 @@ impl Gateway {
     }
 
     /// `GET /sandboxes` and `/v2/sandboxes` (paginated): every node's
-    /// list, fetched at once and merged.
+    /// list, fetched at once and merged. A node that does not answer is
+    /// left out and named in `x-agentenv-missing-nodes`; one that refuses
+    /// the request (4xx) fails it.
     pub(super) async fn cluster_list(
         &self,
         req: Request<GatewayBody>,
@@ -93,12 +98,27 @@ impl Gateway {
         }
         let raw_query = req.uri().query().unwrap_or("").to_string();
         let pairs = cluster_list::parse_query(&raw_query);
-        let upstream_query = if v2 {
-            cluster_list::v2_upstream_query(&pairs)
+        // A v2 page: how many items, after which one.
+        let (limit, cursor) = if v2 {
+            let limit = match cluster_list::parse_limit(&pairs) {
+                Ok(l) => l,
+                Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+            };
+            let token = pairs
+                .iter()
+                .find(|(k, _)| k == "nextToken")
+                .map(|(_, v)| v.as_str());
+            let cursor = match cluster_list::parse_token(token) {
+                Ok(c) => c,
+                Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+            };
+            if limit <= 0 {
+                return json_response(StatusCode::OK, &Vec::<ListedSandbox>::new());
+            }
+            (Some(usize::try_from(limit).unwrap_or(usize::MAX)), cursor)
         } else {
-            raw_query.clone()
+            (None, None)
         };
-        let upstream_query = (!upstream_query.is_empty()).then_some(upstream_query);
         let host = request_host(&req);
         let request_uri = req
             .uri()
@@ -118,72 +138,178 @@ impl Gateway {
             },
         );
         headers.remove(header::CONTENT_LENGTH);
-        let path = req.uri().path().to_string();
-        let fetches = nodes.iter().map(|node| {
-            let headers = headers.clone();
-            let path = path.as_str();
-            let query = upstream_query.as_deref();
-            async move {
-                let uri = upstream_uri(&node.endpoint, path, query).map_err(|_| None)?;
-                let mut up = Request::new(empty());
-                *up.uri_mut() = uri;
-                *up.headers_mut() = headers;
-                let resp = self.pool.send(up).await.map_err(|e| {
-                    tracing::warn!(node_id = %node.node_id, error = ?e, "cluster list: node unreachable");
-                    None
-                })?;
-                let status = resp.status();
-                if !status.is_success() {
-                    tracing::warn!(node_id = %node.node_id, %status, "cluster list: node answered with an error");
-                    return Err(Some(status));
-                }
-                let (frames, _, rest) = read_prefix(boxed(resp.into_body()), LIST_BODY_CAP).await.map_err(|_| None)?;
-                if rest.is_some() {
-                    tracing::warn!(node_id = %node.node_id, "cluster list: node answer too large");
-                    return Err(None);
-                }
-                serde_json::from_slice::<Vec<ListedSandbox>>(&concat(&frames)).map_err(|e| {
-                    tracing::warn!(node_id = %node.node_id, error = %e, "cluster list: node answer is not a sandbox list");
-                    None
-                })
-            }
-        });
-        let all = match tokio::time::timeout_at(deadline, futures::future::try_join_all(fetches))
+        let target = ListTarget {
+            path: req.uri().path(),
+            v2,
+            raw_query: &raw_query,
+            pairs: &pairs,
+            headers: &headers,
+        };
+        let (lists, missing) = match self
+            .gather(&nodes, &target, cursor.as_ref(), limit, deadline)
             .await
         {
-            Ok(Ok(lists)) => lists.into_iter().flatten().collect::<Vec<_>>(),
-            Ok(Err(Some(status))) if status.is_client_error() => {
-                return error_response(status, status.canonical_reason().unwrap_or("client error"));
+            Ok(g) => g,
+            Err(refused) => return refused,
+        };
+        let mut resp = if lists.is_empty() {
+            error_response(StatusCode::BAD_GATEWAY, "cluster list unavailable")
+        } else if let Some(limit) = limit {
+            let (page, next) = cluster_list::page(lists, limit);
+            let mut resp = json_response(StatusCode::OK, &page);
+            if let Some(next) = next
+                && let Ok(v) = HeaderValue::from_str(&next)
+            {
+                resp.headers_mut().insert(NEXT_TOKEN_HEADER, v);
             }
-            Ok(Err(_)) | Err(_) => {
-                return error_response(StatusCode::BAD_GATEWAY, "cluster list unavailable");
-            }
+            resp
+        } else {
+            let all = lists.into_iter().flat_map(|l| l.items).collect();
+            json_response(StatusCode::OK, &cluster_list::merge(all))
         };
-        let merged = cluster_list::merge(all);
-        if !v2 {
-            return json_response(StatusCode::OK, &merged);
-        }
-        let limit = match cluster_list::parse_limit(&pairs) {
-            Ok(l) => l,
-            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
-        let token = pairs
-            .iter()
-            .find(|(k, _)| k == "nextToken")
-            .map(|(_, v)| v.as_str());
-        let cursor = match cluster_list::parse_token(token, time::OffsetDateTime::now_utc()) {
-            Ok(c) => c,
-            Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
-        let (page, next) = cluster_list::paginate(merged, cursor, limit);
-        let mut resp = json_response(StatusCode::OK, &page);
-        if let Some(next) = next
-            && let Ok(v) = HeaderValue::from_str(&next)
+        if !missing.is_empty()
+            && let Ok(v) = HeaderValue::from_str(&missing)
         {
-            resp.headers_mut().insert(NEXT_TOKEN_HEADER, v);
+            resp.headers_mut().insert(MISSING_NODES_HEADER, v);
         }
         resp
     }
+
+    /// Every node's part of a cluster list at once: the lists of the nodes
+    /// that answered, and the ids of those that did not (comma-separated,
+    /// in `nodes` order). A node's refusal (4xx) is the answer instead.
+    async fn gather(
+        &self,
+        nodes: &[pb::Node],
+        target: &ListTarget<'_>,
+        cursor: Option<&Cursor>,
+        limit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<(Vec<NodeList>, String), Response<GatewayBody>> {
+        let mut pending: FuturesUnordered<_> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let walk = NodeWalk::new(cursor.cloned(), limit);
+                async move {
+                    let listed =
+                        tokio::time::timeout_at(deadline, self.list_node(node, target, walk)).await;
+                    (i, listed)
+                }
+            })
+            .collect();
+        let mut lists = Vec::with_capacity(nodes.len());
+        let mut missing = Vec::new();
+        while let Some((i, listed)) = pending.next().await {
+            let node = &nodes[i];
+            let why = match listed {
+                Ok(Ok(list)) => {
+                    lists.push(list);
+                    continue;
+                }
+                Ok(Err(NodeFailure::Refused(status))) => {
+                    tracing::warn!(node_id = %node.node_id, %status, "cluster list: node refused the request");
+                    return Err(error_response(
+                        status,
+                        status.canonical_reason().unwrap_or("client error"),
+                    ));
+                }
+                Ok(Err(NodeFailure::Unavailable(why))) => why,
+                Err(_) => "no answer within the request timeout".to_string(),
+            };
+            tracing::warn!(
+                node_id = %node.node_id,
+                endpoint = %node.endpoint,
+                reason = %why,
+                "cluster list: node did not answer; listing the other nodes without it"
+            );
+            self.inner.metrics.count_missing_node(&node.node_id);
+            missing.push(i);
+        }
+        missing.sort_unstable();
+        let missing = missing
+            .iter()
+            .map(|&i| nodes[i].node_id.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        Ok((lists, missing))
+    }
+
+    /// One node's part of a cluster list: its pages, followed as `walk`
+    /// says, all within [`LIST_BODY_CAP`] bytes.
+    async fn list_node(
+        &self,
+        node: &pb::Node,
+        target: &ListTarget<'_>,
+        mut walk: NodeWalk,
+    ) -> Result<NodeList, NodeFailure> {
+        use NodeFailure::Unavailable;
+        let mut budget = LIST_BODY_CAP;
+        while let Some(next) = walk.next_request() {
+            let query = if target.v2 {
+                cluster_list::v2_node_query(target.pairs, &next)
+            } else {
+                cluster_list::v1_node_query(target.raw_query, &next)
+            };
+            let query = (!query.is_empty()).then_some(query);
+            let uri = upstream_uri(&node.endpoint, target.path, query.as_deref())
+                .map_err(|_| Unavailable("its endpoint is not a valid URI".into()))?;
+            let mut up = Request::new(empty());
+            *up.uri_mut() = uri;
+            *up.headers_mut() = target.headers.clone();
+            let resp = self
+                .pool
+                .send(up)
+                .await
+                .map_err(|e| Unavailable(e.to_string()))?;
+            let status = resp.status();
+            if status.is_client_error() {
+                return Err(NodeFailure::Refused(status));
+            }
+            if !status.is_success() {
+                return Err(Unavailable(format!("it answered {status}")));
+            }
+            let token = resp
+                .headers()
+                .get(NEXT_TOKEN_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(str::to_string);
+            let (frames, len, rest) = read_prefix(boxed(resp.into_body()), budget)
+                .await
+                .map_err(|e| Unavailable(format!("reading its answer failed: {e}")))?;
+            if rest.is_some() {
+                return Err(Unavailable(format!(
+                    "its list is larger than {LIST_BODY_CAP} bytes"
+                )));
+            }
+            budget = budget.saturating_sub(len);
+            let items: Vec<ListedSandbox> = serde_json::from_slice(&concat(&frames))
+                .map_err(|e| Unavailable(format!("its answer is not a sandbox list: {e}")))?;
+            if walk.take_page(items, token) == WalkEnd::Stalled {
+                tracing::warn!(node_id = %node.node_id, "cluster list: node's next-page token goes nowhere; using the pages it gave");
+            }
+        }
+        Ok(walk.finish())
+    }
+}
+
+/// What every node is asked for a cluster list.
+struct ListTarget<'a> {
+    path: &'a str,
+    v2: bool,
+    raw_query: &'a str,
+    pairs: &'a [(String, String)],
+    headers: &'a http::HeaderMap,
+}
+
+/// Why a node's list was not used.
+enum NodeFailure {
+    /// The node refused the request (4xx): the whole list fails with it.
+    Refused(StatusCode),
+    /// No usable answer (unreachable, 5xx, not a list): listed without it.
+    Unavailable(String),
 }
 
 fn query_value(query: Option<&str>, key: &str) -> Option<String> {

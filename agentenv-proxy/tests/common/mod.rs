@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod paging_node;
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
