@@ -11,6 +11,7 @@ pub mod config;
 pub mod cpu_template;
 pub mod duration;
 pub mod error;
+pub mod idempotency;
 pub mod logging;
 pub mod metrics;
 pub mod proto;

@@ -1,9 +1,12 @@
 //! `GET /sandboxes` and `GET /v2/sandboxes` across the cluster: what each
 //! node is asked, how its pages are followed, and how the answers are merged
-//! (newest first, then by id, deduplicated) into the page a client gets.
+//! (by start time, newest first unless `order=asc` asks for oldest first,
+//! then by id, deduplicated) into the page a client gets.
 //!
 //! A v2 page is a window of the merged list after one cursor, the
-//! (`startedAt`, `sandboxID`) of the last item of the previous page. Every
+//! (`startedAt`, `sandboxID`) of the last item of the previous page, in the
+//! list's [`Order`] (the client sends the same `order` with every page, as
+//! it does to a single node: the token does not carry it). Every
 //! node is asked for its items after that cursor, `limit` of them at most
 //! (in node pages of at most [`NODE_PAGE_LIMIT`], following the node's
 //! `x-next-token`); the merged window holds the first `limit` of their
@@ -31,6 +34,9 @@ pub enum PageError {
     Limit(String),
     #[error("invalid next token: {0}")]
     Token(String),
+    /// The node's own message for the same mistake.
+    #[error("invalid order {0:?}: use asc or desc")]
+    Order(String),
 }
 
 /// A timestamp that reads RFC 3339 and writes Go's RFC3339Nano form
@@ -176,21 +182,68 @@ where
     Ok(Option::deserialize(d)?.unwrap_or_default())
 }
 
-/// The order of every list: newest first, then by id.
-pub fn list_order(a: &ListedSandbox, b: &ListedSandbox) -> Ordering {
-    b.started_at
-        .0
-        .cmp(&a.started_at.0)
-        .then_with(|| a.sandbox_id.cmp(&b.sandbox_id))
+/// The order of a list, as a node sorts it: by start time, newest first
+/// (`desc`, the default, and always for `GET /sandboxes`) or oldest first
+/// (`asc`), then by id (ascending either way).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Order {
+    #[default]
+    Desc,
+    Asc,
 }
 
-/// Sorts in [`list_order`] and keeps the first, newest, entry of each
-/// sandbox id.
-pub fn merge(mut items: Vec<ListedSandbox>) -> Vec<ListedSandbox> {
+impl Order {
+    /// Compares two items in this order.
+    pub fn compare(self, a: &ListedSandbox, b: &ListedSandbox) -> Ordering {
+        let by_time = a.started_at.0.cmp(&b.started_at.0);
+        let by_time = match self {
+            Order::Desc => by_time.reverse(),
+            Order::Asc => by_time,
+        };
+        by_time.then_with(|| a.sandbox_id.cmp(&b.sandbox_id))
+    }
+
+    /// The value of the `order` query key.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Order::Desc => "desc",
+            Order::Asc => "asc",
+        }
+    }
+}
+
+/// The order of every list without `order`: newest first, then by id.
+pub fn list_order(a: &ListedSandbox, b: &ListedSandbox) -> Ordering {
+    Order::Desc.compare(a, b)
+}
+
+/// Sorts in `order` and keeps one entry of each sandbox id: its newest
+/// (in either order, as a sandbox listed by two nodes is current where it
+/// started last).
+pub fn merge(mut items: Vec<ListedSandbox>, order: Order) -> Vec<ListedSandbox> {
     items.sort_by(list_order);
     let mut seen = std::collections::HashSet::new();
     items.retain(|i| seen.insert(i.sandbox_id.clone()));
+    if order != Order::Desc {
+        items.sort_by(|a, b| order.compare(a, b));
+    }
     items
+}
+
+/// Parses `order` as a node does: `asc`, `desc`, or absent or empty
+/// (`None`: the default, newest first). Of repeated keys the first counts,
+/// as for `limit`.
+pub fn parse_order(query: &[(String, String)]) -> Result<Option<Order>, PageError> {
+    match query
+        .iter()
+        .find(|(k, _)| k == "order")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("") => Ok(None),
+        Some("desc") => Ok(Some(Order::Desc)),
+        Some("asc") => Ok(Some(Order::Asc)),
+        Some(other) => Err(PageError::Order(other.to_string())),
+    }
 }
 
 /// Parses `limit`: absent or empty means [`DEFAULT_LIMIT`].
@@ -229,10 +282,13 @@ impl Cursor {
         }
     }
 
-    /// Whether `item` comes after the cursor in [`list_order`].
-    pub fn precedes(&self, item: &ListedSandbox) -> bool {
-        item.started_at.0 < self.started_at.0
-            || (item.started_at.0 == self.started_at.0 && item.sandbox_id > self.sandbox_id)
+    /// Whether `item` comes after the cursor in `order`.
+    pub fn precedes(&self, item: &ListedSandbox, order: Order) -> bool {
+        let past = match order {
+            Order::Desc => item.started_at.0 < self.started_at.0,
+            Order::Asc => item.started_at.0 > self.started_at.0,
+        };
+        past || (item.started_at.0 == self.started_at.0 && item.sandbox_id > self.sandbox_id)
     }
 
     /// The client's `nextToken`: URL-safe base64 (padded) of
@@ -245,16 +301,20 @@ impl Cursor {
         ))
     }
 
-    /// The same cursor as a node's `nextToken`. A node reads the time to the
-    /// millisecond (as it writes it), so a finer time is rounded up: the
-    /// node then answers a superset, which [`Cursor::precedes`] trims.
-    pub fn node_token(&self) -> String {
+    /// The same cursor as a node's `nextToken` for a list in `order`. A node
+    /// reads the time to the millisecond (as it writes it), so a finer time
+    /// is moved back, towards the items before the cursor: newest first,
+    /// rounded up; oldest first, rounded down and one millisecond further,
+    /// so that items the node reads as started in the cursor's millisecond
+    /// are kept whatever their id. The node then answers a superset, which
+    /// [`Cursor::precedes`] trims.
+    pub fn node_token(&self, order: Order) -> String {
         let t = self.started_at.0.to_offset(time::UtcOffset::UTC);
-        let sub_ms = t.nanosecond() % 1_000_000;
-        let t = if sub_ms == 0 {
-            t
-        } else {
-            t + time::Duration::nanoseconds(i64::from(1_000_000 - sub_ms))
+        let sub_ms = i64::from(t.nanosecond() % 1_000_000);
+        let t = match order {
+            _ if sub_ms == 0 => t,
+            Order::Desc => t + time::Duration::nanoseconds(1_000_000 - sub_ms),
+            Order::Asc => t - time::Duration::nanoseconds(sub_ms + 1_000_000),
         };
         let t = t.format(&Rfc3339).unwrap_or_default();
         URL_SAFE.encode(format!("{t}__{}", self.sandbox_id))
@@ -324,6 +384,7 @@ pub enum WalkEnd {
 #[derive(Debug, Clone)]
 pub struct NodeWalk {
     cursor: Option<Cursor>,
+    order: Order,
     want: Option<usize>,
     items: Vec<ListedSandbox>,
     token: Option<String>,
@@ -331,12 +392,14 @@ pub struct NodeWalk {
 }
 
 impl NodeWalk {
-    /// Items after `cursor` (all, without one), `want` of them at most (all,
-    /// without it). With `want`, every page asked has a `limit`.
-    pub fn new(cursor: Option<Cursor>, want: Option<usize>) -> Self {
+    /// Items after `cursor` (all, without one) in `order` (the order the
+    /// node is asked for), `want` of them at most (all, without it). With
+    /// `want`, every page asked has a `limit`.
+    pub fn new(cursor: Option<Cursor>, want: Option<usize>, order: Order) -> Self {
         Self {
-            token: cursor.as_ref().map(Cursor::node_token),
+            token: cursor.as_ref().map(|c| c.node_token(order)),
             cursor,
+            order,
             want,
             items: Vec::new(),
             end: WalkEnd::Open,
@@ -360,10 +423,10 @@ impl NodeWalk {
     /// Takes one page the node answered and its `x-next-token`.
     pub fn take_page(&mut self, page: Vec<ListedSandbox>, next: Option<String>) -> WalkEnd {
         let progressed = !page.is_empty();
-        let cursor = self.cursor.as_ref();
+        let (cursor, order) = (self.cursor.as_ref(), self.order);
         self.items.extend(
             page.into_iter()
-                .filter(|i| cursor.is_none_or(|c| c.precedes(i))),
+                .filter(|i| cursor.is_none_or(|c| c.precedes(i, order))),
         );
         self.end = match next {
             None => WalkEnd::Exhausted,
@@ -396,27 +459,32 @@ pub struct NodeList {
     pub has_more: bool,
 }
 
-/// The client's page of the nodes' lists (each after the same cursor): the
-/// first `limit` items of their merge, never past the last item of a node
-/// that has more, and the token of the next page when anything is left.
-pub fn page(lists: Vec<NodeList>, limit: usize) -> (Vec<ListedSandbox>, Option<String>) {
+/// The client's page of the nodes' lists (each after the same cursor, in
+/// `order`): the first `limit` items of their merge, never past the last
+/// item of a node that has more, and the token of the next page when
+/// anything is left.
+pub fn page(
+    lists: Vec<NodeList>,
+    limit: usize,
+    order: Order,
+) -> (Vec<ListedSandbox>, Option<String>) {
     // Items past a node's last one may be missing from the merge: the node
     // has not given what lies between.
     let horizon = lists
         .iter()
         .filter(|l| l.has_more)
-        .filter_map(|l| l.items.iter().max_by(|a, b| list_order(a, b)))
-        .min_by(|a, b| list_order(a, b))
+        .filter_map(|l| l.items.iter().max_by(|a, b| order.compare(a, b)))
+        .min_by(|a, b| order.compare(a, b))
         .cloned();
     let any_more = lists.iter().any(|l| l.has_more);
-    let merged = merge(lists.into_iter().flat_map(|l| l.items).collect());
+    let merged = merge(lists.into_iter().flat_map(|l| l.items).collect(), order);
     let total = merged.len();
     let page: Vec<ListedSandbox> = merged
         .into_iter()
         .take_while(|i| {
             horizon
                 .as_ref()
-                .is_none_or(|h| list_order(i, h) != Ordering::Greater)
+                .is_none_or(|h| order.compare(i, h) != Ordering::Greater)
         })
         .take(limit)
         .collect();
@@ -464,13 +532,22 @@ pub fn query_escape(s: &str) -> String {
 }
 
 /// The query of one v2 page asked of a node: the client's keys other than
-/// `limit` and `nextToken`, then the walk's own, re-encoded with keys sorted.
-pub fn v2_node_query(pairs: &[(String, String)], req: &NodeRequest) -> String {
+/// `limit`, `nextToken` and `order`, then the walk's own and the `order` the
+/// gateway read (one, so that a node never reads another from repeated
+/// keys; none when the client gave none), re-encoded with keys sorted.
+pub fn v2_node_query(
+    pairs: &[(String, String)],
+    order: Option<Order>,
+    req: &NodeRequest,
+) -> String {
     let mut kept: Vec<(&str, &str)> = pairs
         .iter()
-        .filter(|(k, _)| k != "limit" && k != "nextToken")
+        .filter(|(k, _)| k != "limit" && k != "nextToken" && k != "order")
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
+    if let Some(o) = order {
+        kept.push(("order", o.as_str()));
+    }
     let limit = req.limit.map(|l| l.to_string());
     if let Some(l) = &limit {
         kept.push(("limit", l));
@@ -524,12 +601,15 @@ mod tests {
     }
 
     /// A node's answer to one list page, as agentenv-node pages
-    /// (`api::model::paginate`): items sorted newest first then by id, those
-    /// after the token's (ms, id), `limit` of them (100 without one; more is
-    /// refused), and a token for the last one only when more follow.
+    /// (`api::model::ListQuery::apply`, `paginate`): items sorted by start
+    /// time in `order` (newest first, or oldest first for `Asc`) then by id,
+    /// those after the token's (ms, id) in that order, `limit` of them (100
+    /// without one; more is refused), and a token for the last one only when
+    /// more follow.
     fn node_answer(
-        sorted: &[ListedSandbox],
+        node: &[ListedSandbox],
         req: &NodeRequest,
+        order: Order,
     ) -> (Vec<ListedSandbox>, Option<String>) {
         let limit = req.limit.unwrap_or(100);
         assert!(limit <= 100, "a node refuses limit {limit}");
@@ -543,13 +623,29 @@ mod tests {
             (ms, id.to_string())
         });
         let ms = |i: &ListedSandbox| i.started_at.0.unix_timestamp_nanos() / 1_000_000;
+        let mut sorted = node.to_vec();
+        sorted.sort_by(|a, b| {
+            let by_ms = ms(a).cmp(&ms(b));
+            let by_ms = if order == Order::Asc {
+                by_ms
+            } else {
+                by_ms.reverse()
+            };
+            by_ms.then_with(|| a.sandbox_id.cmp(&b.sandbox_id))
+        });
         let mut page: Vec<ListedSandbox> = sorted
-            .iter()
+            .into_iter()
             .filter(|i| match &after {
                 None => true,
-                Some((t, id)) => ms(i) < *t || (ms(i) == *t && i.sandbox_id > *id),
+                Some((t, id)) => {
+                    let past = if order == Order::Asc {
+                        ms(i) > *t
+                    } else {
+                        ms(i) < *t
+                    };
+                    past || (ms(i) == *t && i.sandbox_id > *id)
+                }
             })
-            .cloned()
             .collect();
         let more = page.len() > limit;
         page.truncate(limit);
@@ -564,33 +660,51 @@ mod tests {
         (page, next)
     }
 
-    /// Walks one node (its items sorted) after `cursor`.
-    fn walk(
+    /// Walks one node after `cursor` in `order`.
+    fn walk_in(
         node: &[ListedSandbox],
         cursor: Option<Cursor>,
         want: Option<usize>,
+        order: Order,
     ) -> (NodeList, Vec<NodeRequest>) {
-        let mut w = NodeWalk::new(cursor, want);
+        let mut w = NodeWalk::new(cursor, want, order);
         let mut asked = Vec::new();
         while let Some(req) = w.next_request() {
-            let (items, next) = node_answer(node, &req);
+            let (items, next) = node_answer(node, &req, order);
             asked.push(req);
             w.take_page(items, next);
         }
         (w.finish(), asked)
     }
 
-    /// Every page of the cluster `nodes` with `limit`, as a client walks them.
-    fn all_pages(nodes: &[Vec<ListedSandbox>], limit: usize) -> Vec<Vec<ListedSandbox>> {
+    /// Walks one node after `cursor`, newest first.
+    fn walk(
+        node: &[ListedSandbox],
+        cursor: Option<Cursor>,
+        want: Option<usize>,
+    ) -> (NodeList, Vec<NodeRequest>) {
+        walk_in(node, cursor, want, Order::Desc)
+    }
+
+    /// Every page of the cluster `nodes` with `limit` in `order`, as a client
+    /// walks them.
+    fn all_pages(
+        nodes: &[Vec<ListedSandbox>],
+        limit: usize,
+        order: Order,
+    ) -> Vec<Vec<ListedSandbox>> {
         let mut pages = Vec::new();
         let mut token: Option<String> = None;
         loop {
             let cursor = parse_token(token.as_deref()).unwrap();
             let lists = nodes
                 .iter()
-                .map(|n| walk(n, cursor.clone(), Some(limit)).0)
+                .map(|n| walk_in(n, cursor.clone(), Some(limit), order).0)
                 .collect();
-            let (items, next) = page(lists, limit);
+            let (items, next) = page(lists, limit, order);
+            if let Some(t) = &next {
+                assert_eq!(*t, make_token(items.last().unwrap()));
+            }
             pages.push(items);
             match next {
                 Some(t) => token = Some(t),
@@ -598,6 +712,15 @@ mod tests {
             }
             assert!(pages.len() < 10_000, "the walk does not end");
         }
+    }
+
+    /// The sizes of the pages of `total` items walked `limit` at a time.
+    fn page_sizes(total: usize, limit: usize) -> Vec<usize> {
+        let mut want = vec![limit; total / limit];
+        if total % limit != 0 || want.is_empty() {
+            want.push(total % limit);
+        }
+        want
     }
 
     #[test]
@@ -649,12 +772,15 @@ mod tests {
 
     #[test]
     fn merge_orders_newest_first_then_by_id_and_keeps_the_newest_duplicate() {
-        let merged = merge(vec![
-            item("b", "2026-01-01T00:00:01Z"),
-            item("dup", "2026-01-01T00:00:00Z"),
-            item("a", "2026-01-01T00:00:01Z"),
-            item("dup", "2026-01-01T00:00:03Z"),
-        ]);
+        let merged = merge(
+            vec![
+                item("b", "2026-01-01T00:00:01Z"),
+                item("dup", "2026-01-01T00:00:00Z"),
+                item("a", "2026-01-01T00:00:01Z"),
+                item("dup", "2026-01-01T00:00:03Z"),
+            ],
+            Order::Desc,
+        );
         let ids: Vec<_> = merged
             .iter()
             .map(|i| (i.sandbox_id.as_str(), i.started_at.format()))
@@ -670,11 +796,62 @@ mod tests {
     }
 
     #[test]
+    fn merge_ascending_orders_oldest_first_then_by_id_and_keeps_the_newest_duplicate() {
+        let merged = merge(
+            vec![
+                item("b", "2026-01-01T00:00:01Z"),
+                item("dup", "2026-01-01T00:00:00Z"),
+                item("c", "2026-01-01T00:00:00.5Z"),
+                item("a", "2026-01-01T00:00:01Z"),
+                item("dup", "2026-01-01T00:00:03Z"),
+            ],
+            Order::Asc,
+        );
+        let ids: Vec<_> = merged
+            .iter()
+            .map(|i| (i.sandbox_id.as_str(), i.started_at.format()))
+            .collect();
+        assert_eq!(
+            ids,
+            [
+                ("c", "2026-01-01T00:00:00.5Z".to_string()),
+                ("a", "2026-01-01T00:00:01Z".to_string()),
+                ("b", "2026-01-01T00:00:01Z".to_string()),
+                ("dup", "2026-01-01T00:00:03Z".to_string()),
+            ],
+            "ties stay by id ascending; the newer duplicate wins in either order"
+        );
+    }
+
+    #[test]
+    fn order_is_read_as_the_node_reads_it() {
+        let order = |q: &str| parse_order(&parse_query(q));
+        assert_eq!(order(""), Ok(None));
+        assert_eq!(order("order="), Ok(None));
+        assert_eq!(order("order=desc"), Ok(Some(Order::Desc)));
+        assert_eq!(order("order=asc&limit=3"), Ok(Some(Order::Asc)));
+        assert_eq!(order("order=asc&order=desc"), Ok(Some(Order::Asc)));
+        assert_eq!(
+            order("order=sideways").unwrap_err().to_string(),
+            "invalid order \"sideways\": use asc or desc"
+        );
+        assert_eq!(
+            order("order=ASC").unwrap_err().to_string(),
+            "invalid order \"ASC\": use asc or desc"
+        );
+        assert_eq!(
+            order("order=%22x%22").unwrap_err().to_string(),
+            "invalid order \"\\\"x\\\"\": use asc or desc",
+            "quoted as the node quotes it"
+        );
+    }
+
+    #[test]
     fn a_full_last_page_has_no_token_when_no_node_has_more() {
         let node = vec![at_ms(&uuid(1), 3), at_ms(&uuid(2), 2)];
         let (list, _) = walk(&node, None, Some(2));
         assert!(!list.has_more);
-        let (items, next) = page(vec![list], 2);
+        let (items, next) = page(vec![list], 2, Order::Desc);
         assert_eq!(ids(&items), [uuid(1), uuid(2)]);
         assert_eq!(next, None, "the page is full but nothing follows");
     }
@@ -691,7 +868,7 @@ mod tests {
                 token: None
             }]
         );
-        let (items, next) = page(vec![list], 2);
+        let (items, next) = page(vec![list], 2, Order::Desc);
         assert_eq!(ids(&items), [uuid(0), uuid(1)]);
         let cursor = parse_token(next.as_deref()).unwrap();
         let (list, asked) = walk(&node, cursor, Some(2));
@@ -700,7 +877,7 @@ mod tests {
             Some(make_token(&node[1]).as_str()),
             "a millisecond cursor reaches the node in the node's own format"
         );
-        let (items, next) = page(vec![list], 2);
+        let (items, next) = page(vec![list], 2, Order::Desc);
         assert_eq!(ids(&items), [uuid(2)]);
         assert_eq!(next, None);
     }
@@ -736,14 +913,63 @@ mod tests {
             items: vec![at_ms(&uuid(2), 10), at_ms(&uuid(5), 2)],
             has_more: false,
         };
-        let (items, next) = page(vec![a, b], 3);
+        let (items, next) = page(vec![a, b], 3, Order::Desc);
         assert_eq!(ids(&items), [uuid(2), uuid(1)]);
         assert_eq!(next, Some(make_token(&at_ms(&uuid(1), 7))));
     }
 
     #[test]
+    fn an_ascending_page_never_reaches_past_a_node_that_has_more() {
+        // Node a gave its 2 oldest items and has more; b gave all of its own.
+        // b's item at 9 ms must wait: a's next items (after 7 ms) may come
+        // before it. b's item at 7 ms ties a's last one and sorts before it
+        // by id, so it is in.
+        let a = NodeList {
+            items: vec![at_ms(&uuid(1), 2), at_ms(&uuid(4), 7)],
+            has_more: true,
+        };
+        let b = NodeList {
+            items: vec![at_ms(&uuid(3), 7), at_ms(&uuid(5), 7), at_ms(&uuid(2), 9)],
+            has_more: false,
+        };
+        let (items, next) = page(vec![a.clone(), b.clone()], 10, Order::Asc);
+        assert_eq!(ids(&items), [uuid(1), uuid(3), uuid(4)]);
+        assert_eq!(next, Some(make_token(&at_ms(&uuid(4), 7))));
+        // The limit cuts first.
+        let (items, next) = page(vec![a, b.clone()], 2, Order::Asc);
+        assert_eq!(ids(&items), [uuid(1), uuid(3)]);
+        assert_eq!(next, Some(make_token(&at_ms(&uuid(3), 7))));
+        // No node with more: all of it, and no token.
+        let (items, next) = page(vec![b], 3, Order::Asc);
+        assert_eq!(ids(&items), [uuid(3), uuid(5), uuid(2)]);
+        assert_eq!(next, None);
+    }
+
+    #[test]
+    fn an_ascending_walk_asks_the_node_for_oldest_first_after_the_cursor() {
+        let node: Vec<_> = (0..5)
+            .map(|i| at_ms(&uuid(i), 10 + u64::from(i / 2)))
+            .collect();
+        let (list, asked) = walk_in(&node, None, Some(3), Order::Asc);
+        assert!(list.has_more);
+        assert_eq!(asked.len(), 1);
+        let (items, next) = page(vec![list], 3, Order::Asc);
+        assert_eq!(ids(&items), [uuid(0), uuid(1), uuid(2)]);
+        let cursor = parse_token(next.as_deref()).unwrap();
+        let (list, asked) = walk_in(&node, cursor, Some(3), Order::Asc);
+        assert_eq!(
+            asked[0].token.as_deref(),
+            Some(make_token(&node[2]).as_str()),
+            "the same token format as newest first"
+        );
+        let (items, next) = page(vec![list], 3, Order::Asc);
+        assert_eq!(ids(&items), [uuid(3), uuid(4)]);
+        assert_eq!(next, None);
+    }
+
+    #[test]
     fn a_node_token_that_goes_nowhere_ends_the_walk() {
-        let mut w = NodeWalk::new(None, Some(10));
+        let mut w = NodeWalk::new(None, Some(10), Order::Desc);
         assert_eq!(
             w.take_page(vec![at_ms(&uuid(1), 1)], Some("t1".into())),
             WalkEnd::Open
@@ -754,7 +980,7 @@ mod tests {
             WalkEnd::Stalled
         );
         assert_eq!(w.next_request(), None);
-        let mut w = NodeWalk::new(None, None);
+        let mut w = NodeWalk::new(None, None, Order::Desc);
         assert_eq!(w.take_page(vec![], Some("t".into())), WalkEnd::Stalled);
         assert!(!w.finish().has_more);
     }
@@ -763,37 +989,64 @@ mod tests {
     fn items_a_node_gives_before_the_cursor_are_dropped() {
         // A node that ignores the cursor answers everything again.
         let cursor = Cursor::after(&at_ms(&uuid(2), 5));
-        let mut w = NodeWalk::new(Some(cursor), Some(10));
-        w.take_page(
-            vec![
-                at_ms(&uuid(1), 6),
-                at_ms(&uuid(2), 5),
-                at_ms(&uuid(3), 5),
-                at_ms(&uuid(4), 4),
-            ],
-            None,
-        );
+        let mut w = NodeWalk::new(Some(cursor.clone()), Some(10), Order::Desc);
+        let everything = vec![
+            at_ms(&uuid(1), 6),
+            at_ms(&uuid(2), 5),
+            at_ms(&uuid(3), 5),
+            at_ms(&uuid(4), 4),
+            at_ms(&uuid(0), 5),
+        ];
+        w.take_page(everything.clone(), None);
         assert_eq!(ids(&w.finish().items), [uuid(3), uuid(4)]);
+        // Oldest first, the same cursor keeps the later ones and, in its
+        // millisecond, still the larger ids.
+        let mut w = NodeWalk::new(Some(cursor), Some(10), Order::Asc);
+        w.take_page(everything, None);
+        assert_eq!(ids(&w.finish().items), [uuid(1), uuid(3)]);
     }
 
     #[test]
     fn node_tokens_are_the_nodes_millisecond_format_rounded_up() {
         let id = uuid(7);
         let c = Cursor::after(&item(&id, "2026-01-01T00:00:02.5Z"));
-        assert_eq!(
-            c.node_token(),
-            URL_SAFE.encode(format!("2026-01-01T00:00:02.5Z__{id}"))
-        );
-        assert_eq!(c.node_token(), c.token());
+        for order in [Order::Desc, Order::Asc] {
+            assert_eq!(
+                c.node_token(order),
+                URL_SAFE.encode(format!("2026-01-01T00:00:02.5Z__{id}"))
+            );
+            assert_eq!(c.node_token(order), c.token());
+        }
         let c = Cursor::after(&item(&id, "2026-01-01T02:00:02.0001+02:00"));
         assert_eq!(
-            c.node_token(),
+            c.node_token(Order::Desc),
             URL_SAFE.encode(format!("2026-01-01T00:00:02.001Z__{id}"))
         );
         assert_eq!(
             c.token(),
             URL_SAFE.encode(format!("2026-01-01T00:00:02.0001Z__{id}"))
         );
+    }
+
+    #[test]
+    fn ascending_node_tokens_are_rounded_down_a_millisecond_further() {
+        let id = uuid(7);
+        let c = Cursor::after(&item(&id, "2026-01-01T02:00:02.0015+02:00"));
+        assert_eq!(
+            c.node_token(Order::Asc),
+            URL_SAFE.encode(format!("2026-01-01T00:00:02Z__{id}"))
+        );
+        // The node's answer to that token holds every item after the cursor,
+        // those a node reads as started in the cursor's millisecond (1 ms)
+        // with a smaller id too; the walk trims what is not after it.
+        let node = vec![
+            item(&uuid(1), "2026-01-01T00:00:02.001Z"),
+            item(&uuid(2), "2026-01-01T00:00:02.0016Z"),
+            item(&uuid(9), "2026-01-01T00:00:02.0015Z"),
+            item(&uuid(3), "2026-01-01T00:00:02.002Z"),
+        ];
+        let (list, _) = walk_in(&node, Some(c), Some(10), Order::Asc);
+        assert_eq!(ids(&list.items), [uuid(2), uuid(9), uuid(3)]);
     }
 
     #[test]
@@ -834,14 +1087,26 @@ mod tests {
             token: Some("dG9r==".into()),
         };
         assert_eq!(
-            v2_node_query(&q, &req),
+            v2_node_query(&q, None, &req),
             "a=x+y&limit=2&metadata=team%3Dalpha&nextToken=dG9r%3D%3D&state=running"
         );
         let first = NodeRequest {
             limit: Some(100),
             token: None,
         };
-        assert_eq!(v2_node_query(&[], &first), "limit=100");
+        assert_eq!(v2_node_query(&[], None, &first), "limit=100");
+        // The order the gateway read, once, whatever the client repeated.
+        let q = parse_query(
+            "order=asc&template=web&order=desc&startedAfter=2026-01-01T00%3A00%3A00%2B00%3A00",
+        );
+        assert_eq!(
+            v2_node_query(&q, Some(Order::Asc), &first),
+            "limit=100&order=asc&startedAfter=2026-01-01T00%3A00%3A00%2B00%3A00&template=web"
+        );
+        assert_eq!(
+            v2_node_query(&parse_query("order=desc"), Some(Order::Desc), &first),
+            "limit=100&order=desc"
+        );
         let v1 = NodeRequest {
             limit: None,
             token: Some("dG9r==".into()),
@@ -863,36 +1128,57 @@ mod tests {
         );
     }
 
-    #[test]
-    fn walking_two_nodes_with_tied_start_times_returns_each_sandbox_once() {
-        // 250 and 130 sandboxes; several share a millisecond on one node and
-        // across both.
-        let mut a: Vec<_> = (0..250)
+    /// 250 and 130 sandboxes; several share a millisecond on one node and
+    /// across both.
+    fn two_tied_nodes() -> [Vec<ListedSandbox>; 2] {
+        let a: Vec<_> = (0..250)
             .map(|i| at_ms(&uuid(i * 7 % 1000), u64::from(i / 5)))
             .collect();
-        let mut b: Vec<_> = (0..130)
+        let b: Vec<_> = (0..130)
             .map(|i| at_ms(&uuid(1000 + i * 13 % 500), 20 + u64::from(i / 4)))
             .collect();
-        a.sort_by(list_order);
-        b.sort_by(list_order);
-        let expected = merge(a.iter().chain(&b).cloned().collect());
+        [a, b]
+    }
+
+    #[test]
+    fn walking_two_nodes_with_tied_start_times_returns_each_sandbox_once() {
+        let nodes = two_tied_nodes();
+        let expected = merge(nodes.iter().flatten().cloned().collect(), Order::Desc);
         assert_eq!(expected.len(), 380);
         for limit in [1, 50, 99, 100, 101, 190, 380, 500] {
-            let pages = all_pages(&[a.clone(), b.clone()], limit);
+            let pages = all_pages(&nodes, limit, Order::Desc);
             let sizes: Vec<usize> = pages.iter().map(Vec::len).collect();
-            let mut want = vec![limit; 380 / limit];
-            if 380 % limit != 0 || want.is_empty() {
-                want.push(380 % limit);
-            }
-            assert_eq!(sizes, want, "limit {limit}");
+            assert_eq!(sizes, page_sizes(380, limit), "limit {limit}");
             let walked: Vec<ListedSandbox> = pages.into_iter().flatten().collect();
             assert_eq!(ids(&walked), ids(&expected), "limit {limit}");
         }
     }
 
-    fn cluster() -> impl Strategy<Value = (Vec<Vec<ListedSandbox>>, usize)> {
+    #[test]
+    fn walking_two_nodes_oldest_first_returns_each_sandbox_once_in_that_order() {
+        let nodes = two_tied_nodes();
+        let expected = merge(nodes.iter().flatten().cloned().collect(), Order::Asc);
+        assert_eq!(expected.len(), 380);
+        let mut newest_first = merge(expected.clone(), Order::Desc);
+        newest_first.reverse();
+        assert_ne!(
+            ids(&expected),
+            ids(&newest_first),
+            "ties by id do not make oldest first the reverse of newest first"
+        );
+        for limit in [1, 3, 50, 99, 100, 101, 190, 380, 500] {
+            let pages = all_pages(&nodes, limit, Order::Asc);
+            let sizes: Vec<usize> = pages.iter().map(Vec::len).collect();
+            assert_eq!(sizes, page_sizes(380, limit), "limit {limit}");
+            let walked: Vec<ListedSandbox> = pages.into_iter().flatten().collect();
+            assert_eq!(ids(&walked), ids(&expected), "limit {limit}");
+        }
+    }
+
+    fn cluster() -> impl Strategy<Value = (Vec<Vec<ListedSandbox>>, usize, Order)> {
         let node = prop::collection::vec(0u64..40, 0..160);
-        (prop::collection::vec(node, 1..4), 1usize..230).prop_map(|(nodes, limit)| {
+        let order = prop_oneof![Just(Order::Desc), Just(Order::Asc)];
+        (prop::collection::vec(node, 1..4), 1usize..230, order).prop_map(|(nodes, limit, order)| {
             let mut n = 0;
             let nodes = nodes
                 .into_iter()
@@ -909,17 +1195,17 @@ mod tests {
                     items
                 })
                 .collect();
-            (nodes, limit)
+            (nodes, limit, order)
         })
     }
 
     proptest! {
         #[test]
         fn any_cluster_walked_with_any_limit_gives_every_sandbox_once_in_order(
-            (nodes, limit) in cluster()
+            (nodes, limit, order) in cluster()
         ) {
-            let expected = merge(nodes.iter().flatten().cloned().collect());
-            let pages = all_pages(&nodes, limit);
+            let expected = merge(nodes.iter().flatten().cloned().collect(), order);
+            let pages = all_pages(&nodes, limit, order);
             let (last, full) = pages.split_last().unwrap();
             prop_assert!(full.iter().all(|p| p.len() == limit));
             prop_assert!(last.len() <= limit);

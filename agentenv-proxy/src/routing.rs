@@ -11,6 +11,7 @@ pub const E2B_SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 pub const NODE_ID_HEADER: &str = "x-agentenv-node-id";
 pub const API_KEY_HEADER: &str = "x-api-key";
 pub const NEXT_TOKEN_HEADER: &str = "x-next-token";
+pub use agentenv_core::idempotency::IDEMPOTENCY_KEY_HEADER;
 /// On a cluster list: the ids of the nodes that did not answer, comma-separated.
 pub const MISSING_NODES_HEADER: &str = "x-agentenv-missing-nodes";
 
@@ -153,10 +154,12 @@ pub fn is_control_plane(method: &Method, path: &str) -> bool {
                 *method == Method::POST
             }
             "network" => *method == Method::PUT,
+            "metrics" | "logs" => *method == Method::GET,
             "custom-extension-params" => *method == Method::GET || *method == Method::PATCH,
             _ => false,
         },
         ["v2", "sandboxes", id, "connect"] if !id.is_empty() => *method == Method::POST,
+        ["v2", "sandboxes", id, "logs"] if !id.is_empty() => *method == Method::GET,
         _ => false,
     }
 }

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
@@ -34,9 +35,21 @@ const MISSING: &str = "x-agentenv-missing-nodes";
 /// 2026-01-01T00:00:00Z in ms.
 const BASE_MS: u64 = 1_767_225_600_000;
 
+/// The `metadata` filter {"a b": "c&d=e", "x": "y"} as the E2B SDKs send it:
+/// each key and value percent-encoded, the pairs joined by `&`, the whole
+/// encoded again as the value, which is then encoded in the URL.
+const SDK_METADATA: &str = "metadata=a%252520b%3Dc%252526d%25253De%26x%3Dy";
+
+fn sdk_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([("a b".into(), "c&d=e".into()), ("x".into(), "y".into())])
+}
+
 /// `n` sandboxes of node `node`, `per_ms` of them created in each
-/// millisecond from `BASE_MS + first_ms` on; every 10th is paused. Ids are
-/// UUIDs whose order follows neither the node nor the time.
+/// millisecond from `BASE_MS + first_ms` on; every 10th is paused, every
+/// 3rd started from template `web` (the others from `base`), every 4th
+/// (from the 2nd) carries [`sdk_metadata`] and the next one all but one of
+/// its values. Ids are UUIDs whose order follows neither the node nor the
+/// time.
 fn node_records(node: u32, n: u32, first_ms: u64, per_ms: u32) -> Vec<paging_node::Record> {
     (0..n)
         .map(|i| paging_node::Record {
@@ -46,6 +59,12 @@ fn node_records(node: u32, n: u32, first_ms: u64, per_ms: u32) -> Vec<paging_nod
             ),
             created_ms: BASE_MS + first_ms + u64::from(i / per_ms),
             state: if i % 10 == 9 { "paused" } else { "running" },
+            template: if i % 3 == 0 { "web" } else { "base" },
+            metadata: match i % 4 {
+                1 => sdk_metadata(),
+                2 => BTreeMap::from([("a b".into(), "c".into()), ("x".into(), "y".into())]),
+                _ => BTreeMap::new(),
+            },
         })
         .collect()
 }
@@ -65,9 +84,26 @@ fn in_list_order<'a>(records: impl IntoIterator<Item = &'a paging_node::Record>)
         .collect()
 }
 
-/// Walks `/v2/sandboxes?<query>` page by page; every page's ids and
-/// whether it carried a next token.
-async fn walk_v2(c: &Cluster, query: &str) -> Vec<(Vec<String>, bool)> {
+/// The ids of `records` oldest first, then by id (`order=asc`).
+fn in_asc_order<'a>(records: impl IntoIterator<Item = &'a paging_node::Record>) -> Vec<String> {
+    paging_node::sorted_asc(records.into_iter().cloned().collect())
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// The sizes of the pages of `total` items walked `limit` at a time.
+fn page_sizes(total: usize, limit: usize) -> Vec<usize> {
+    let mut want = vec![limit; total / limit];
+    if total % limit != 0 || want.is_empty() {
+        want.push(total % limit);
+    }
+    want
+}
+
+/// Walks `/v2/sandboxes?<query>` page by page; every page's ids and the
+/// next token it carried.
+async fn walk_v2(c: &Cluster, query: &str) -> Vec<(Vec<String>, Option<String>)> {
     let mut pages = Vec::new();
     let mut token: Option<String> = None;
     loop {
@@ -86,12 +122,20 @@ async fn walk_v2(c: &Cluster, query: &str) -> Vec<(Vec<String>, bool)> {
         token = headers
             .get("x-next-token")
             .map(|t| t.to_str().unwrap().to_string());
-        pages.push((ids(&body), token.is_some()));
+        pages.push((ids(&body), token.clone()));
         if token.is_none() {
             return pages;
         }
-        assert!(pages.len() < 100, "the walk does not end");
+        assert!(pages.len() < 1000, "the walk does not end");
     }
+}
+
+/// The query of every request in `log`, decoded as the node decodes it.
+fn asked_queries(log: &Log) -> Vec<BTreeMap<String, String>> {
+    log.lock()
+        .iter()
+        .map(|seen| paging_node::query_pairs(seen.uri.split_once('?').map_or("", |(_, q)| q)))
+        .collect()
 }
 
 /// The `limit` of every request in `log`.
@@ -299,6 +343,24 @@ async fn an_upstream_4xx_fails_the_whole_list_with_that_status() {
     let (status, _, body) = get(&c.url("/v2/sandboxes?state=weird")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(message(&body), "Bad Request");
+    // The node's own message says what to fix: the client gets it.
+    let (explaining, _) = FakeNode::canned(
+        StatusCode::BAD_REQUEST,
+        &[],
+        r#"{"code":400,"message":"invalid state \"weird\": use running, paused or both"}"#,
+    )
+    .await;
+    let c = Cluster::ready(
+        &[("node-a", &a.endpoint), ("node-b", &explaining.endpoint)],
+        options(),
+    )
+    .await;
+    let (status, _, body) = get(&c.url("/v2/sandboxes?state=weird")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        message(&body),
+        "invalid state \"weird\": use running, paused or both"
+    );
 }
 
 #[tokio::test]
@@ -320,7 +382,7 @@ async fn v2_pages_walk_every_sandbox_of_both_nodes_once_in_order_with_tied_start
             want.push(380 % limit);
         }
         assert_eq!(sizes, want, "limit {limit}");
-        let tokens: Vec<bool> = pages.iter().map(|(_, t)| *t).collect();
+        let tokens: Vec<bool> = pages.iter().map(|(_, t)| t.is_some()).collect();
         let mut want_tokens = vec![true; pages.len() - 1];
         want_tokens.push(false);
         assert_eq!(
@@ -402,6 +464,243 @@ async fn v1_list_returns_every_running_sandbox_of_every_node() {
     assert_eq!(status, StatusCode::OK);
     assert!(headers.get("x-next-token").is_none());
     assert_eq!(ids(&body), running);
+}
+
+#[tokio::test]
+async fn v2_pages_oldest_first_walk_every_sandbox_of_both_nodes_once_with_tied_start_times() {
+    let (ra, rb) = two_node_records();
+    let expected = in_asc_order(ra.iter().chain(&rb));
+    assert_eq!(expected.len(), 380);
+    let created: HashMap<String, u64> = ra
+        .iter()
+        .chain(&rb)
+        .map(|r| (r.id.clone(), r.created_ms))
+        .collect();
+    let (a, log_a) = paging_node::paging_node(ra, vec![]).await;
+    let (b, log_b) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+
+    for limit in [1usize, 7, 50, 99, 100, 101, 190, 250, 380, 400] {
+        log_a.lock().clear();
+        log_b.lock().clear();
+        let pages = walk_v2(&c, &format!("order=asc&limit={limit}")).await;
+        let sizes: Vec<usize> = pages.iter().map(|(p, _)| p.len()).collect();
+        assert_eq!(sizes, page_sizes(380, limit), "limit {limit}");
+        let (last, full) = pages.split_last().unwrap();
+        assert_eq!(last.1, None, "limit {limit}: the last page has no token");
+        for (page, token) in full {
+            let last_id = page.last().unwrap();
+            assert_eq!(
+                token.as_deref(),
+                Some(paging_node::encode_token(created[last_id], last_id).as_str()),
+                "limit {limit}: the token is the cursor of the page's last item"
+            );
+        }
+        let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+        assert_eq!(walked, expected, "limit {limit}");
+        for log in [&log_a, &log_b] {
+            for q in asked_queries(log) {
+                assert_eq!(q["order"], "asc", "every node is asked oldest first");
+                let l: usize = q["limit"].parse().unwrap();
+                assert!((1..=100).contains(&l), "a node is asked for {l}");
+            }
+        }
+    }
+    // Pages of 50 end inside groups of sandboxes started in the same
+    // millisecond on both nodes: the cursor must split them.
+    let started = |id: &String| created[id];
+    assert!(
+        (1..380 / 50).any(|k| started(&expected[k * 50 - 1]) == started(&expected[k * 50])),
+        "the data no longer puts a page boundary inside a millisecond"
+    );
+    assert!(
+        expected
+            .windows(2)
+            .any(|w| started(&w[0]) == started(&w[1]) && w[0][9..13] != w[1][9..13]),
+        "the data no longer ties start times across the nodes"
+    );
+
+    // A page larger than a node's: its pages are followed, oldest first.
+    log_a.lock().clear();
+    let (status, headers, body) = get(&c.url("/v2/sandboxes?order=asc&limit=250")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ids(&body), expected[..250]);
+    let token = headers["x-next-token"].to_str().unwrap().to_string();
+    assert_eq!(asked_limits(&log_a), [Some(100), Some(100), Some(50)]);
+    assert!(
+        asked_queries(&log_a)[1].contains_key("nextToken"),
+        "node a's own token is followed"
+    );
+    // The next page starts right after, in the same order.
+    let (status, _, body) = get(&c.url(&format!(
+        "/v2/sandboxes?order=asc&limit=250&nextToken={}",
+        token.replace('=', "%3D")
+    )))
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ids(&body), expected[250..]);
+}
+
+#[tokio::test]
+async fn order_desc_given_is_the_default_and_the_v1_list_stays_newest_first() {
+    let (ra, rb) = two_node_records();
+    let running = in_list_order(ra.iter().chain(&rb).filter(|r| r.state == "running"));
+    let (a, log_a) = paging_node::paging_node(ra, vec![]).await;
+    let (b, log_b) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+
+    let default = walk_v2(&c, "limit=50").await;
+    assert!(
+        asked_queries(&log_a)
+            .iter()
+            .all(|q| !q.contains_key("order")),
+        "without order the nodes are asked as before"
+    );
+    for query in [
+        "order=desc&limit=50",
+        "limit=50&order=desc",
+        "order=&limit=50",
+    ] {
+        log_a.lock().clear();
+        let given = walk_v2(&c, query).await;
+        assert_eq!(given, default, "{query}: the same pages and tokens");
+        let asked = asked_queries(&log_a);
+        assert!(!asked.is_empty());
+        for q in asked {
+            let want = (query != "order=&limit=50").then_some("desc");
+            assert_eq!(q.get("order").map(String::as_str), want, "{query}");
+        }
+    }
+    let asc = walk_v2(&c, "order=asc&limit=50").await;
+    let mut asc_ids: Vec<String> = asc.into_iter().flat_map(|(p, _)| p).collect();
+    let default_ids: Vec<String> = default.into_iter().flat_map(|(p, _)| p).collect();
+    asc_ids.sort();
+    let mut sorted_default = default_ids.clone();
+    sorted_default.sort();
+    assert_eq!(asc_ids, sorted_default, "the same sandboxes either way");
+
+    // GET /sandboxes has no order: newest first whatever the query says.
+    log_a.lock().clear();
+    log_b.lock().clear();
+    let (status, _, body) = get(&c.url("/sandboxes?order=asc")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ids(&body), running);
+    for log in [&log_a, &log_b] {
+        assert_eq!(log.lock()[0].uri, "/sandboxes?order=asc");
+    }
+    let (status, _, body) = get(&c.url("/sandboxes?order=sideways")).await;
+    assert_eq!(status, StatusCode::OK, "the v1 list reads no order");
+    assert_eq!(ids(&body), running);
+}
+
+#[tokio::test]
+async fn a_bad_order_is_refused_by_the_gateway_before_any_node_is_asked() {
+    let (a, log_a) = paging_node::paging_node(node_records(0, 30, 0, 3), vec![]).await;
+    let (b, log_b) = paging_node::paging_node(node_records(1, 30, 0, 3), vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+    let token = paging_node::encode_token(BASE_MS, "00000000-0000-4000-8000-000000000000");
+    for (query, bad) in [
+        ("order=sideways".to_string(), "sideways"),
+        ("order=ASC&limit=5".to_string(), "ASC"),
+        ("limit=0&order=oldest".to_string(), "oldest"),
+        ("order=asc%20".to_string(), "asc "),
+        (format!("order=up&nextToken={token}"), "up"),
+    ] {
+        let (status, headers, body) = get(&c.url(&format!("/v2/sandboxes?{query}"))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query}");
+        assert_eq!(
+            message(&body),
+            format!("invalid order {bad:?}: use asc or desc"),
+            "{query}"
+        );
+        assert!(headers.get("x-next-token").is_none());
+        assert!(
+            log_a.lock().is_empty() && log_b.lock().is_empty(),
+            "{query}"
+        );
+        // The node says the same.
+        let (status, _, node_body) = get(&format!("{}/v2/sandboxes?{query}", a.endpoint)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(message(&node_body), message(&body), "{query}");
+        log_a.lock().clear();
+    }
+}
+
+#[tokio::test]
+async fn filters_reach_the_nodes_with_their_encoding_intact() {
+    let (ra, rb) = two_node_records();
+    let all: Vec<_> = ra.iter().chain(&rb).cloned().collect();
+    let (a, log_a) = paging_node::paging_node(ra, vec![]).await;
+    let (b, log_b) = paging_node::paging_node(rb, vec![]).await;
+    let c = Cluster::two_nodes(&a, &b).await;
+
+    // The metadata filter as the SDKs double-encode it.
+    let tagged = in_list_order(all.iter().filter(|r| r.metadata == sdk_metadata()));
+    assert!(tagged.len() > 50);
+    let pages = walk_v2(&c, &format!("{SDK_METADATA}&limit=20")).await;
+    let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+    assert_eq!(walked, tagged);
+    for log in [&log_a, &log_b] {
+        let seen = log.lock().clone();
+        assert!(seen.len() > 1);
+        for s in seen {
+            let query = s.uri.split_once('?').unwrap().1;
+            assert!(
+                query.split('&').any(|p| p == SDK_METADATA),
+                "the value arrives as the SDK sent it: {query}"
+            );
+            let pairs = paging_node::query_pairs(query);
+            assert_eq!(
+                paging_node::metadata_filter(&pairs).unwrap(),
+                sdk_metadata()
+            );
+        }
+    }
+
+    // The v1 list forwards the query as it came.
+    log_a.lock().clear();
+    let (status, _, body) = get(&c.url(&format!("/sandboxes?{SDK_METADATA}"))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        ids(&body),
+        in_list_order(
+            all.iter()
+                .filter(|r| r.metadata == sdk_metadata() && r.state == "running")
+        )
+    );
+    assert_eq!(log_a.lock()[0].uri, format!("/sandboxes?{SDK_METADATA}"));
+
+    // template, startedAfter (an offset whose `+` must stay encoded), state
+    // and metadata, oldest first.
+    let after_ms = BASE_MS + 20;
+    let want = in_asc_order(all.iter().filter(|r| {
+        r.template == "base"
+            && r.created_ms > after_ms
+            && r.state == "running"
+            && r.metadata.get("x").is_some_and(|x| x == "y")
+    }));
+    assert!(want.len() > 30);
+    let filters = "template=base&startedAfter=2026-01-01T01%3A00%3A00.020%2B01%3A00\
+                   &state=running&metadata=x%253Dy&order=asc";
+    log_a.lock().clear();
+    log_b.lock().clear();
+    let pages = walk_v2(&c, &format!("{filters}&limit=30")).await;
+    let walked: Vec<String> = pages.into_iter().flat_map(|(p, _)| p).collect();
+    assert_eq!(walked, want);
+    let sent = paging_node::query_pairs(filters);
+    assert_eq!(sent["startedAfter"], "2026-01-01T01:00:00.020+01:00");
+    for log in [&log_a, &log_b] {
+        let asked = asked_queries(log);
+        assert!(!asked.is_empty());
+        for mut q in asked {
+            q.remove("limit");
+            q.remove("nextToken");
+            assert_eq!(
+                q, sent,
+                "every filter reaches the node as the client sent it"
+            );
+        }
+    }
 }
 
 #[tokio::test]

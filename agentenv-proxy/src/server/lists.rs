@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use super::proxy::{ProxyPlan, request_host};
 use super::{ClientTls, Gateway, LIST_BODY_CAP, scheduler_error};
 use crate::body::{GatewayBody, boxed, concat, empty, error_response, json_response, read_prefix};
-use crate::cluster_list::{self, Cursor, ListedSandbox, NodeList, NodeWalk, WalkEnd};
+use crate::cluster_list::{self, Cursor, ListedSandbox, NodeList, NodeWalk, Order, WalkEnd};
 use crate::forward::{Forwarded, rewrite_request_headers, upstream_uri};
 use crate::nodes::NodeView;
 use crate::routing::{MISSING_NODES_HEADER, NEXT_TOKEN_HEADER};
@@ -75,10 +75,11 @@ impl Gateway {
         self.proxy(req, remote, plan, &mut false).await
     }
 
-    /// `GET /sandboxes` and `/v2/sandboxes` (paginated): every node's
-    /// list, fetched at once and merged. A node that does not answer is
-    /// left out and named in `x-agentenv-missing-nodes`; one that refuses
-    /// the request (4xx) fails it.
+    /// `GET /sandboxes` (newest first) and `/v2/sandboxes` (paginated, in
+    /// its `order`): every node's list, fetched at once and merged. A node
+    /// that does not answer is left out and named in
+    /// `x-agentenv-missing-nodes`; one that refuses the request (4xx) fails
+    /// it.
     pub(super) async fn cluster_list(
         &self,
         req: Request<GatewayBody>,
@@ -98,8 +99,12 @@ impl Gateway {
         }
         let raw_query = req.uri().query().unwrap_or("").to_string();
         let pairs = cluster_list::parse_query(&raw_query);
-        // A v2 page: how many items, after which one.
-        let (limit, cursor) = if v2 {
+        // A v2 page: in which order, how many items, after which one.
+        let (asked_order, limit, cursor) = if v2 {
+            let asked_order = match cluster_list::parse_order(&pairs) {
+                Ok(o) => o,
+                Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
+            };
             let limit = match cluster_list::parse_limit(&pairs) {
                 Ok(l) => l,
                 Err(e) => return error_response(StatusCode::BAD_REQUEST, &e.to_string()),
@@ -115,10 +120,12 @@ impl Gateway {
             if limit <= 0 {
                 return json_response(StatusCode::OK, &Vec::<ListedSandbox>::new());
             }
-            (Some(usize::try_from(limit).unwrap_or(usize::MAX)), cursor)
+            let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+            (asked_order, Some(limit), cursor)
         } else {
-            (None, None)
+            (None, None, None)
         };
+        let order = asked_order.unwrap_or_default();
         let host = request_host(&req);
         let request_uri = req
             .uri()
@@ -143,10 +150,11 @@ impl Gateway {
             v2,
             raw_query: &raw_query,
             pairs: &pairs,
+            order: asked_order,
             headers: &headers,
         };
         let (lists, missing) = match self
-            .gather(&nodes, &target, cursor.as_ref(), limit, deadline)
+            .gather(&nodes, &target, cursor.as_ref(), limit, order, deadline)
             .await
         {
             Ok(g) => g,
@@ -155,7 +163,7 @@ impl Gateway {
         let mut resp = if lists.is_empty() {
             error_response(StatusCode::BAD_GATEWAY, "cluster list unavailable")
         } else if let Some(limit) = limit {
-            let (page, next) = cluster_list::page(lists, limit);
+            let (page, next) = cluster_list::page(lists, limit, order);
             let mut resp = json_response(StatusCode::OK, &page);
             if let Some(next) = next
                 && let Ok(v) = HeaderValue::from_str(&next)
@@ -165,7 +173,7 @@ impl Gateway {
             resp
         } else {
             let all = lists.into_iter().flat_map(|l| l.items).collect();
-            json_response(StatusCode::OK, &cluster_list::merge(all))
+            json_response(StatusCode::OK, &cluster_list::merge(all, Order::Desc))
         };
         if !missing.is_empty()
             && let Ok(v) = HeaderValue::from_str(&missing)
@@ -175,22 +183,24 @@ impl Gateway {
         resp
     }
 
-    /// Every node's part of a cluster list at once: the lists of the nodes
-    /// that answered, and the ids of those that did not (comma-separated,
-    /// in `nodes` order). A node's refusal (4xx) is the answer instead.
+    /// Every node's part of a cluster list at once (after `cursor` in
+    /// `order`): the lists of the nodes that answered, and the ids of those
+    /// that did not (comma-separated, in `nodes` order). A node's refusal
+    /// (4xx) is the answer instead.
     async fn gather(
         &self,
         nodes: &[pb::Node],
         target: &ListTarget<'_>,
         cursor: Option<&Cursor>,
         limit: Option<usize>,
+        order: Order,
         deadline: Instant,
     ) -> Result<(Vec<NodeList>, String), Response<GatewayBody>> {
         let mut pending: FuturesUnordered<_> = nodes
             .iter()
             .enumerate()
             .map(|(i, node)| {
-                let walk = NodeWalk::new(cursor.cloned(), limit);
+                let walk = NodeWalk::new(cursor.cloned(), limit, order);
                 async move {
                     let listed =
                         tokio::time::timeout_at(deadline, self.list_node(node, target, walk)).await;
@@ -207,12 +217,9 @@ impl Gateway {
                     lists.push(list);
                     continue;
                 }
-                Ok(Err(NodeFailure::Refused(status))) => {
-                    tracing::warn!(node_id = %node.node_id, %status, "cluster list: node refused the request");
-                    return Err(error_response(
-                        status,
-                        status.canonical_reason().unwrap_or("client error"),
-                    ));
+                Ok(Err(NodeFailure::Refused(status, message))) => {
+                    tracing::warn!(node_id = %node.node_id, %status, %message, "cluster list: node refused the request");
+                    return Err(error_response(status, &message));
                 }
                 Ok(Err(NodeFailure::Unavailable(why))) => why,
                 Err(_) => "no answer within the request timeout".to_string(),
@@ -247,7 +254,7 @@ impl Gateway {
         let mut budget = LIST_BODY_CAP;
         while let Some(next) = walk.next_request() {
             let query = if target.v2 {
-                cluster_list::v2_node_query(target.pairs, &next)
+                cluster_list::v2_node_query(target.pairs, target.order, &next)
             } else {
                 cluster_list::v1_node_query(target.raw_query, &next)
             };
@@ -264,7 +271,7 @@ impl Gateway {
                 .map_err(|e| Unavailable(e.to_string()))?;
             let status = resp.status();
             if status.is_client_error() {
-                return Err(NodeFailure::Refused(status));
+                return Err(NodeFailure::Refused(status, refusal_message(resp).await));
             }
             if !status.is_success() {
                 return Err(Unavailable(format!("it answered {status}")));
@@ -301,15 +308,42 @@ struct ListTarget<'a> {
     v2: bool,
     raw_query: &'a str,
     pairs: &'a [(String, String)],
+    /// The v2 `order` the client gave (`None`: the default).
+    order: Option<Order>,
     headers: &'a http::HeaderMap,
 }
 
 /// Why a node's list was not used.
 enum NodeFailure {
     /// The node refused the request (4xx): the whole list fails with it.
-    Refused(StatusCode),
+    Refused(StatusCode, String),
     /// No usable answer (unreachable, 5xx, not a list): listed without it.
     Unavailable(String),
+}
+
+/// Largest refusal body of a node whose message is relayed.
+const REFUSAL_BODY_CAP: usize = 16 << 10;
+
+/// The message of a node's refusal (its JSON error body's `message`, so that the client
+/// learns what to fix), else the status's reason.
+async fn refusal_message(resp: Response<crate::pool::PooledBody>) -> String {
+    let status = resp.status();
+    let reason = || {
+        status
+            .canonical_reason()
+            .unwrap_or("client error")
+            .to_string()
+    };
+    match read_prefix(boxed(resp.into_body()), REFUSAL_BODY_CAP).await {
+        Ok((frames, _, None)) => {
+            serde_json::from_slice::<agentenv_core::error::ErrorBody>(&concat(&frames))
+                .ok()
+                .map(|b| b.message)
+                .filter(|m| !m.trim().is_empty())
+                .unwrap_or_else(reason)
+        }
+        _ => reason(),
+    }
 }
 
 fn query_value(query: Option<&str>, key: &str) -> Option<String> {

@@ -12,6 +12,7 @@
 mod admission;
 mod fast;
 mod lists;
+mod metrics_fanout;
 mod proxy;
 mod route;
 mod serve;

@@ -32,10 +32,10 @@ use crate::hint::capture_hint;
 use crate::host_route::HostRoute;
 use crate::metrics::{GatewayMetrics, RequestLabels, UpstreamLabels};
 use crate::routing::{
-    API_KEY_HEADER, NODE_ID_HEADER, RouteSource, SANDBOX_ID_HEADER, TARGET_PORT_HEADER,
-    create_kind, is_long_lived, is_proxy_path, is_stream_input, is_websocket, method_label,
-    records_assignment, route_label, sandbox_id_from_headers, status_label,
-    target_port_from_headers,
+    API_KEY_HEADER, IDEMPOTENCY_KEY_HEADER, NODE_ID_HEADER, RouteSource, SANDBOX_ID_HEADER,
+    TARGET_PORT_HEADER, create_kind, header_str, is_long_lived, is_proxy_path, is_stream_input,
+    is_websocket, method_label, records_assignment, route_label, sandbox_id_from_headers,
+    status_label, target_port_from_headers,
 };
 
 /// Records the request histogram when dropped: with the response status, or
@@ -238,6 +238,10 @@ impl Gateway {
                 // (and get copied with) every proxied request's future.
                 return Box::pin(self.cluster_list(req, remote, v2, deadline)).await;
             }
+            Decision::SandboxMetrics => {
+                rec.source = RouteSource::Gateway;
+                return Box::pin(self.sandbox_metrics(req, remote, deadline)).await;
+            }
             Decision::NodeList => {
                 rec.source = RouteSource::Gateway;
                 let query = req.uri().query().map(str::to_string);
@@ -282,37 +286,65 @@ impl Gateway {
                     .await
             }
             None => {
-                let hint = match create_kind(req.method(), &decoded) {
-                    Some(kind) => {
-                        let (mut parts, body) = req.into_parts();
-                        let captured = tokio::time::timeout_at(
-                            deadline,
-                            Box::pin(capture_hint(kind, &mut parts.headers, body)),
-                        )
-                        .await;
-                        match captured {
-                            Ok(Ok((hint, body))) => {
-                                req = Request::from_parts(parts, body);
-                                Some(hint)
-                            }
-                            Ok(Err(e)) => {
-                                tracing::debug!(error = ?e, "reading a create body failed");
-                                return error_response(
-                                    StatusCode::BAD_REQUEST,
-                                    "failed to read request body",
-                                );
-                            }
-                            Err(_) => {
-                                return error_response(
-                                    StatusCode::BAD_REQUEST,
-                                    "failed to read request body",
-                                );
-                            }
-                        }
-                    }
+                // A retried idempotent create goes where its first request went.
+                let idempotent = create_kind(req.method(), &decoded)
+                    .and(header_str(req.headers(), IDEMPOTENCY_KEY_HEADER))
+                    .map(agentenv_core::idempotency::sandbox_id);
+                let first = match &idempotent {
+                    Some(id) => match self
+                        .rpc("LookupNode", deadline, scheduler.lookup_node(id))
+                        .await
+                    {
+                        Ok(node) => Some(node),
+                        Err(status) if status.code() == tonic::Code::NotFound => None,
+                        Err(status) => return scheduler_error(&status),
+                    },
                     None => None,
                 };
-                Box::pin(self.rpc("Schedule", deadline, scheduler.schedule(hint))).await
+                match first {
+                    Some(node) => Ok(node),
+                    None => {
+                        let hint = match create_kind(req.method(), &decoded) {
+                            Some(kind) => {
+                                let (mut parts, body) = req.into_parts();
+                                let captured = tokio::time::timeout_at(
+                                    deadline,
+                                    Box::pin(capture_hint(kind, &mut parts.headers, body)),
+                                )
+                                .await;
+                                match captured {
+                                    Ok(Ok((hint, body))) => {
+                                        req = Request::from_parts(parts, body);
+                                        Some(hint)
+                                    }
+                                    Ok(Err(e)) => {
+                                        tracing::debug!(error = ?e, "reading a create body failed");
+                                        return error_response(
+                                            StatusCode::BAD_REQUEST,
+                                            "failed to read request body",
+                                        );
+                                    }
+                                    Err(_) => {
+                                        return error_response(
+                                            StatusCode::BAD_REQUEST,
+                                            "failed to read request body",
+                                        );
+                                    }
+                                }
+                            }
+                            None => None,
+                        };
+                        let scheduled =
+                            Box::pin(self.rpc("Schedule", deadline, scheduler.schedule(hint)))
+                                .await;
+                        // Bound before the create runs: a retry through any gateway finds
+                        // the node while it makes the sandbox (its heartbeats keep it).
+                        if let (Ok(node), Some(id)) = (&scheduled, &idempotent) {
+                            self.record(std::slice::from_ref(id), node).await;
+                        }
+                        scheduled
+                    }
+                }
             }
         };
         let node = match node {
@@ -592,6 +624,8 @@ pub fn extract_sandbox_ids(body: &[u8]) -> Vec<String> {
     };
     let mut out: Vec<String> = Vec::new();
     let mut take = |obj: &serde_json::Value| {
+        // A fork answers `[{"sandbox": {...}}, {"error": ...}]`.
+        let obj = obj.get("sandbox").unwrap_or(obj);
         for key in ["sandboxID", "sandboxId", "sandbox_id"] {
             if let Some(id) = obj.get(key).and_then(|v| v.as_str()).map(str::trim)
                 && !id.is_empty()
@@ -603,6 +637,9 @@ pub fn extract_sandbox_ids(body: &[u8]) -> Vec<String> {
     };
     let data = value.get("data");
     take(&value);
+    if let Some(items) = value.as_array() {
+        items.iter().for_each(&mut take);
+    }
     if let Some(d) = data {
         take(d);
     }
@@ -635,6 +672,12 @@ mod tests {
     #[test]
     fn body_ids_come_from_top_level_data_and_lists_in_order() {
         assert_eq!(extract_sandbox_ids(br#"{"sandboxID":"a"}"#), ["a"]);
+        assert_eq!(
+            extract_sandbox_ids(
+                br#"[{"sandbox":{"sandboxID":"f1"}},{"error":{"code":500,"message":"x"}},{"sandbox":{"sandboxID":"f2"}}]"#
+            ),
+            ["f1", "f2"]
+        );
         assert_eq!(
             extract_sandbox_ids(br#"{"sandboxId":"a","data":{"sandbox_id":"b"}}"#),
             ["a", "b"]

@@ -36,6 +36,8 @@ pub(super) enum Decision<'a> {
     ClusterList {
         v2: bool,
     },
+    /// `GET /sandboxes/metrics?sandbox_ids=…`: each sandbox's node asked for its own.
+    SandboxMetrics,
     NodeList,
     NodeDetail(&'a str),
     /// Proxied to the sandbox's node (`id`) or a scheduled one (`None`).
@@ -130,6 +132,9 @@ impl Router {
                     v2: trimmed == "/v2/sandboxes",
                 };
             }
+            if trimmed == "/sandboxes/metrics" {
+                return Decision::SandboxMetrics;
+            }
             if trimmed == "/nodes" {
                 return Decision::NodeList;
             }
@@ -222,6 +227,7 @@ mod tests {
             Decision::Local => "local".into(),
             Decision::BadHost => "bad host".into(),
             Decision::ClusterList { v2 } => format!("cluster list v2={v2}"),
+            Decision::SandboxMetrics => "sandbox metrics".into(),
             Decision::NodeList => "node list".into(),
             Decision::NodeDetail(id) => format!("node {id}"),
             Decision::Route { id, source } => format!("route {id:?} {}", source.label()),
@@ -242,6 +248,14 @@ mod tests {
         assert_eq!(
             decide(Method::GET, "/nodes/n1", None, false),
             ("node n1".into(), true)
+        );
+        assert_eq!(
+            decide(Method::GET, "/sandboxes/metrics", None, false),
+            ("sandbox metrics".into(), true)
+        );
+        assert_eq!(
+            decide(Method::GET, "/v2/sandboxes/sbx-1/logs", None, false),
+            ("route Some(\"sbx-1\") path".into(), true)
         );
         assert_eq!(
             decide(Method::POST, "/sandboxes/sbx-1/pause", Some("other"), true),

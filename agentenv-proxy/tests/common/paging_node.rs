@@ -1,9 +1,12 @@
 //! A node stand-in that lists sandboxes and snapshots exactly as agentenv-node
-//! does (`agentenv-node/src/api/model.rs`: `page`, `paginate`, `encode_token`;
+//! does (`agentenv-node/src/api/model.rs`: `ListQuery::parse`, `parse_v1`
+//! and `apply`, `metadata_filter`, `page`, `paginate`, `encode_token`;
 //! `api/sandboxes.rs`: `list_v1`, `list_v2`; `api/snapshots.rs`: `list`):
-//! newest first then by id, `limit` 0..100 (100 without one, 400 beyond),
-//! `nextToken` = URL-safe base64 of `<RFC 3339 UTC, ms>__<id>`, and
-//! `x-next-token` only when more items follow.
+//! newest first then by id (`/v2/sandboxes?order=asc`: oldest first, then
+//! by id), filtered by `state`, `metadata`, `template` and `startedAfter`,
+//! `limit` 0..100 (100 without one, 400 beyond), `nextToken` = URL-safe
+//! base64 of `<RFC 3339 UTC, ms>__<id>`, and `x-next-token` only when more
+//! items follow.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,6 +27,9 @@ pub struct Record {
     pub created_ms: u64,
     /// `running` or `paused`.
     pub state: &'static str,
+    /// The template the sandbox started from.
+    pub template: &'static str,
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// The node's `ms_rfc3339`.
@@ -39,24 +45,27 @@ pub fn encode_token(created_ms: u64, id: &str) -> String {
     URL_SAFE.encode(format!("{}__{id}", ms_rfc3339(created_ms)))
 }
 
+/// The node's `rfc3339_ms`.
+fn rfc3339_ms(s: &str) -> Option<u64> {
+    let dt = OffsetDateTime::parse(s, &Rfc3339).ok()?;
+    Some((dt.unix_timestamp_nanos() / 1_000_000) as u64)
+}
+
 fn decode_token(t: &str) -> Option<(u64, String)> {
     let raw = URL_SAFE.decode(t).ok()?;
     let s = String::from_utf8(raw).ok()?;
     let (ts, id) = s.split_once("__")?;
-    let dt = OffsetDateTime::parse(ts, &Rfc3339).ok()?;
-    Some((
-        (dt.unix_timestamp_nanos() / 1_000_000) as u64,
-        id.to_string(),
-    ))
+    Some((rfc3339_ms(ts)?, id.to_string()))
 }
 
-/// The node's `query_pairs`.
-fn query_pairs(q: &str) -> BTreeMap<String, String> {
-    let decode = |s: &str| {
-        percent_encoding::percent_decode_str(&s.replace('+', " "))
-            .decode_utf8_lossy()
-            .into_owned()
-    };
+fn decode(s: &str) -> String {
+    percent_encoding::percent_decode_str(&s.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// The node's `query_pairs` (of repeated keys the last counts).
+pub fn query_pairs(q: &str) -> BTreeMap<String, String> {
     q.split('&')
         .filter(|p| !p.is_empty())
         .map(|p| {
@@ -64,6 +73,115 @@ fn query_pairs(q: &str) -> BTreeMap<String, String> {
             (decode(k), decode(v))
         })
         .collect()
+}
+
+/// The node's `metadata_filter`: the `metadata` value (decoded once, with the
+/// query) is `key=value` pairs joined by `&`, percent-encoded once more as a
+/// whole, each key and value percent-encoded.
+pub fn metadata_filter(
+    pairs: &BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    let Some(m) = pairs.get("metadata").filter(|m| !m.is_empty()) else {
+        return Ok(out);
+    };
+    for pair in decode(m).split('&').filter(|p| !p.is_empty()) {
+        let parts: Vec<&str> = pair.split('=').collect();
+        let [k, v] = parts.as_slice() else {
+            return Err(format!(
+                "invalid metadata filter {pair:?}: use key=value pairs joined by '&', each key and value percent-encoded"
+            ));
+        };
+        out.insert(decode(k), decode(v));
+    }
+    Ok(out)
+}
+
+/// The node's `ListQuery`.
+#[derive(Debug, Default)]
+struct ListQuery {
+    state: Option<String>,
+    metadata: BTreeMap<String, String>,
+    template: Option<String>,
+    started_after: Option<u64>,
+    ascending: bool,
+    limit: usize,
+    after: Option<(u64, String)>,
+}
+
+impl ListQuery {
+    /// The node's `ListQuery::parse`.
+    fn parse(pairs: &BTreeMap<String, String>) -> Result<Self, String> {
+        let mut out = ListQuery {
+            limit: 100,
+            ..Default::default()
+        };
+        if let Some(s) = pairs.get("state") {
+            let states: Vec<&str> = s
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect();
+            for st in &states {
+                if *st != "running" && *st != "paused" {
+                    return Err(format!("invalid state {st:?}: use running, paused or both"));
+                }
+            }
+            if states.len() == 1 {
+                out.state = Some(states[0].to_string());
+            }
+        }
+        out.metadata = metadata_filter(pairs)?;
+        out.template = pairs.get("template").filter(|t| !t.is_empty()).cloned();
+        if let Some(t) = pairs.get("startedAfter").filter(|t| !t.is_empty()) {
+            out.started_after = Some(rfc3339_ms(t).ok_or_else(|| {
+                format!(
+                    "invalid startedAfter {t:?}: use an RFC 3339 time, e.g. 2024-01-01T00:00:00Z"
+                )
+            })?);
+        }
+        out.ascending = match pairs.get("order").map(String::as_str) {
+            None | Some("") | Some("desc") => false,
+            Some("asc") => true,
+            Some(o) => return Err(format!("invalid order {o:?}: use asc or desc")),
+        };
+        (out.limit, out.after) = page_params(pairs)?;
+        Ok(out)
+    }
+
+    /// The node's `ListQuery::parse_v1`.
+    fn parse_v1(pairs: &BTreeMap<String, String>) -> Result<Self, String> {
+        Ok(ListQuery {
+            metadata: metadata_filter(pairs)?,
+            limit: usize::MAX,
+            ..Default::default()
+        })
+    }
+
+    /// The node's `ListQuery::apply` over records sorted newest first.
+    fn apply(&self, sorted: &[Record]) -> (Vec<Record>, Option<String>) {
+        let mut matching: Vec<Record> = sorted
+            .iter()
+            .filter(|r| self.state.as_deref().is_none_or(|s| r.state == s))
+            .filter(|r| {
+                self.metadata
+                    .iter()
+                    .all(|(k, v)| r.metadata.get(k) == Some(v))
+            })
+            .filter(|r| self.template.as_deref().is_none_or(|t| r.template == t))
+            .filter(|r| self.started_after.is_none_or(|ms| r.created_ms > ms))
+            .cloned()
+            .collect();
+        if self.ascending {
+            matching = sorted_asc(matching);
+        }
+        paginate(
+            matching.into_iter(),
+            self.after.as_ref(),
+            self.limit,
+            self.ascending,
+        )
+    }
 }
 
 /// The node's `page`: `limit` and the cursor of `nextToken`.
@@ -87,16 +205,25 @@ fn page_params(pairs: &BTreeMap<String, String>) -> Result<(usize, Option<(u64, 
     Ok((limit, after))
 }
 
-/// The node's `paginate` over records sorted newest first, then by id.
+/// The node's `paginate` over records sorted newest first (oldest first
+/// with `ascending`), then by id.
 fn paginate(
     sorted: impl Iterator<Item = Record>,
     after: Option<&(u64, String)>,
     limit: usize,
+    ascending: bool,
 ) -> (Vec<Record>, Option<String>) {
     let mut page: Vec<Record> = sorted
         .filter(|r| match after {
             None => true,
-            Some((ms, id)) => r.created_ms < *ms || (r.created_ms == *ms && r.id > *id),
+            Some((ms, id)) => {
+                let past = if ascending {
+                    r.created_ms > *ms
+                } else {
+                    r.created_ms < *ms
+                };
+                past || (r.created_ms == *ms && r.id > *id)
+            }
         })
         .collect();
     let more = page.len() > limit;
@@ -111,9 +238,9 @@ fn paginate(
 
 fn sandbox_json(r: &Record) -> serde_json::Value {
     serde_json::json!({
-        "templateID": "base", "alias": "base", "sandboxID": r.id, "clientID": "",
+        "templateID": r.template, "alias": r.template, "sandboxID": r.id, "clientID": "",
         "startedAt": ms_rfc3339(r.created_ms), "endAt": ms_rfc3339(r.created_ms + 300_000),
-        "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 0, "metadata": {},
+        "cpuCount": 1, "memoryMB": 512, "diskSizeMB": 0, "metadata": r.metadata,
         "state": r.state, "envdVersion": "0.2.0",
     })
 }
@@ -148,7 +275,12 @@ fn answer(sandboxes: &[Record], snapshots: &[Record], seen: &Seen) -> Response<G
     let pairs = query_pairs(query);
     match path {
         "/sandboxes" => {
-            let items: Vec<_> = sandboxes
+            let q = match ListQuery::parse_v1(&pairs) {
+                Ok(q) => q,
+                Err(m) => return bad_request(m),
+            };
+            let (all, _) = q.apply(sandboxes);
+            let items: Vec<_> = all
                 .iter()
                 .filter(|r| r.state == "running")
                 .map(sandbox_json)
@@ -159,28 +291,26 @@ fn answer(sandboxes: &[Record], snapshots: &[Record], seen: &Seen) -> Response<G
                 None,
             )
         }
-        "/v2/sandboxes" | "/snapshots" => {
+        "/v2/sandboxes" => {
+            let q = match ListQuery::parse(&pairs) {
+                Ok(q) => q,
+                Err(m) => return bad_request(m),
+            };
+            let (page, next) = q.apply(sandboxes);
+            let items: Vec<_> = page.iter().map(sandbox_json).collect();
+            json_reply(
+                StatusCode::OK,
+                serde_json::Value::from(items).to_string(),
+                next,
+            )
+        }
+        "/snapshots" => {
             let (limit, after) = match page_params(&pairs) {
                 Ok(p) => p,
                 Err(m) => return bad_request(m),
             };
-            let (records, render): (&[Record], fn(&Record) -> serde_json::Value) =
-                if path == "/snapshots" {
-                    (snapshots, snapshot_json)
-                } else {
-                    (sandboxes, sandbox_json)
-                };
-            let state = pairs.get("state").cloned();
-            let matching = records
-                .iter()
-                .filter(|r| {
-                    state
-                        .as_deref()
-                        .is_none_or(|s| s.split(',').any(|s| s == r.state))
-                })
-                .cloned();
-            let (page, next) = paginate(matching, after.as_ref(), limit);
-            let items: Vec<_> = page.iter().map(render).collect();
+            let (page, next) = paginate(snapshots.iter().cloned(), after.as_ref(), limit, false);
+            let items: Vec<_> = page.iter().map(snapshot_json).collect();
             json_reply(
                 StatusCode::OK,
                 serde_json::Value::from(items).to_string(),
@@ -194,6 +324,12 @@ fn answer(sandboxes: &[Record], snapshots: &[Record], seen: &Seen) -> Response<G
 /// Sorts as the node does: newest first, then by id.
 pub fn sorted(mut records: Vec<Record>) -> Vec<Record> {
     records.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+    records
+}
+
+/// Sorts as the node does for `order=asc`: oldest first, then by id.
+pub fn sorted_asc(mut records: Vec<Record>) -> Vec<Record> {
+    records.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
     records
 }
 
