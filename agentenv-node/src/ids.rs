@@ -3,9 +3,10 @@
 //! The API, the data plane, the lifecycle and the snapshot repository all check and make
 //! ids here, so none of them imports another for it.
 
-/// A string that is not a sandbox id; the message is what the API answers (400).
+/// A string that is not a sandbox id; the message is what the API answers (404: no
+/// sandbox has it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid sandbox id {0:?}: sandbox ids are UUIDs")]
+#[error("sandbox {0:?} not found: sandbox ids are UUIDs")]
 pub struct InvalidSandboxId(pub String);
 
 /// Whether `s` is a hyphenated UUID (in either case).
@@ -41,7 +42,7 @@ mod tests {
         assert!(!is_uuid("base"));
         assert_eq!(
             parse_sandbox_id("nope").unwrap_err().to_string(),
-            "invalid sandbox id \"nope\": sandbox ids are UUIDs"
+            "sandbox \"nope\" not found: sandbox ids are UUIDs"
         );
         let new = new_sandbox_id();
         assert!(is_uuid(&new));

@@ -31,27 +31,63 @@ async fn bad_requests_get_json_errors_and_leave_nothing_behind() {
         (r#"{"templateID":"base","memoryMB":999999999}"#, "memoryMB"),
         (r#"{"templateID":"base","timeout":999999999}"#, "timeout"),
     ];
+    // An id that is not a UUID names no sandbox: 404, as the gateway answers.
     let others: &[(&str, &str, &str, u16, &str)] = &[
         (
             "GET",
             "/sandboxes/not-a-uuid",
             "",
-            400,
+            404,
             "sandbox ids are UUIDs",
         ),
         (
             "DELETE",
             "/sandboxes/..%2F..%2Fetc",
             "",
-            400,
+            404,
             "sandbox ids are UUIDs",
         ),
         (
             "POST",
             "/sandboxes/x/pause",
             "",
-            400,
+            404,
             "sandbox ids are UUIDs",
+        ),
+        (
+            "POST",
+            "/sandboxes/x/fork",
+            "",
+            404,
+            "sandbox ids are UUIDs",
+        ),
+        (
+            "POST",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001/fork",
+            r#"{"count":0}"#,
+            400,
+            "count must be between 1 and 20",
+        ),
+        (
+            "POST",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001/fork",
+            r#"{"count":21}"#,
+            400,
+            "count must be between 1 and 20",
+        ),
+        (
+            "POST",
+            "/sandboxes/01936f8e-72f5-7000-8000-000000000001/fork",
+            "",
+            404,
+            "not found",
+        ),
+        (
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"base","autoPauseMemory":false,"autoResume":{"enabled":true}}"#,
+            400,
+            "autoResume cannot be combined with autoPauseMemory: false",
         ),
         (
             "GET",

@@ -46,9 +46,14 @@ pub(crate) fn check(opts: &UpOptions) -> Result<(), UpError> {
     Ok(())
 }
 
-/// A fresh API key: 32 random bytes (from `rand`'s thread-local CSPRNG, seeded by the
-/// OS) in hex.
+/// A fresh API key as the nodes generate theirs: `e2b_` and 32 random bytes (from
+/// `rand`'s thread-local CSPRNG, seeded by the OS) in hex.
 pub fn generate_api_key() -> String {
+    format!("e2b_{}", random_hex())
+}
+
+/// 32 random bytes in hex.
+fn random_hex() -> String {
     let buf: [u8; 32] = rand::random();
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -298,8 +303,7 @@ pub(crate) fn write_cluster_token(data_dir: &Path) -> Result<PathBuf, UpError> {
         .mode(0o600)
         .open(&path)
         .map_err(fs_err("writing", &path))?;
-    std::io::Write::write_all(&mut f, generate_api_key().as_bytes())
-        .map_err(fs_err("writing", &path))?;
+    std::io::Write::write_all(&mut f, random_hex().as_bytes()).map_err(fs_err("writing", &path))?;
     Ok(path)
 }
 

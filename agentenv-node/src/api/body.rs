@@ -19,6 +19,11 @@ const MAX_JSON_BODY: usize = 1 << 20;
 pub(super) async fn read_json<T: serde::de::DeserializeOwned>(
     req: Request<Incoming>,
 ) -> Result<T, Reject> {
+    parse_json(&read_body(req).await?)
+}
+
+/// Reads a small request body (at most [`MAX_JSON_BODY`] bytes); empty means `{}`.
+pub(super) async fn read_body(req: Request<Incoming>) -> Result<Bytes, Reject> {
     let limited = http_body_util::Limited::new(req.into_body(), MAX_JSON_BODY);
     let bytes = match limited.collect().await {
         Ok(b) => b.to_bytes(),
@@ -28,12 +33,16 @@ pub(super) async fn read_json<T: serde::de::DeserializeOwned>(
             )));
         }
     };
-    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) {
+    Ok(if bytes.iter().all(u8::is_ascii_whitespace) {
         Bytes::from_static(b"{}")
     } else {
         bytes
-    };
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
+    })
+}
+
+/// Parses a JSON body; the error names where it went wrong.
+pub(super) fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Reject> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();

@@ -44,9 +44,11 @@ impl From<SnapshotError> for Reject {
     }
 }
 
+/// No sandbox has an id that is not a UUID: 404, as for any unknown sandbox (the
+/// gateway answers the same).
 impl From<InvalidSandboxId> for Reject {
     fn from(e: InvalidSandboxId) -> Self {
-        bad_request(e.to_string())
+        json_error(StatusCode::NOT_FOUND, e.to_string()).into()
     }
 }
 
@@ -58,16 +60,24 @@ impl From<Box<Response<Body>>> for Reject {
 
 /// The response to a lifecycle error.
 fn lifecycle_error(e: LifecycleError) -> Response<Body> {
+    let (status, message) = lifecycle_error_parts(e);
+    json_error(status, message)
+}
+
+/// The status and message of a lifecycle error.
+pub(super) fn lifecycle_error_parts(e: LifecycleError) -> (StatusCode, String) {
     let status = match &e {
         LifecycleError::NotFound(_) => StatusCode::NOT_FOUND,
         LifecycleError::InvalidState { .. } => StatusCode::CONFLICT,
-        LifecycleError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        LifecycleError::ShuttingDown | LifecycleError::Unavailable(_) => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         LifecycleError::BadRequest(_) => StatusCode::BAD_REQUEST,
         LifecycleError::Conflict(_) => StatusCode::CONFLICT,
         LifecycleError::Catalog(c) => catalog_status(c),
         LifecycleError::Backend(b) => match b {
             BackendError::UnknownTemplate(n) => {
-                return json_error(StatusCode::BAD_REQUEST, format!("template {n} not found"));
+                return (StatusCode::BAD_REQUEST, format!("template {n} not found"));
             }
             BackendError::InvalidLimits(_) | BackendError::InvalidId(_) => StatusCode::BAD_REQUEST,
             BackendError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -82,7 +92,7 @@ fn lifecycle_error(e: LifecycleError) -> Response<Body> {
         LifecycleError::Snapshot(s) => snapshot_status(s),
         LifecycleError::NoSnapshotRepository => StatusCode::SERVICE_UNAVAILABLE,
     };
-    json_error(status, e.to_string())
+    (status, e.to_string())
 }
 
 impl From<CatalogError> for Reject {

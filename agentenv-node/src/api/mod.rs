@@ -8,6 +8,7 @@
 
 mod body;
 mod error;
+mod idempotency;
 mod logs;
 mod metrics;
 mod model;
@@ -81,6 +82,8 @@ pub struct ApiState {
     machine: serde_json::Value,
     /// The listener serves TLS (links the node hands out say `https`).
     pub tls: std::sync::atomic::AtomicBool,
+    /// `Idempotency-Key`s of creates.
+    idempotency: idempotency::Idempotency,
 }
 
 impl ApiState {
@@ -112,6 +115,7 @@ impl ApiState {
             host: Mutex::new(sysinfo::System::new().ok()),
             machine: nodes::machine_info(),
             tls: std::sync::atomic::AtomicBool::new(false),
+            idempotency: idempotency::Idempotency::default(),
         })
     }
 
@@ -209,7 +213,7 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
     let reply = match route {
         Route::Health | Route::Metrics => Ok(status_only(StatusCode::NO_CONTENT)),
         Route::Create => sandboxes::create(state, req).await,
-        Route::ListV1 => sandboxes::list_v1(state),
+        Route::ListV1 => sandboxes::list_v1(state, &req),
         Route::ListV2 => sandboxes::list_v2(state, &req),
         Route::Get(id) => sandboxes::get(state, &id),
         Route::Delete(id) => sandboxes::delete(state, &id).await,

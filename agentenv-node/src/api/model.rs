@@ -96,6 +96,13 @@ impl NewSandbox {
             OnTimeout::Pause
         };
         r.options.auto_resume = self.auto_resume.is_some_and(|a| a.enabled);
+        r.options.auto_pause_memory = self.auto_pause_memory.unwrap_or(true);
+        if r.options.auto_resume && !r.options.auto_pause_memory {
+            return Err(bad(
+                "autoResume cannot be combined with autoPauseMemory: false: a sandbox paused with its files only starts afresh and is resumed explicitly (connect or resume)"
+                    .into(),
+            ));
+        }
         r.options.allow_internet_access = self.allow_internet_access;
         r.options.allow_public_traffic = self
             .network
@@ -166,14 +173,33 @@ impl SnapshotQuery {
                 source_sandbox_id == want
             })
         });
-        paginate(matching, self.after.as_ref(), self.limit)
+        paginate(matching, self.after.as_ref(), self.limit, false)
     }
 }
 
-/// Bodies with an optional `timeout` (connect, resume, timeout).
+/// Bodies with an optional `timeout` (connect, resume, timeout); connect and resume
+/// also take `memory` (`false`: start afresh on the sandbox's files).
 #[derive(Debug, Default, Deserialize)]
 pub struct TimeoutBody {
     pub timeout: Option<u64>,
+    pub memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PauseBody {
+    /// `false`: keep the files only (the sandbox starts afresh on resume).
+    pub memory: Option<bool>,
+    /// Refuse (503) while the sandbox's agent does not answer.
+    pub require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/fork`: how many forks (1 by default) and their timeout.
+#[derive(Debug, Default, Deserialize)]
+pub struct ForkBody {
+    pub timeout: Option<u64>,
+    pub count: Option<i64>,
 }
 
 /// `POST /refreshes`.
@@ -248,13 +274,23 @@ pub struct SandboxDetailJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<serde_json::Value>,
     pub lifecycle: LifecycleJson,
+    /// What the latest pause kept (`full` or `filesystem`), while paused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<&'static str>,
 }
 
-/// `GET /v2/sandboxes` query: `state`, `metadata`, `limit`, `nextToken`.
+/// `GET /v2/sandboxes` query: `state`, `metadata`, `template`, `startedAfter`, `order`,
+/// `limit`, `nextToken` (and `GET /sandboxes`: `metadata`).
 #[derive(Debug, Default)]
 pub struct ListQuery {
     pub state: Option<String>,
     pub metadata: BTreeMap<String, String>,
+    /// The template's id or name (or the snapshot's) the sandboxes started from.
+    pub template: Option<String>,
+    /// Only sandboxes started after this (ms since the epoch).
+    pub started_after: Option<u64>,
+    /// Oldest first (`order=asc`) instead of newest first.
+    pub ascending: bool,
     pub limit: usize,
     /// (created ms, id) of the last item of the previous page.
     pub after: Option<(u64, String)>,
@@ -283,19 +319,26 @@ impl Listed for SnapshotRecord {
     }
 }
 
-/// The page of `items` (sorted newest first, ties by id) after the cursor `after`: at
-/// most `limit` items, and the next token when more follow.
+/// The page of `items` (sorted newest first, or oldest first with `ascending`; ties by
+/// id) after the cursor `after`: at most `limit` items, and the next token when more
+/// follow.
 fn paginate<T: Listed>(
     items: impl Iterator<Item = T>,
     after: Option<&(u64, String)>,
     limit: usize,
+    ascending: bool,
 ) -> (Vec<T>, Option<String>) {
     let mut page: Vec<T> = items
         .filter(|r| match after {
             None => true,
             Some((ms, id)) => {
                 let (created, rid) = r.cursor();
-                created < *ms || (created == *ms && rid > id.as_str())
+                let past = if ascending {
+                    created > *ms
+                } else {
+                    created < *ms
+                };
+                past || (created == *ms && rid > id.as_str())
             }
         })
         .collect();
@@ -366,21 +409,38 @@ impl ListQuery {
                 out.state = Some(states[0].to_string());
             }
         }
-        if let Some(m) = pairs.get("metadata") {
-            for (k, v) in super::query_pairs(m) {
-                if !k.is_empty() && !v.is_empty() {
-                    out.metadata.insert(k, v);
-                }
-            }
+        out.metadata = metadata_filter(&pairs)?;
+        out.template = pairs.get("template").filter(|t| !t.is_empty()).cloned();
+        if let Some(t) = pairs.get("startedAfter").filter(|t| !t.is_empty()) {
+            out.started_after = Some(rfc3339_ms(t).ok_or_else(|| {
+                format!(
+                    "invalid startedAfter {t:?}: use an RFC 3339 time, e.g. 2024-01-01T00:00:00Z"
+                )
+            })?);
         }
+        out.ascending = match pairs.get("order").map(String::as_str) {
+            None | Some("") | Some("desc") => false,
+            Some("asc") => true,
+            Some(o) => return Err(format!("invalid order {o:?}: use asc or desc")),
+        };
         (out.limit, out.after) = page(&pairs, out.limit)?;
         Ok(out)
+    }
+
+    /// Parses the query of `GET /sandboxes` (only `metadata` filters it).
+    pub fn parse_v1(q: &str) -> Result<Self, String> {
+        let pairs = super::query_pairs(q);
+        Ok(ListQuery {
+            metadata: metadata_filter(&pairs)?,
+            limit: usize::MAX,
+            ..Default::default()
+        })
     }
 
     /// Filters and pages `items` (sorted newest first, ties by id); returns the page and
     /// the next token when more items exist.
     pub fn apply(&self, items: Vec<SandboxRecord>) -> (Vec<SandboxRecord>, Option<String>) {
-        let matching = items
+        let mut matching: Vec<SandboxRecord> = items
             .into_iter()
             .filter(|r| {
                 self.state
@@ -391,9 +451,53 @@ impl ListQuery {
                 self.metadata
                     .iter()
                     .all(|(k, v)| r.options.metadata.get(k) == Some(v))
-            });
-        paginate(matching, self.after.as_ref(), self.limit)
+            })
+            .filter(|r| self.template.as_deref().is_none_or(|t| started_from(r, t)))
+            .filter(|r| self.started_after.is_none_or(|ms| r.created_at_ms > ms))
+            .collect();
+        if self.ascending {
+            matching.sort_by(|a, b| a.created_at_ms.cmp(&b.created_at_ms).then(a.id.cmp(&b.id)));
+        }
+        paginate(
+            matching.into_iter(),
+            self.after.as_ref(),
+            self.limit,
+            self.ascending,
+        )
     }
+}
+
+/// Whether sandbox `r` started from the template (or snapshot) `t`, by id or name.
+fn started_from(r: &SandboxRecord, t: &str) -> bool {
+    r.template == t || r.snapshot_id.as_deref() == Some(t) || r.snapshot_name.as_deref() == Some(t)
+}
+
+/// The `metadata` filter of a list query, as the E2B SDKs encode it: `key=value` pairs
+/// joined by `&`, each key and value percent-encoded, the whole percent-encoded again
+/// as the parameter's value (here: already decoded once).
+fn metadata_filter(pairs: &BTreeMap<String, String>) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    let Some(m) = pairs.get("metadata").filter(|m| !m.is_empty()) else {
+        return Ok(out);
+    };
+    let whole = percent_encoding::percent_decode_str(&m.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned();
+    for pair in whole.split('&').filter(|p| !p.is_empty()) {
+        let parts: Vec<&str> = pair.split('=').collect();
+        let [k, v] = parts.as_slice() else {
+            return Err(format!(
+                "invalid metadata filter {pair:?}: use key=value pairs joined by '&', each key and value percent-encoded"
+            ));
+        };
+        let dec = |s: &str| {
+            percent_encoding::percent_decode_str(&s.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned()
+        };
+        out.insert(dec(k), dec(v));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -430,5 +534,26 @@ mod tests {
         let q = ListQuery::parse("state=running,paused&metadata=a%3D1%26b%3D2&limit=5").unwrap();
         assert_eq!(q.state, None);
         assert_eq!(q.metadata.len(), 2);
+        assert!(ListQuery::parse("order=sideways").is_err());
+        assert!(ListQuery::parse("startedAfter=yesterday").is_err());
+        assert!(ListQuery::parse("metadata=a%3D1%3D2").is_err());
+        let q = ListQuery::parse(
+            "order=asc&template=web&startedAfter=2024-01-01T00%3A00%3A00%2B00%3A00",
+        )
+        .unwrap();
+        assert!(q.ascending);
+        assert_eq!(q.template.as_deref(), Some("web"));
+        assert_eq!(q.started_after, Some(1_704_067_200_000));
+    }
+
+    #[test]
+    fn metadata_filters_decode_as_the_sdks_encode_them() {
+        // `{"a b": "c&d=e", "x": "y"}` as both SDKs send it.
+        let q = ListQuery::parse("metadata=a%252520b%3Dc%252526d%25253De%26x%3Dy").unwrap();
+        assert_eq!(q.metadata.get("a b").map(String::as_str), Some("c&d=e"));
+        assert_eq!(q.metadata.get("x").map(String::as_str), Some("y"));
+        assert_eq!(q.metadata.len(), 2);
+        let v1 = ListQuery::parse_v1("metadata=k%3Dv").unwrap();
+        assert_eq!(v1.metadata.get("k").map(String::as_str), Some("v"));
     }
 }

@@ -8,37 +8,123 @@ use http::{Request, StatusCode};
 use hyper::body::Incoming;
 
 use super::ApiState;
-use super::body::{json_response, page_response, read_json};
-use super::error::{Reply, bad_request};
+use super::body::{json_response, page_response, parse_json, read_body, read_json};
+use super::error::{Reply, bad_request, lifecycle_error_parts};
+use super::idempotency::{Answer, Begin};
 use super::model::{
-    LifecycleJson, ListQuery, ListedSandboxJson, NewSandbox, RefreshBody, SandboxDetailJson,
-    SandboxJson, TimeoutBody,
+    ForkBody, LifecycleJson, ListQuery, ListedSandboxJson, NewSandbox, PauseBody, RefreshBody,
+    SandboxDetailJson, SandboxJson, TimeoutBody,
 };
 use crate::clock::ms_rfc3339;
 use crate::dataplane::status_only;
 use crate::ids::parse_sandbox_id;
-use crate::lifecycle::{Connected, LifecycleError, OnTimeout, SandboxRecord, State};
+use crate::lifecycle::{
+    Connected, LifecycleError, MAX_FORKS, OnTimeout, PauseMode, SandboxRecord, State,
+};
 
 /// Longest `duration` of `POST /refreshes`, in seconds.
 const MAX_REFRESH_SECS: u64 = 3600;
 
-/// `POST /sandboxes`, `POST /v2/sandboxes`.
+/// `POST /sandboxes`, `POST /v2/sandboxes`; with `Idempotency-Key`, a retry gets the
+/// first request's sandbox.
 pub(super) async fn create(state: &ApiState, req: Request<Incoming>) -> Reply {
-    let body: NewSandbox = read_json(req).await?;
-    let rec = state.orch.create(body.into_request()?).await?;
-    let mut r = json_response(StatusCode::CREATED, &sandbox_json(state, &rec));
-    if let Ok(v) = HeaderValue::from_str(&rec.id) {
+    let key = req
+        .headers()
+        .get(agentenv_core::idempotency::IDEMPOTENCY_KEY_HEADER)
+        .map(|v| v.to_str().map(str::to_string).unwrap_or_default());
+    let body = read_body(req).await?;
+    let Some(key) = key else {
+        return created(create_answer(state, &body, None).await?);
+    };
+    match state.idempotency.begin(&key, &body).await {
+        Err(e) => {
+            let (status, code) = e.status_and_code();
+            let mut r = json_response(
+                status,
+                &agentenv_core::error::ErrorBody::new(status.as_u16(), e.to_string())
+                    .with_error_code(code),
+            );
+            // The SDKs retry 503s; a retry would meet the same answer.
+            r.headers_mut()
+                .insert("should-retry", HeaderValue::from_static("false"));
+            Ok(r)
+        }
+        Ok(Begin::Replay(answer)) => {
+            let mut r = created(answer)?;
+            r.headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(r)
+        }
+        Ok(Begin::Run(claim)) => match create_answer(state, &body, Some(&key)).await {
+            Ok(answer) => {
+                claim.finish(answer.clone());
+                created(answer)
+            }
+            // The claim goes unfinished: the key is free for a retry.
+            Err(reject) => Err(reject),
+        },
+    }
+}
+
+/// Creates the sandbox `body` asks for; its JSON. With an idempotency `key` the sandbox
+/// gets the key's id, and when it exists already (the key's first request made it before
+/// this node restarted and forgot the key), that sandbox is the answer.
+async fn create_answer(
+    state: &ApiState,
+    body: &[u8],
+    key: Option<&str>,
+) -> Result<Answer, super::error::Reject> {
+    let new: NewSandbox = parse_json(body)?;
+    let mut req = new.into_request()?;
+    if let Some(key) = key {
+        let id = agentenv_core::idempotency::sandbox_id(key);
+        if let Ok(rec) = state.orch.get(&id)
+            && rec.state != State::Killing
+        {
+            return Ok(answer(state, &rec));
+        }
+        req.id = Some(id);
+    }
+    let rec = state.orch.create(req).await?;
+    Ok(answer(state, &rec))
+}
+
+/// The 201 answer of a create of `rec`.
+fn answer(state: &ApiState, rec: &SandboxRecord) -> Answer {
+    Answer {
+        status: StatusCode::CREATED,
+        body: serde_json::to_vec(&sandbox_json(state, rec))
+            .unwrap_or_default()
+            .into(),
+    }
+}
+
+/// The response of a create: its JSON, and the sandbox id in `x-agentenv-sandbox-id`
+/// (what the gateway records without reading the body).
+fn created(answer: Answer) -> Reply {
+    let id = serde_json::from_slice::<serde_json::Value>(&answer.body)
+        .ok()
+        .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_string));
+    let mut r = http::Response::new(crate::dataplane::full(answer.body));
+    *r.status_mut() = answer.status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(v) = id.and_then(|id| HeaderValue::from_str(&id).ok()) {
         r.headers_mut().insert("x-agentenv-sandbox-id", v);
     }
     Ok(r)
 }
 
-/// `GET /sandboxes`: the running sandboxes.
-pub(super) fn list_v1(state: &ApiState) -> Reply {
-    let items: Vec<_> = sorted(state.orch.list())
-        .into_iter()
+/// `GET /sandboxes`: the running sandboxes (filtered by `metadata`).
+pub(super) fn list_v1(state: &ApiState, req: &Request<Incoming>) -> Reply {
+    let q = ListQuery::parse_v1(req.uri().query().unwrap_or("")).map_err(bad_request)?;
+    let (items, _) = q.apply(sorted(state.orch.list()));
+    let items: Vec<_> = items
+        .iter()
         .filter(|r| r.state.api_name() == "running")
-        .map(|r| listed_json(&r))
+        .map(listed_json)
         .collect();
     Ok(json_response(StatusCode::OK, &items))
 }
@@ -73,8 +159,12 @@ pub(super) async fn delete(state: &ApiState, id: &str) -> Reply {
 /// `POST /sandboxes/{id}/pause`.
 pub(super) async fn pause(state: &ApiState, id: &str, req: Request<Incoming>) -> Reply {
     let id = parse_sandbox_id(id)?;
-    let _: serde_json::Value = read_json(req).await?;
-    state.orch.pause(&id).await?;
+    let body: PauseBody = read_json(req).await?;
+    let mode = PauseMode::from_memory(body.memory.unwrap_or(true));
+    state
+        .orch
+        .pause(&id, mode, body.require_healthy_guest.unwrap_or(false))
+        .await?;
     Ok(status_only(StatusCode::NO_CONTENT))
 }
 
@@ -84,7 +174,11 @@ pub(super) async fn resume(state: &ApiState, id: &str, req: Request<Incoming>) -
     let body: TimeoutBody = read_json(req).await?;
     let rec = state
         .orch
-        .resume(&id, body.timeout.map(Duration::from_secs))
+        .resume(
+            &id,
+            body.timeout.map(Duration::from_secs),
+            PauseMode::from_memory(body.memory.unwrap_or(true)),
+        )
         .await?;
     Ok(json_response(
         StatusCode::CREATED,
@@ -98,7 +192,11 @@ pub(super) async fn connect(state: &ApiState, id: &str, req: Request<Incoming>) 
     let body: TimeoutBody = read_json(req).await?;
     let (rec, how) = state
         .orch
-        .connect(&id, body.timeout.map(Duration::from_secs))
+        .connect(
+            &id,
+            body.timeout.map(Duration::from_secs),
+            PauseMode::from_memory(body.memory.unwrap_or(true)),
+        )
         .await?;
     let status = match how {
         Connected::WasRunning => StatusCode::OK,
@@ -133,9 +231,35 @@ pub(super) async fn refresh(state: &ApiState, id: &str, req: Request<Incoming>) 
     Ok(status_only(StatusCode::NO_CONTENT))
 }
 
-/// `POST /sandboxes/{id}/fork`.
-pub(super) async fn fork(_state: &ApiState, _id: &str, _req: Request<Incoming>) -> Reply {
-    Err(crate::dataplane::json_error(StatusCode::NOT_IMPLEMENTED, "not built yet").into())
+/// `POST /sandboxes/{id}/fork`: 201 with one entry per fork, `{"sandbox"}` or
+/// `{"error"}`; a whole-request error when the source cannot be captured.
+pub(super) async fn fork(state: &ApiState, id: &str, req: Request<Incoming>) -> Reply {
+    let id = parse_sandbox_id(id)?;
+    let body: ForkBody = read_json(req).await?;
+    let count = match body.count {
+        Some(c) if !(1..=MAX_FORKS as i64).contains(&c) => {
+            return Err(bad_request(format!(
+                "count must be between 1 and {MAX_FORKS}, not {c}"
+            )));
+        }
+        Some(c) => c as usize,
+        None => 1,
+    };
+    let outcomes = state
+        .orch
+        .fork(&id, count, body.timeout.map(Duration::from_secs))
+        .await?;
+    let items: Vec<serde_json::Value> = outcomes
+        .into_iter()
+        .map(|o| match o {
+            Ok(rec) => serde_json::json!({ "sandbox": sandbox_json(state, &rec) }),
+            Err(e) => {
+                let (status, message) = lifecycle_error_parts(e);
+                serde_json::json!({ "error": { "code": status.as_u16(), "message": message } })
+            }
+        })
+        .collect();
+    Ok(json_response(StatusCode::CREATED, &items))
 }
 
 /// The listed sandboxes: newest first, ties by id, none being deleted.
@@ -174,9 +298,14 @@ fn template_alias(rec: &SandboxRecord) -> Option<String> {
     }
 }
 
-/// `endAt`: when the timeout fires; a paused sandbox's is a century away.
+/// `endAt`: when the timeout fires; for a paused sandbox, when it was paused (its run
+/// ended then), else when it started.
 fn end_at(rec: &SandboxRecord) -> String {
-    ms_rfc3339(rec.expires_at_ms.unwrap_or(36_500 * 86_400 * 1000))
+    ms_rfc3339(
+        rec.expires_at_ms
+            .or(rec.paused_at_ms)
+            .unwrap_or(rec.created_at_ms),
+    )
 }
 
 fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
@@ -211,5 +340,12 @@ fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
                 OnTimeout::Kill => "kill".into(),
             },
         },
+        pause_mode: (rec.state == State::Paused)
+            .then_some(rec.pause_mode)
+            .flatten()
+            .map(|m| match m {
+                PauseMode::Full => "full",
+                PauseMode::Filesystem => "filesystem",
+            }),
     }
 }

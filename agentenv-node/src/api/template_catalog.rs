@@ -181,16 +181,17 @@ pub(super) async fn delete(state: &ApiState, tid: &str) -> Reply {
 pub(super) async fn alias(state: &ApiState, alias: &str) -> Reply {
     let a = decode(alias);
     let (name, _) = split_reference(&a);
-    if validate_name(name).is_err() && crate::snapshot::validate_name(name).is_err() {
-        return Err(bad_request(format!(
-            "{a:?} is not a template name: use letters, digits, '.', '_' and '-'"
-        )));
-    }
+    // The built-in template's name is reserved for other templates, not unknown.
     if name == BASE_TEMPLATE {
         return Ok(json_response(
             StatusCode::OK,
             &serde_json::json!({"templateID": BASE_TEMPLATE, "public": true}),
         ));
+    }
+    if validate_name(name).is_err() && crate::snapshot::validate_name(name).is_err() {
+        return Err(bad_request(format!(
+            "{a:?} is not a template name: use letters, digits, '.', '_' and '-'"
+        )));
     }
     // A template whose builds all failed (or run still) is not there yet.
     if let Ok(t) = templates(state)

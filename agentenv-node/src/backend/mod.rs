@@ -318,6 +318,19 @@ pub trait SandboxBackend: Send + Sync {
         })
     }
 
+    /// Captures a running sandbox once and returns `count` kept states that creates start
+    /// from ([`SandboxSpec::kept`]), one each; the sandbox keeps running. jail: copies of
+    /// its writable layer, taken while it is frozen for a moment (processes are not
+    /// copied); microvm: not yet.
+    async fn fork(&self, id: &str, count: usize) -> Result<Vec<KeptState>, BackendError> {
+        let _ = (id, count);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "fork a sandbox",
+            hint: "fork sandboxes on a node with the jail backend",
+        })
+    }
+
     /// Turns a capture (its files downloaded into `dir`) into state a create starts from
     /// ([`SandboxSpec::kept`]); `dir` may be consumed.
     async fn import_snapshot(

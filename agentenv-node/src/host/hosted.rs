@@ -225,6 +225,20 @@ pub trait Runtime: Send + Sync + Sized + 'static {
         dir: &Path,
     ) -> Result<SnapshotCapture, BackendError>;
 
+    /// Kept states for `count` forks of a running sandbox (see [`SandboxBackend::fork`]).
+    async fn fork(
+        b: &HostedBackend<Self>,
+        sbx: &HostedSandbox<Self::Run>,
+        count: usize,
+    ) -> Result<Vec<KeptState>, BackendError> {
+        let _ = (b, sbx, count);
+        Err(BackendError::Unsupported {
+            backend: Self::KIND,
+            op: "fork a sandbox",
+            hint: "fork sandboxes on a node with the jail backend",
+        })
+    }
+
     /// Turns a capture into kept state (see [`SandboxBackend::import_snapshot`]).
     async fn import(
         b: &HostedBackend<Self>,
@@ -472,6 +486,23 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
         dir: &Path,
     ) -> Result<KeptState, BackendError> {
         R::import(self, capture, dir).await
+    }
+
+    async fn fork(&self, id: &str, count: usize) -> Result<Vec<KeptState>, BackendError> {
+        let sbx = self.sandboxes.ready(id)?;
+        let _op = sbx.op.lock().await;
+        let state = sbx.state();
+        if state != SandboxState::Running {
+            return Err(BackendError::InvalidState {
+                id: id.to_string(),
+                state,
+                needed: SandboxState::Running,
+            });
+        }
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        R::fork(self, &sbx, count).await
     }
 
     async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {

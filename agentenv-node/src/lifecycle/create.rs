@@ -7,7 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use agentenv_core::proto::scheduler_v1::SandboxEventType;
 
-use super::{CreateRequest, LifecycleError, Op, Orchestrator, SandboxRecord, Slot, State};
+use super::{
+    CreateRequest, LifecycleError, Op, Orchestrator, SandboxRecord, Slot, StartSpec, State,
+};
 use crate::backend::agent::wait_ready;
 use crate::backend::{BackendError, KeptState, SandboxAddress};
 use crate::clock::{ms_since_epoch, time_rfc3339};
@@ -33,7 +35,6 @@ impl Orchestrator {
         req: CreateRequest,
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
-        let id = crate::ids::new_sandbox_id();
         let mut req = req;
         let custom = self.resolve_custom_template(&req.template).await?;
         let from = match &custom {
@@ -41,7 +42,7 @@ impl Orchestrator {
             None => self.resolve_snapshot(&req.template).await?,
         };
         let mut kept = None;
-        let (mut snapshot_id, mut snapshot_name) = (None, None);
+        let (mut snapshot_id, mut snapshot_name, mut start) = (None, None, None);
         if let Some(snap) = &from {
             kept = Some(self.import_snapshot(snap).await?);
             req.template = snap.committed.template.clone();
@@ -53,16 +54,22 @@ impl Orchestrator {
             snapshot_id = Some(snap.id.clone());
             snapshot_name = snap.alias.clone();
         }
-        if let Some(c) = &custom {
-            req.template = c.local.clone();
+        if let Some(c) = custom {
+            req.template = c.local;
             let mut env = c.state.env.clone();
             env.extend(std::mem::take(&mut req.options.env_vars));
             req.options.env_vars = env;
-            snapshot_id = Some(c.template_id.clone());
-            snapshot_name = c.name.clone();
+            snapshot_id = Some(c.template_id);
+            snapshot_name = c.name;
+            start = Some(StartSpec {
+                state: c.state,
+                start_cmd: c.start_cmd,
+                ready_cmd: c.ready_cmd,
+            })
+            .filter(StartSpec::runs_anything);
         }
         let rec = SandboxRecord {
-            id: id.clone(),
+            id: req.id.take().unwrap_or_else(crate::ids::new_sandbox_id),
             template: req.template,
             state: State::Creating,
             created_at_ms: ms_since_epoch(SystemTime::now()),
@@ -75,13 +82,43 @@ impl Orchestrator {
             deadline: None,
             address: None,
             restored: false,
-            kept: kept.clone(),
+            kept,
             snapshot_id,
             snapshot_name,
+            start,
+            pause_mode: None,
+            paused_at_ms: None,
         };
+        self.launch(rec, timeout, "create_warm").await
+    }
+
+    /// Starts the sandbox `rec` (state creating; from its kept state, if any) and its
+    /// template's start command, and gives it its timeout. A failure leaves nothing behind
+    /// but the kept state, which goes too. `stage` names the timings.
+    pub(super) async fn launch(
+        &self,
+        rec: SandboxRecord,
+        timeout: Duration,
+        stage: &'static str,
+    ) -> Result<SandboxRecord, LifecycleError> {
+        let id = rec.id.clone();
+        let kept = rec.kept.clone();
         let sandbox = Slot::new(rec.clone()).lock().await;
-        let total = self.metrics.start("create_warm", "total");
-        self.slots.lock().insert(id.clone(), sandbox.slot.clone());
+        let taken = {
+            let mut slots = self.slots.lock();
+            let taken = slots.contains_key(&id);
+            if !taken {
+                slots.insert(id.clone(), sandbox.slot.clone());
+            }
+            taken
+        };
+        if taken {
+            self.discard_imported(kept.as_ref()).await;
+            return Err(LifecycleError::Conflict(format!(
+                "sandbox {id} exists already"
+            )));
+        }
+        let total = self.metrics.start(stage, "total");
         if self.is_shutting_down() {
             // Shutdown has (or will have) taken its list of sandboxes: do not start one.
             self.slots.lock().remove(&id);
@@ -89,25 +126,9 @@ impl Orchestrator {
             return Err(LifecycleError::ShuttingDown);
         }
         let mut started = self.start_backend(&mut rec.clone(), false).await;
-        if let (Ok(addr), Some(c)) = (&started, &custom)
-            && (c.start_cmd.is_some() || c.ready_cmd.is_some())
-        {
-            let stage = self.metrics.start("create_warm", "start_cmd");
-            let mut state = c.state.clone();
-            state.env = rec.options.env_vars.clone();
-            let ready = self
-                .start_and_wait_ready_at(
-                    &id,
-                    *addr,
-                    &state,
-                    c.start_cmd.as_deref(),
-                    c.ready_cmd.as_deref(),
-                    self.templates
-                        .get()
-                        .map(|t| t.settings.ready_timeout)
-                        .unwrap_or(Duration::from_secs(120)),
-                )
-                .await;
+        if let (Ok(addr), Some(start)) = (&started, &rec.start) {
+            let stage = self.metrics.start(stage, "start_cmd");
+            let ready = self.run_start_command(&rec, *addr, start).await;
             stage.finish(ready.is_ok());
             if let Err(reason) = ready {
                 self.release(&id, "cleanup after a failed start command")
@@ -146,6 +167,32 @@ impl Orchestrator {
         }
     }
 
+    /// Runs the template's start command in sandbox `rec` (at `addr`) and waits until its
+    /// ready command succeeds.
+    pub(super) async fn run_start_command(
+        &self,
+        rec: &SandboxRecord,
+        addr: SandboxAddress,
+        start: &StartSpec,
+    ) -> Result<(), String> {
+        let mut state = start.state.clone();
+        state.env = rec.options.env_vars.clone();
+        let ready_timeout = self
+            .templates
+            .get()
+            .map(|t| t.settings.ready_timeout)
+            .unwrap_or(Duration::from_secs(120));
+        self.start_and_wait_ready_at(
+            &rec.id,
+            addr,
+            &state,
+            start.start_cmd.as_deref(),
+            start.ready_cmd.as_deref(),
+            ready_timeout,
+        )
+        .await
+    }
+
     /// Creates the backend sandbox for `rec`, waits for its agent and initializes it.
     /// On failure nothing is left behind but, with `rekeep`, the kept state `rec` started
     /// from (kept again, with `rec` and its paused record updated).
@@ -174,18 +221,7 @@ impl Orchestrator {
         if let Err(reason) = ready {
             if rec.kept.is_some() && rekeep {
                 // The kept state was taken over by the backend sandbox: keep it again.
-                rec.kept = match self.keep_backend(&rec.id).await {
-                    Ok(kept) => Some(kept),
-                    Err(e) => {
-                        tracing::warn!(sandbox = %rec.id, error = %e, "keeping the state after a failed start; the sandbox's files are lost");
-                        None
-                    }
-                };
-                let mut paused = rec.clone();
-                paused.state = State::Paused;
-                if let Err(e) = self.store.save(&paused) {
-                    tracing::warn!(sandbox = %rec.id, error = %e, "recording the kept state");
-                }
+                self.keep_again(rec).await;
             } else if let Err(e) = self.backend.destroy(&rec.id).await {
                 tracing::warn!(sandbox = %rec.id, error = %e, "cleanup after a failed start");
             }
@@ -195,6 +231,23 @@ impl Orchestrator {
             });
         }
         Ok(addr)
+    }
+
+    /// A sandbox started afresh from its kept files did not come up: its files are kept
+    /// again and the record (on disk too) names them; it stays paused.
+    pub(super) async fn keep_again(&self, rec: &mut SandboxRecord) {
+        rec.kept = match self.keep_backend(&rec.id).await {
+            Ok(kept) => Some(kept),
+            Err(e) => {
+                tracing::warn!(sandbox = %rec.id, error = %e, "keeping the state after a failed start; the sandbox's files are lost");
+                None
+            }
+        };
+        let mut paused = rec.clone();
+        paused.state = State::Paused;
+        if let Err(e) = self.store.save(&paused) {
+            tracing::warn!(sandbox = %rec.id, error = %e, "recording the kept state");
+        }
     }
 
     /// Pauses a backend sandbox and has the backend keep its state; on failure the

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::{LifecycleError, Orchestrator, SandboxRecord, Slot, State};
+use super::{LifecycleError, Orchestrator, PauseMode, SandboxRecord, Slot, State};
 use crate::reporter::{NodeSource, SandboxUsage};
 
 /// Why the data plane cannot reach a sandbox.
@@ -41,14 +41,20 @@ impl Orchestrator {
             let rec = slot.rec.lock().clone();
             match rec.state {
                 State::Running if rec.address.is_some() => return Ok(rec),
-                State::Paused if rec.options.auto_resume => {
+                // A sandbox paused with its files only starts afresh: never on traffic.
+                State::Paused
+                    if rec.options.auto_resume && rec.pause_mode != Some(PauseMode::Filesystem) =>
+                {
                     if self.is_shutting_down() {
                         return Err(RouteError::NotProxyable);
                     }
                     let t =
                         Duration::from_secs(rec.timeout_secs).max(self.cfg.auto_resume_min_timeout);
-                    let r = tokio::time::timeout(Duration::from_secs(60), self.resume(id, Some(t)))
-                        .await;
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(60),
+                        self.resume(id, Some(t), PauseMode::Full),
+                    )
+                    .await;
                     match r {
                         Err(_) => return Err(RouteError::ResumeTimedOut),
                         Ok(Err(LifecycleError::NotFound(_))) => return Err(RouteError::NotFound),

@@ -16,10 +16,11 @@
 //! The rooms: `state` (the table), `record` (what is known of a sandbox), `create`
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
-//! creates from them), `listing` (get, list, usage, the data plane's route).
+//! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage, the data plane's route).
 
 mod build;
 mod create;
+mod fork;
 mod listing;
 mod metrics;
 mod pause;
@@ -30,11 +31,13 @@ mod state;
 mod timeout;
 
 pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Templates};
+pub use fork::{ForkOutcome, MAX_FORKS};
 pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
 pub use persist::{PausedStore, PersistError};
 pub use record::{
-    CreateRequest, EgressRules, OnTimeout, SandboxOptions, SandboxRecord, VolumeMount,
+    CreateRequest, EgressRules, OnTimeout, PauseMode, SandboxOptions, SandboxRecord, StartSpec,
+    VolumeMount,
 };
 pub use state::{Op, State, TransitionError, next};
 
@@ -71,6 +74,9 @@ pub enum LifecycleError {
     BadRequest(String),
     #[error("{0}")]
     Conflict(String),
+    /// Not now; the request may succeed later (503).
+    #[error("{0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]

@@ -10,6 +10,42 @@ use super::state::{Op, State, next};
 use crate::backend::{KeptState, SandboxAddress, SandboxSpec};
 use crate::clock::ms_since_epoch;
 
+/// What a pause kept of a sandbox: everything (`full`: memory and processes, the jail's
+/// frozen cgroup) or its files only (`filesystem`: it starts afresh on resume).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseMode {
+    Full,
+    Filesystem,
+}
+
+impl PauseMode {
+    /// `memory` of a pause or resume request: `false` asks for the files only.
+    pub fn from_memory(memory: bool) -> Self {
+        if memory { Self::Full } else { Self::Filesystem }
+    }
+}
+
+/// How a sandbox of a custom template starts: the template's start and ready commands
+/// and what they run with. Every fresh process tree of the sandbox (a create, a fork, a
+/// resume from its files) runs them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartSpec {
+    pub state: crate::template::catalog::RunState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_cmd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+}
+
+impl StartSpec {
+    /// Whether there is anything to run.
+    pub fn runs_anything(&self) -> bool {
+        self.start_cmd.is_some() || self.ready_cmd.is_some()
+    }
+}
+
 /// What happens when a sandbox's timeout expires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -91,6 +127,9 @@ impl Default for SandboxOptions {
 /// What a create asks for (already validated for shape by the API).
 #[derive(Debug, Clone)]
 pub struct CreateRequest {
+    /// The sandbox's id, when the caller chose it (an idempotent create's, see
+    /// [`agentenv_core::idempotency`]); a new one otherwise.
+    pub id: Option<String>,
     pub template: String,
     pub timeout: Option<Duration>,
     pub options: SandboxOptions,
@@ -103,6 +142,7 @@ impl CreateRequest {
     /// A request with the API's defaults for `template`.
     pub fn new(template: impl Into<String>) -> Self {
         Self {
+            id: None,
             template: template.into(),
             timeout: None,
             options: SandboxOptions::default(),
@@ -154,6 +194,15 @@ pub struct SandboxRecord {
     /// The name of that snapshot, if it had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_name: Option<String>,
+    /// The start and ready commands of its custom template, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartSpec>,
+    /// What its latest pause kept, while it is paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<PauseMode>,
+    /// When it was paused (ms since the epoch), while it is paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at_ms: Option<u64>,
 }
 
 impl SandboxRecord {

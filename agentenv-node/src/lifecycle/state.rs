@@ -16,7 +16,7 @@ pub enum State {
     Creating,
     Resuming,
     Running,
-    /// Captured for a snapshot (jail: frozen while its layer is archived).
+    /// Captured for a snapshot or forks (jail: frozen while its layer is copied).
     Snapshotting,
     Pausing,
     Paused,
@@ -65,6 +65,8 @@ pub enum Op {
     Expire,
     /// `POST /snapshots`: the sandbox is captured and keeps running.
     Snapshot,
+    /// `POST /fork`: the sandbox is captured for its forks and keeps running.
+    Fork,
     /// `DELETE`, a timeout with kill.
     Kill,
     /// Shutdown keeps a paused sandbox's state (jail: its writable layer) for the next start.
@@ -75,7 +77,7 @@ pub enum Op {
 
 impl Op {
     /// Every operation, for tests and tables.
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 12] = [
         Op::Done,
         Op::Pause,
         Op::Resume,
@@ -84,6 +86,7 @@ impl Op {
         Op::Refresh,
         Op::Expire,
         Op::Snapshot,
+        Op::Fork,
         Op::Kill,
         Op::Keep,
         Op::Restore,
@@ -100,6 +103,7 @@ impl Op {
             Op::Refresh => "refresh",
             Op::Expire => "the timeout",
             Op::Snapshot => "snapshot",
+            Op::Fork => "fork",
             Op::Kill => "delete",
             Op::Keep => "keeping its state",
             Op::Restore => "restoring",
@@ -113,7 +117,9 @@ impl Op {
             Op::Connect => "running or paused",
             Op::Resume | Op::Keep => "paused",
             Op::Kill | Op::Restore => "anything",
-            Op::Pause | Op::SetTimeout | Op::Refresh | Op::Expire | Op::Snapshot => "running",
+            Op::Pause | Op::SetTimeout | Op::Refresh | Op::Expire | Op::Snapshot | Op::Fork => {
+                "running"
+            }
         }
     }
 }
@@ -143,7 +149,7 @@ pub fn next(state: State, op: Op) -> Result<State, TransitionError> {
         (Op::Pause | Op::Keep, Paused) => Paused,
         (Op::Resume | Op::Connect, Paused) => Resuming,
         (Op::Resume | Op::Connect | Op::SetTimeout | Op::Refresh | Op::Expire, Running) => Running,
-        (Op::Snapshot, Running) => Snapshotting,
+        (Op::Snapshot | Op::Fork, Running) => Snapshotting,
         _ => return Err(TransitionError::Invalid { state, op }),
     })
 }
@@ -169,6 +175,7 @@ mod tests {
         (Running, Op::Refresh, Running),
         (Running, Op::Expire, Running),
         (Running, Op::Snapshot, Snapshotting),
+        (Running, Op::Fork, Snapshotting),
         (Creating, Op::Kill, Killing),
         (Resuming, Op::Kill, Killing),
         (Running, Op::Kill, Killing),
@@ -226,6 +233,7 @@ mod tests {
                 "connect needs it running or paused",
             ),
             (Paused, Op::Snapshot, "snapshot needs it running"),
+            (Paused, Op::Fork, "fork needs it running"),
         ];
         for (state, op, needs) in cases {
             let e = next(state, op).unwrap_err();

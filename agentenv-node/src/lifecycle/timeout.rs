@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{LifecycleError, OnTimeout, Op, Orchestrator};
+use super::{LifecycleError, OnTimeout, Op, Orchestrator, PauseMode};
 
 impl Orchestrator {
     /// `POST /timeout`: the sandbox expires `timeout` from now (may shorten).
@@ -43,13 +43,16 @@ impl Orchestrator {
     /// Pauses or kills every running sandbox whose timeout has passed.
     pub fn expire_due(self: &Arc<Self>) {
         let now = Instant::now();
-        let due: Vec<(String, OnTimeout)> = self
+        let due: Vec<(String, OnTimeout, PauseMode)> = self
             .list()
             .into_iter()
             .filter(|r| r.is_due(now))
-            .map(|r| (r.id, r.options.on_timeout))
+            .map(|r| {
+                let mode = PauseMode::from_memory(r.options.auto_pause_memory);
+                (r.id, r.options.on_timeout, mode)
+            })
             .collect();
-        for (id, action) in due {
+        for (id, action, mode) in due {
             let this = self.clone();
             tokio::spawn(async move {
                 // Re-check under the operation lock: the timeout may have moved.
@@ -60,7 +63,7 @@ impl Orchestrator {
                     return;
                 }
                 let result = match action {
-                    OnTimeout::Pause => this.pause_locked(&sandbox).await,
+                    OnTimeout::Pause => this.pause_locked(&sandbox, mode).await,
                     OnTimeout::Kill => this.delete_locked(&sandbox).await,
                 };
                 match result {

@@ -33,6 +33,7 @@
 //! [`SandboxBackend::keep`]: crate::backend::SandboxBackend::keep
 
 mod config;
+mod fork;
 pub mod layer;
 pub mod snapshot;
 
@@ -536,6 +537,14 @@ impl Runtime for JailRuntime {
         dir: &Path,
     ) -> Result<KeptState, BackendError> {
         b.import(capture, dir).await
+    }
+
+    async fn fork(
+        b: &JailBackend,
+        sbx: &Sandbox,
+        count: usize,
+    ) -> Result<Vec<KeptState>, BackendError> {
+        b.fork_layers(sbx, count).await
     }
 
     /// A kept layer: its image, or the plain directories of the older layout.

@@ -66,6 +66,7 @@
 //! and the loop ioctls); `mount` mounting and unmounting a layer, reading
 //! `/proc/<pid>/mountinfo` and naming who holds a layer; `pool` the warm [`LayerPool`].
 
+mod clone;
 mod loopdev;
 mod mount;
 mod pool;
@@ -81,6 +82,7 @@ use std::time::Duration;
 use nix::fcntl::{Flock, FlockArg};
 use nix::mount::{MntFlags, MsFlags};
 
+pub use clone::{clone_mounted, mark_clean};
 pub use loopdev::detach_stale_loops;
 use mount::MountInfo;
 pub use mount::{MountOptions, MountedLayer, mount_layer, mount_layer_with, unmount_leftover};
