@@ -743,3 +743,100 @@ fn an_overlay_on_a_layer_is_capped_and_holds_it() {
     nix::mount::umount2(&root, nix::mount::MntFlags::empty()).unwrap();
     assert!(wait_detached(n, &fs::canonicalize(&image).unwrap()));
 }
+
+/// Writes `len` random bytes to `path` and syncs them.
+fn write_random(path: &Path, len: usize) {
+    let mut f = File::create(path).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(buf.len());
+        for b in &mut buf[..n] {
+            *b = rand::random();
+        }
+        f.write_all(&buf[..n]).unwrap();
+        left -= n;
+    }
+    f.sync_all().unwrap();
+}
+
+/// A copy of a mounted layer (a fork's) is a clean file system with the layer's files as
+/// they were, while the layer stays mounted and writable.
+fn clone_and_check(s: &Sandbox) -> u64 {
+    let image = s.image(256);
+    let layer = mount_layer(&image, &s.root.join(disk::LAYER_DIR)).unwrap();
+    fs::write(layer.upper().join("small"), b"before the fork").unwrap();
+    write_random(&layer.upper().join("big"), 32 << 20);
+    let big = fs::read(layer.upper().join("big")).unwrap();
+    let dest = s.root.join("fork.img");
+    let free = |p: &Path| {
+        nix::sys::statvfs::statvfs(p)
+            .map(|v| v.blocks_available() as u64 * v.fragment_size() as u64)
+            .unwrap()
+    };
+    let before = free(&s.root);
+    disk::clone_mounted(layer.mountpoint(), &image, &dest).unwrap();
+    let used = before.saturating_sub(free(&s.root));
+    // The layer runs on: writable, its files unchanged.
+    fs::write(layer.upper().join("small"), b"after the fork").unwrap();
+    let copy = mount_layer(&dest, &s.root.join("fork")).unwrap();
+    assert_eq!(
+        fs::read(copy.upper().join("small")).unwrap(),
+        b"before the fork"
+    );
+    assert!(
+        fs::read(copy.upper().join("big")).unwrap() == big,
+        "the copy holds the data"
+    );
+    copy.unmount().unwrap();
+    layer.unmount().unwrap();
+    used
+}
+
+#[test]
+fn a_mounted_layer_is_copied_clean_with_its_files_as_they_were() {
+    let Some((_shared, s)) = start() else { return };
+    let used = clone_and_check(&s);
+    assert!(
+        used < 64 << 20,
+        "the copy takes the layer's data, not its size: {used}"
+    );
+}
+
+#[test]
+fn a_layer_copy_is_a_reflink_where_the_file_system_has_them() {
+    let Some((_shared, s)) = start() else { return };
+    // An XFS file system with reflinks, on a loop device of its own, under the sandbox.
+    let backing = s.root.join("xfs.img");
+    File::create(&backing).unwrap().set_len(2 << 30).unwrap();
+    let mkfs = std::process::Command::new("mkfs.xfs")
+        .args(["-q", "-m", "reflink=1"])
+        .arg(&backing)
+        .status();
+    let Ok(st) = mkfs else {
+        eprintln!("SKIPPED: mkfs.xfs is not installed (xfsprogs, in scripts/apt-packages.txt)");
+        return;
+    };
+    assert!(st.success(), "mkfs.xfs failed");
+    let mnt = s.root.join("xfs");
+    fs::create_dir(&mnt).unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&backing)
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mounting the XFS image");
+    let inner = Sandbox {
+        cache: mnt.join("cache"),
+        root: mnt.join("sandbox"),
+        _dir: tempfile::tempdir().unwrap(),
+    };
+    fs::create_dir(&inner.root).unwrap();
+    let used = clone_and_check(&inner);
+    let _ = nix::mount::umount2(&mnt, nix::mount::MntFlags::MNT_DETACH);
+    assert!(
+        used < 4 << 20,
+        "a reflink copy shares the 32 MiB of data: {used} bytes taken"
+    );
+}

@@ -318,15 +318,30 @@ pub trait SandboxBackend: Send + Sync {
         })
     }
 
-    /// Captures a running sandbox once and returns `count` kept states that creates start
-    /// from ([`SandboxSpec::kept`]), one each; the sandbox keeps running. jail: copies of
-    /// its writable layer, taken while it is frozen for a moment (processes are not
-    /// copied); microvm: not yet.
-    async fn fork(&self, id: &str, count: usize) -> Result<Vec<KeptState>, BackendError> {
-        let _ = (id, count);
+    /// Captures a running sandbox's state as a kept state a create starts from
+    /// ([`SandboxSpec::kept`]), for a fork; the sandbox keeps running. jail: a copy of its
+    /// writable layer, taken while it is frozen for a moment (processes are not copied);
+    /// microvm: not yet.
+    async fn fork(&self, id: &str) -> Result<KeptState, BackendError> {
+        let _ = id;
         Err(BackendError::Unsupported {
             backend: self.kind(),
             op: "fork a sandbox",
+            hint: "fork sandboxes on a node with the jail backend",
+        })
+    }
+
+    /// `count` copies of the kept state `kept` (made by [`SandboxBackend::fork`]), one for
+    /// each further fork.
+    async fn copy_kept(
+        &self,
+        kept: &KeptState,
+        count: usize,
+    ) -> Result<Vec<KeptState>, BackendError> {
+        let _ = (kept, count);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "copy a fork's state",
             hint: "fork sandboxes on a node with the jail backend",
         })
     }

@@ -225,18 +225,23 @@ pub trait Runtime: Send + Sync + Sized + 'static {
         dir: &Path,
     ) -> Result<SnapshotCapture, BackendError>;
 
-    /// Kept states for `count` forks of a running sandbox (see [`SandboxBackend::fork`]).
+    /// The kept state of a fork of a running sandbox (see [`SandboxBackend::fork`]).
     async fn fork(
         b: &HostedBackend<Self>,
         sbx: &HostedSandbox<Self::Run>,
+    ) -> Result<KeptState, BackendError> {
+        let _ = (b, sbx);
+        Err(unsupported_fork(Self::KIND))
+    }
+
+    /// Copies of a fork's kept state (see [`SandboxBackend::copy_kept`]).
+    async fn copy_kept(
+        b: &HostedBackend<Self>,
+        kept: &KeptState,
         count: usize,
     ) -> Result<Vec<KeptState>, BackendError> {
-        let _ = (b, sbx, count);
-        Err(BackendError::Unsupported {
-            backend: Self::KIND,
-            op: "fork a sandbox",
-            hint: "fork sandboxes on a node with the jail backend",
-        })
+        let _ = (b, kept, count);
+        Err(unsupported_fork(Self::KIND))
     }
 
     /// Turns a capture into kept state (see [`SandboxBackend::import_snapshot`]).
@@ -271,6 +276,15 @@ pub struct HostedBackend<R: Runtime> {
     pub(crate) templates: TemplateStore,
     pub(crate) host: SandboxHost,
     pub(crate) sandboxes: SandboxTable<HostedSandbox<R::Run>>,
+}
+
+/// What a runtime that cannot fork answers.
+fn unsupported_fork(backend: BackendKind) -> BackendError {
+    BackendError::Unsupported {
+        backend,
+        op: "fork a sandbox",
+        hint: "fork sandboxes on a node with the jail backend",
+    }
 }
 
 /// A capture another backend (or another layout) took: refused with what it is.
@@ -488,7 +502,7 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
         R::import(self, capture, dir).await
     }
 
-    async fn fork(&self, id: &str, count: usize) -> Result<Vec<KeptState>, BackendError> {
+    async fn fork(&self, id: &str) -> Result<KeptState, BackendError> {
         let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
         let state = sbx.state();
@@ -499,10 +513,15 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
                 needed: SandboxState::Running,
             });
         }
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        R::fork(self, &sbx, count).await
+        R::fork(self, &sbx).await
+    }
+
+    async fn copy_kept(
+        &self,
+        kept: &KeptState,
+        count: usize,
+    ) -> Result<Vec<KeptState>, BackendError> {
+        R::copy_kept(self, kept, count).await
     }
 
     async fn discard_kept(&self, kept: &KeptState) -> Result<(), BackendError> {

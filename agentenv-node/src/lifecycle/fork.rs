@@ -37,8 +37,19 @@ impl Orchestrator {
         let this = self.clone();
         let id = id.to_string();
         self.detached(async move {
-            let (source, kept) = this.capture_for_forks(&id, count).await?;
-            let launches = kept.into_iter().map(|k| {
+            let (source, first) = this.capture_for_fork(&id).await?;
+            // The source runs on (and may be paused or deleted) while the copies are made.
+            let timer = this.metrics.start("fork", "copy");
+            let more = this.backend.copy_kept(&first, count - 1).await;
+            timer.finish(more.is_ok());
+            let more = match more {
+                Ok(m) => m,
+                Err(e) => {
+                    this.discard_imported(Some(&first)).await;
+                    return Err(e.into());
+                }
+            };
+            let launches = std::iter::once(first).chain(more).map(|k| {
                 let this = this.clone();
                 let rec = fork_record(&source, k, timeout);
                 async move { this.launch(rec, timeout, "fork").await }
@@ -48,13 +59,12 @@ impl Orchestrator {
         .await
     }
 
-    /// Captures sandbox `id` for `count` forks under its operation lock; returns its
-    /// record and the kept states.
-    async fn capture_for_forks(
+    /// Captures sandbox `id` for a fork under its operation lock (the source frozen for
+    /// as long as the backend needs); returns its record and the kept state.
+    async fn capture_for_fork(
         &self,
         id: &str,
-        count: usize,
-    ) -> Result<(SandboxRecord, Vec<KeptState>), LifecycleError> {
+    ) -> Result<(SandboxRecord, KeptState), LifecycleError> {
         let sandbox = self.lock(id).await?;
         if !self.is_present(id) {
             return Err(LifecycleError::NotFound(id.to_string()));
@@ -64,7 +74,7 @@ impl Orchestrator {
             (r.clone(), before)
         };
         let timer = self.metrics.start("fork", "capture");
-        let captured = self.backend.fork(id, count).await;
+        let captured = self.backend.fork(id).await;
         timer.finish(captured.is_ok());
         match &captured {
             Ok(_) => drop(sandbox.done()),

@@ -539,12 +539,16 @@ impl Runtime for JailRuntime {
         b.import(capture, dir).await
     }
 
-    async fn fork(
+    async fn fork(b: &JailBackend, sbx: &Sandbox) -> Result<KeptState, BackendError> {
+        b.fork_layer(sbx).await
+    }
+
+    async fn copy_kept(
         b: &JailBackend,
-        sbx: &Sandbox,
+        kept: &KeptState,
         count: usize,
     ) -> Result<Vec<KeptState>, BackendError> {
-        b.fork_layers(sbx, count).await
+        b.copy_kept_layer(kept, count).await
     }
 
     /// A kept layer: its image, or the plain directories of the older layout.
