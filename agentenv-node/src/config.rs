@@ -161,6 +161,14 @@ pub struct NodeConfig {
     pub proxy_response_header_timeout: Duration,
     pub default_timeout: Duration,
     pub auto_evict_interval: Duration,
+    /// Time between two resource samples of a running sandbox
+    /// (`AENV_METRICS_INTERVAL_MS`, 100 ms to 1 h).
+    pub metrics_interval: Duration,
+    /// Resource samples kept per sandbox (`AENV_METRICS_HISTORY`).
+    pub metrics_history: usize,
+    /// Cap of one sandbox log file, in bytes; a sandbox keeps two
+    /// (`AENV_SANDBOX_LOG_FILE_BYTES`).
+    pub sandbox_log_file_bytes: u64,
     pub auto_resume_min_timeout: Duration,
     pub default_cpu_count: u32,
     pub default_memory_mb: u64,
@@ -607,6 +615,39 @@ impl NodeConfig {
                 "use at least 1",
             ));
         }
+        let metrics_ms = env_u64(&env, "AENV_METRICS_INTERVAL_MS")?.unwrap_or(5000);
+        if !(100..=3_600_000).contains(&metrics_ms) {
+            return Err(invalid(
+                "AENV_METRICS_INTERVAL_MS",
+                metrics_ms.to_string(),
+                "use 100 to 3600000 (ms)",
+            ));
+        }
+        let metrics_history = env_u64(&env, "AENV_METRICS_HISTORY")?
+            .unwrap_or(crate::observe::ring::DEFAULT_HISTORY as u64);
+        if !(1..=crate::observe::ring::MAX_HISTORY as u64).contains(&metrics_history) {
+            return Err(invalid(
+                "AENV_METRICS_HISTORY",
+                metrics_history.to_string(),
+                format!(
+                    "use 1 to {} samples per sandbox",
+                    crate::observe::ring::MAX_HISTORY
+                ),
+            ));
+        }
+        let log_bytes = env_u64(&env, "AENV_SANDBOX_LOG_FILE_BYTES")?
+            .unwrap_or(crate::observe::logbook::DEFAULT_FILE_BYTES);
+        let (log_min, log_max) = (
+            crate::observe::logbook::MIN_FILE_BYTES,
+            crate::observe::logbook::MAX_FILE_BYTES,
+        );
+        if !(log_min..=log_max).contains(&log_bytes) {
+            return Err(invalid(
+                "AENV_SANDBOX_LOG_FILE_BYTES",
+                log_bytes.to_string(),
+                format!("use {log_min} to {log_max} bytes"),
+            ));
+        }
         let jail_net_pool_size = pool_size(
             "jail.net_pool_size",
             env_u64(&env, "AENV_JAIL_NET_POOL_SIZE")?.unwrap_or(
@@ -762,6 +803,9 @@ impl NodeConfig {
             proxy_response_header_timeout,
             default_timeout: Duration::from_secs(o.default_sandbox_timeout_secs.unwrap_or(15)),
             auto_evict_interval: Duration::from_millis(evict_ms),
+            metrics_interval: Duration::from_millis(metrics_ms),
+            metrics_history: metrics_history as usize,
+            sandbox_log_file_bytes: log_bytes,
             auto_resume_min_timeout: Duration::from_secs(
                 o.auto_resume_min_sandbox_timeout_secs.unwrap_or(300),
             ),
@@ -880,6 +924,8 @@ mod tests {
         assert_eq!(c.api_addr.to_string(), "127.0.0.1:9000");
         assert_eq!(c.node_id, "n1");
         assert_eq!(c.auto_evict_interval, Duration::from_millis(50));
+        assert_eq!(c.metrics_interval, Duration::from_secs(5));
+        assert_eq!(c.metrics_history, crate::observe::ring::DEFAULT_HISTORY);
         assert_eq!(c.backend, BackendKind::Auto);
         assert_eq!(c.home, PathBuf::from("/var/lib/aenv"));
         assert!(!c.report_enabled);
@@ -1022,6 +1068,29 @@ mod tests {
         assert!(e.to_string().contains("API_ADDR"), "{e}");
         let e = load(&[], Some("[orchestrator]\nbogus = 1\n")).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn metrics_and_log_settings_are_checked() {
+        let c = load(
+            &[
+                ("AENV_METRICS_INTERVAL_MS", "250"),
+                ("AENV_METRICS_HISTORY", "10"),
+                ("AENV_SANDBOX_LOG_FILE_BYTES", "100000"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.metrics_interval, Duration::from_millis(250));
+        assert_eq!((c.metrics_history, c.sandbox_log_file_bytes), (10, 100_000));
+        for (k, v) in [
+            ("AENV_METRICS_INTERVAL_MS", "10"),
+            ("AENV_METRICS_HISTORY", "0"),
+            ("AENV_SANDBOX_LOG_FILE_BYTES", "10"),
+        ] {
+            let e = load(&[(k, v)], None).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
     }
 
     #[test]

@@ -134,11 +134,13 @@ impl Orchestrator {
                 drop(r);
                 self.create_successes.fetch_add(1, Ordering::Relaxed);
                 self.event(&out, SandboxEventType::Create);
+                self.log_event(&id, "sandbox created");
                 tracing::info!(sandbox = %id, template = %out.template, "sandbox created");
                 Ok(out)
             }
             Err(e) => {
                 self.slots.lock().remove(&id);
+                self.forget_observed(&id);
                 self.create_fails.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(sandbox = %id, error = %e, "create failed");
                 Err(e)
@@ -279,6 +281,7 @@ impl Orchestrator {
             Ok(()) => {
                 self.forget_paused(&rec.id);
                 self.slots.lock().remove(&rec.id);
+                self.forget_observed(&rec.id);
                 self.event(&rec, SandboxEventType::Delete);
                 tracing::info!(sandbox = %rec.id, "sandbox deleted");
                 Ok(())

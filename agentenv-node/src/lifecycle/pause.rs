@@ -53,6 +53,7 @@ impl Orchestrator {
         let out = r.clone();
         drop(r);
         self.event(&out, SandboxEventType::Pause);
+        self.log_event(&out.id, "sandbox paused");
         tracing::info!(sandbox = %out.id, "sandbox paused");
         Ok(())
     }
@@ -142,6 +143,7 @@ impl Orchestrator {
         let out = r.clone();
         drop(r);
         self.event(&out, SandboxEventType::Resume);
+        self.log_event(&out.id, "sandbox resumed");
         tracing::info!(sandbox = %out.id, "sandbox resumed");
         Ok(out)
     }
