@@ -283,6 +283,10 @@ mod tests {
         assert_eq!(clean(b"\x1b]0;title\x07after"), "after");
         assert_eq!(clean("x\u{202e}y\u{0085}z".as_bytes()), "xyz");
         assert_eq!(clean(b"tab\there"), "tab here");
+        assert_eq!(
+            clean(b"\x1b[31mred\x1b[0m \x1b]0;title\x07 \xff\xfe\x00\x08bell\x07"),
+            "red  \u{fffd}\u{fffd}bell"
+        );
     }
 
     #[test]
