@@ -419,6 +419,21 @@ fn env_u64(
     env(key).map(|v| parse_u64(key, &v)).transpose()
 }
 
+/// The number in `key`, `default` when unset; outside `range` it is refused.
+fn env_in(
+    env: &dyn Fn(&str) -> Option<String>,
+    key: &'static str,
+    default: u64,
+    range: std::ops::RangeInclusive<u64>,
+) -> Result<u64, ConfigError> {
+    let n = env_u64(env, key)?.unwrap_or(default);
+    if !range.contains(&n) {
+        let fix = format!("use {} to {}", range.start(), range.end());
+        return Err(invalid(key, n.to_string(), fix));
+    }
+    Ok(n)
+}
+
 /// A pool size: at most [`MAX_NET_POOL_SIZE`], 0 turns the pool off.
 fn pool_size(key: &'static str, n: u64) -> Result<usize, ConfigError> {
     usize::try_from(n)
@@ -615,39 +630,20 @@ impl NodeConfig {
                 "use at least 1",
             ));
         }
-        let metrics_ms = env_u64(&env, "AENV_METRICS_INTERVAL_MS")?.unwrap_or(5000);
-        if !(100..=3_600_000).contains(&metrics_ms) {
-            return Err(invalid(
-                "AENV_METRICS_INTERVAL_MS",
-                metrics_ms.to_string(),
-                "use 100 to 3600000 (ms)",
-            ));
-        }
-        let metrics_history = env_u64(&env, "AENV_METRICS_HISTORY")?
-            .unwrap_or(crate::observe::ring::DEFAULT_HISTORY as u64);
-        if !(1..=crate::observe::ring::MAX_HISTORY as u64).contains(&metrics_history) {
-            return Err(invalid(
-                "AENV_METRICS_HISTORY",
-                metrics_history.to_string(),
-                format!(
-                    "use 1 to {} samples per sandbox",
-                    crate::observe::ring::MAX_HISTORY
-                ),
-            ));
-        }
-        let log_bytes = env_u64(&env, "AENV_SANDBOX_LOG_FILE_BYTES")?
-            .unwrap_or(crate::observe::logbook::DEFAULT_FILE_BYTES);
-        let (log_min, log_max) = (
-            crate::observe::logbook::MIN_FILE_BYTES,
-            crate::observe::logbook::MAX_FILE_BYTES,
-        );
-        if !(log_min..=log_max).contains(&log_bytes) {
-            return Err(invalid(
-                "AENV_SANDBOX_LOG_FILE_BYTES",
-                log_bytes.to_string(),
-                format!("use {log_min} to {log_max} bytes"),
-            ));
-        }
+        use crate::observe::{logbook as lb, ring};
+        let metrics_ms = env_in(&env, "AENV_METRICS_INTERVAL_MS", 5000, 100..=3_600_000)?;
+        let metrics_history = env_in(
+            &env,
+            "AENV_METRICS_HISTORY",
+            ring::DEFAULT_HISTORY as u64,
+            1..=ring::MAX_HISTORY as u64,
+        )?;
+        let log_bytes = env_in(
+            &env,
+            "AENV_SANDBOX_LOG_FILE_BYTES",
+            lb::DEFAULT_FILE_BYTES,
+            lb::MIN_FILE_BYTES..=lb::MAX_FILE_BYTES,
+        )?;
         let jail_net_pool_size = pool_size(
             "jail.net_pool_size",
             env_u64(&env, "AENV_JAIL_NET_POOL_SIZE")?.unwrap_or(

@@ -80,7 +80,13 @@ async fn a_busy_sandbox_shows_cpu_memory_and_disk_and_ranges_are_checked() {
     for s in listed.as_array().unwrap() {
         assert_eq!(u(s, "diskSizeMB"), disk_mb, "{s}");
     }
-    assert_eq!(u(&get_json(addr, &format!("/sandboxes/{a}")).await, "diskSizeMB"), disk_mb);
+    assert_eq!(
+        u(
+            &get_json(addr, &format!("/sandboxes/{a}")).await,
+            "diskSizeMB"
+        ),
+        disk_mb
+    );
 
     let path = format!("/sandboxes/{a}/metrics");
     let first = wait_for(addr, &path, |v| !v.as_array().unwrap().is_empty()).await;
@@ -152,7 +158,10 @@ async fn a_busy_sandbox_shows_cpu_memory_and_disk_and_ranges_are_checked() {
         assert_eq!(r.status, 400, "{bad}: {}", r.text());
         assert_eq!(r.json()["code"], 400);
         let msg = r.json()["message"].as_str().unwrap().to_string();
-        assert!(msg.contains("unix seconds") || msg.contains("reversed"), "{msg}");
+        assert!(
+            msg.contains("unix seconds") || msg.contains("reversed"),
+            "{msg}"
+        );
     }
     assert!(get_json(addr, &path).await.as_array().unwrap().len() >= count);
 
@@ -186,8 +195,7 @@ async fn a_busy_sandbox_shows_cpu_memory_and_disk_and_ranges_are_checked() {
     let disks = metrics["disks"].as_array().unwrap();
     assert!(
         disks.iter().any(|d| {
-            home.path()
-                .starts_with(d["mountPoint"].as_str().unwrap())
+            home.path().starts_with(d["mountPoint"].as_str().unwrap())
                 && u(d, "totalBytes") > 0
                 && !d["filesystemType"].as_str().unwrap().is_empty()
         }),
@@ -197,11 +205,19 @@ async fn a_busy_sandbox_shows_cpu_memory_and_disk_and_ranges_are_checked() {
     // A paused sandbox gets no samples.
     let r = api(addr, "POST", &format!("/sandboxes/{b}/pause"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
-    let n = get_json(addr, &format!("/sandboxes/{b}/metrics")).await.as_array().unwrap().len();
+    let n = get_json(addr, &format!("/sandboxes/{b}/metrics"))
+        .await
+        .as_array()
+        .unwrap()
+        .len();
     // Two more samples of `a` mean at least two sampling rounds passed.
     let seen = get_json(addr, &path).await.as_array().unwrap().len();
     wait_for(addr, &path, |v| v.as_array().unwrap().len() >= seen + 2).await;
-    let m = get_json(addr, &format!("/sandboxes/{b}/metrics")).await.as_array().unwrap().len();
+    let m = get_json(addr, &format!("/sandboxes/{b}/metrics"))
+        .await
+        .as_array()
+        .unwrap()
+        .len();
     assert_eq!(m, n, "no samples while paused");
 
     // A deleted sandbox's metrics and logs are gone.
@@ -367,7 +383,11 @@ async fn logs_hold_the_start_commands_output_and_filter_by_level_direction_and_s
     let v1 = get_json(addr, &format!("/sandboxes/{id}/logs")).await;
     let lines = v1["logs"].as_array().unwrap();
     assert_eq!(lines.len(), v1["logEntries"].as_array().unwrap().len());
-    assert!(lines.iter().any(|l| l["line"] == "out-mark" && l["timestamp"].is_string()));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["line"] == "out-mark" && l["timestamp"].is_string())
+    );
 
     // Bad queries: 400 naming the fix.
     for (q, want) in [
@@ -382,7 +402,12 @@ async fn logs_hold_the_start_commands_output_and_filter_by_level_direction_and_s
     }
 
     // Pause and resume are logged.
-    assert_eq!(api(addr, "POST", &format!("/sandboxes/{id}/pause"), "").await.status, 204);
+    assert_eq!(
+        api(addr, "POST", &format!("/sandboxes/{id}/pause"), "")
+            .await
+            .status,
+        204
+    );
     let r = api(addr, "POST", &format!("/sandboxes/{id}/resume"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
     let events: Vec<String> = get_json(addr, &path).await["logs"]
@@ -406,7 +431,11 @@ async fn logs_hold_the_start_commands_output_and_filter_by_level_direction_and_s
 
 /// PID 1 of sandbox `id` on the host, from its state file.
 fn host_pid1(home: &Path, id: &str) -> i32 {
-    let state = home.join("jail").join("sandboxes").join(id).join("state.json");
+    let state = home
+        .join("jail")
+        .join("sandboxes")
+        .join(id)
+        .join("state.json");
     let v: Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
     v["pid"].as_i64().unwrap() as i32
 }
@@ -476,7 +505,10 @@ async fn a_tenant_flooding_pid1s_output_cannot_grow_the_log_past_its_cap() {
         {
             break v;
         }
-        assert!(tokio::time::Instant::now() < deadline, "no line after the flood: {m:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no line after the flood: {m:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let logs = home.path().join("sandbox-logs").join(&id);
@@ -499,9 +531,14 @@ async fn a_tenant_flooding_pid1s_output_cannot_grow_the_log_past_its_cap() {
         );
     }
     assert!(
-        entries.iter().any(|e| e["message"] == "red  \u{fffd}\u{fffd}bell"),
+        entries
+            .iter()
+            .any(|e| e["message"] == "red  \u{fffd}\u{fffd}bell"),
         "escapes and controls removed, bad UTF-8 replaced: {:?}",
-        messages(&v).iter().filter(|m| m.contains("bell")).collect::<Vec<_>>()
+        messages(&v)
+            .iter()
+            .filter(|m| m.contains("bell"))
+            .collect::<Vec<_>>()
     );
     assert_eq!(
         inside.trim(),

@@ -186,8 +186,8 @@ fn unescape(s: &str) -> String {
 /// The mount of device `dev` whose mount point is the longest prefix of `path`.
 fn mount_of(mountinfo: &str, path: &Path, dev: u64) -> Option<Mount> {
     let want = (
-        u64::from(nix::sys::stat::major(dev)),
-        u64::from(nix::sys::stat::minor(dev)),
+        nix::sys::stat::major(dev),
+        nix::sys::stat::minor(dev),
     );
     mountinfo
         .lines()
