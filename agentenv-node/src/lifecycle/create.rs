@@ -135,6 +135,7 @@ impl Orchestrator {
                 self.create_successes.fetch_add(1, Ordering::Relaxed);
                 self.event(&out, SandboxEventType::Create);
                 self.log_event(&id, "sandbox created");
+                self.observe_started(&id).await;
                 tracing::info!(sandbox = %id, template = %out.template, "sandbox created");
                 Ok(out)
             }

@@ -50,6 +50,15 @@ impl Orchestrator {
             .unwrap_or(0)
     }
 
+    /// Sandbox `id` (re)started running: its CPU is measured from now, so its first
+    /// sample comes at the next sampling round.
+    pub(super) async fn observe_started(&self, id: &str) {
+        self.samples.idle(id);
+        if let Ok(rec) = self.get(id) {
+            self.sample_one(&rec).await;
+        }
+    }
+
     /// Samples every running sandbox once.
     pub async fn sample_all(&self) {
         let records = self.list();
@@ -60,33 +69,38 @@ impl Orchestrator {
                 self.samples.idle(&rec.id);
                 continue;
             }
-            let u = match self.backend.usage(&rec.id).await {
-                Ok(u) => u,
-                Err(e) => {
-                    tracing::debug!(sandbox = %rec.id, error = %e, "no usage reading");
-                    self.samples.idle(&rec.id);
-                    continue;
-                }
-            };
-            let (disk_used, disk_total) = match u.disk {
-                Some(d) => (d.used_bytes, d.total_bytes),
-                None => (0, self.disk_size_mb(rec) << 20),
-            };
-            self.samples.record(
-                &rec.id,
-                Reading {
-                    at: Instant::now(),
-                    ts_ms: crate::clock::now_ms(),
-                    cpu_time: u.cpu_time,
-                    cpu_count: rec.cpu_count,
-                    mem_used: u.memory_bytes.saturating_sub(u.memory_cache_bytes),
-                    mem_total: rec.memory_mb << 20,
-                    mem_cache: u.memory_cache_bytes,
-                    disk_used,
-                    disk_total,
-                },
-            );
+            self.sample_one(rec).await;
         }
+    }
+
+    /// Reads what sandbox `rec` uses now into its series.
+    async fn sample_one(&self, rec: &SandboxRecord) {
+        let u = match self.backend.usage(&rec.id).await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!(sandbox = %rec.id, error = %e, "no usage reading");
+                self.samples.idle(&rec.id);
+                return;
+            }
+        };
+        let (disk_used, disk_total) = match u.disk {
+            Some(d) => (d.used_bytes, d.total_bytes),
+            None => (0, self.disk_size_mb(rec) << 20),
+        };
+        self.samples.record(
+            &rec.id,
+            Reading {
+                at: Instant::now(),
+                ts_ms: crate::clock::now_ms(),
+                cpu_time: u.cpu_time,
+                cpu_count: rec.cpu_count,
+                mem_used: u.memory_bytes.saturating_sub(u.memory_cache_bytes),
+                mem_total: rec.memory_mb << 20,
+                mem_cache: u.memory_cache_bytes,
+                disk_used,
+                disk_total,
+            },
+        );
     }
 
     /// Runs [`Self::sample_all`] every `metrics_interval` until the node shuts down.

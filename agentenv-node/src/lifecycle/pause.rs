@@ -144,6 +144,7 @@ impl Orchestrator {
         drop(r);
         self.event(&out, SandboxEventType::Resume);
         self.log_event(&out.id, "sandbox resumed");
+        self.observe_started(&out.id).await;
         tracing::info!(sandbox = %out.id, "sandbox resumed");
         Ok(out)
     }

@@ -185,10 +185,7 @@ fn unescape(s: &str) -> String {
 
 /// The mount of device `dev` whose mount point is the longest prefix of `path`.
 fn mount_of(mountinfo: &str, path: &Path, dev: u64) -> Option<Mount> {
-    let want = (
-        nix::sys::stat::major(dev),
-        nix::sys::stat::minor(dev),
-    );
+    let want = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
     mountinfo
         .lines()
         .filter_map(parse_mountinfo_line)
