@@ -125,13 +125,14 @@ impl Orchestrator {
         }
         match started {
             Ok(addr) => {
-                let mut r = sandbox.done();
-                // The backend sandbox owns the imported state now.
-                r.kept = None;
-                r.address = Some(addr);
-                r.set_deadline(timeout);
-                let out = r.clone();
-                drop(r);
+                let out = {
+                    let mut r = sandbox.done();
+                    // The backend sandbox owns the imported state now.
+                    r.kept = None;
+                    r.address = Some(addr);
+                    r.set_deadline(timeout);
+                    r.clone()
+                };
                 self.create_successes.fetch_add(1, Ordering::Relaxed);
                 self.event(&out, SandboxEventType::Create);
                 self.log_event(&id, "sandbox created");

@@ -134,14 +134,15 @@ impl Orchestrator {
             }
         };
         self.forget_paused(&rec.id);
-        let mut r = slot.done();
-        r.restored = false;
-        // The backend sandbox owns what was kept now.
-        r.kept = None;
-        r.address = Some(addr);
-        r.set_deadline(timeout);
-        let out = r.clone();
-        drop(r);
+        let out = {
+            let mut r = slot.done();
+            r.restored = false;
+            // The backend sandbox owns what was kept now.
+            r.kept = None;
+            r.address = Some(addr);
+            r.set_deadline(timeout);
+            r.clone()
+        };
         self.event(&out, SandboxEventType::Resume);
         self.log_event(&out.id, "sandbox resumed");
         self.observe_started(&out.id).await;
