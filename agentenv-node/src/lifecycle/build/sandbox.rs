@@ -582,7 +582,7 @@ async fn pump_start_cmd(
                 } else {
                     e.status
                 };
-                if let Some(feeds) = feeds.as_mut() {
+                if let Some(mut feeds) = feeds.take() {
                     for f in feeds.iter_mut() {
                         f.finish();
                     }
@@ -596,6 +596,10 @@ async fn pump_start_cmd(
             }
             _ => {}
         }
+    }
+    // The stream broke without an end: what is left of a line still goes in.
+    for f in feeds.iter_mut().flatten() {
+        f.finish();
     }
 }
 
