@@ -161,6 +161,14 @@ pub struct NodeConfig {
     pub proxy_response_header_timeout: Duration,
     pub default_timeout: Duration,
     pub auto_evict_interval: Duration,
+    /// Time between two resource samples of a running sandbox
+    /// (`AENV_METRICS_INTERVAL_MS`, 100 ms to 1 h).
+    pub metrics_interval: Duration,
+    /// Resource samples kept per sandbox (`AENV_METRICS_HISTORY`).
+    pub metrics_history: usize,
+    /// Cap of one sandbox log file, in bytes; a sandbox keeps two
+    /// (`AENV_SANDBOX_LOG_FILE_BYTES`).
+    pub sandbox_log_file_bytes: u64,
     pub auto_resume_min_timeout: Duration,
     pub default_cpu_count: u32,
     pub default_memory_mb: u64,
@@ -411,6 +419,21 @@ fn env_u64(
     env(key).map(|v| parse_u64(key, &v)).transpose()
 }
 
+/// The number in `key`, `default` when unset; outside `range` it is refused.
+fn env_in(
+    env: &dyn Fn(&str) -> Option<String>,
+    key: &'static str,
+    default: u64,
+    range: std::ops::RangeInclusive<u64>,
+) -> Result<u64, ConfigError> {
+    let n = env_u64(env, key)?.unwrap_or(default);
+    if !range.contains(&n) {
+        let fix = format!("use {} to {}", range.start(), range.end());
+        return Err(invalid(key, n.to_string(), fix));
+    }
+    Ok(n)
+}
+
 /// A pool size: at most [`MAX_NET_POOL_SIZE`], 0 turns the pool off.
 fn pool_size(key: &'static str, n: u64) -> Result<usize, ConfigError> {
     usize::try_from(n)
@@ -607,6 +630,20 @@ impl NodeConfig {
                 "use at least 1",
             ));
         }
+        use crate::observe::{logbook as lb, ring};
+        let metrics_ms = env_in(&env, "AENV_METRICS_INTERVAL_MS", 5000, 100..=3_600_000)?;
+        let metrics_history = env_in(
+            &env,
+            "AENV_METRICS_HISTORY",
+            ring::DEFAULT_HISTORY as u64,
+            1..=ring::MAX_HISTORY as u64,
+        )?;
+        let log_bytes = env_in(
+            &env,
+            "AENV_SANDBOX_LOG_FILE_BYTES",
+            lb::DEFAULT_FILE_BYTES,
+            lb::MIN_FILE_BYTES..=lb::MAX_FILE_BYTES,
+        )?;
         let jail_net_pool_size = pool_size(
             "jail.net_pool_size",
             env_u64(&env, "AENV_JAIL_NET_POOL_SIZE")?.unwrap_or(
@@ -762,6 +799,9 @@ impl NodeConfig {
             proxy_response_header_timeout,
             default_timeout: Duration::from_secs(o.default_sandbox_timeout_secs.unwrap_or(15)),
             auto_evict_interval: Duration::from_millis(evict_ms),
+            metrics_interval: Duration::from_millis(metrics_ms),
+            metrics_history: metrics_history as usize,
+            sandbox_log_file_bytes: log_bytes,
             auto_resume_min_timeout: Duration::from_secs(
                 o.auto_resume_min_sandbox_timeout_secs.unwrap_or(300),
             ),
@@ -880,6 +920,8 @@ mod tests {
         assert_eq!(c.api_addr.to_string(), "127.0.0.1:9000");
         assert_eq!(c.node_id, "n1");
         assert_eq!(c.auto_evict_interval, Duration::from_millis(50));
+        assert_eq!(c.metrics_interval, Duration::from_secs(5));
+        assert_eq!(c.metrics_history, crate::observe::ring::DEFAULT_HISTORY);
         assert_eq!(c.backend, BackendKind::Auto);
         assert_eq!(c.home, PathBuf::from("/var/lib/aenv"));
         assert!(!c.report_enabled);
@@ -1022,6 +1064,29 @@ mod tests {
         assert!(e.to_string().contains("API_ADDR"), "{e}");
         let e = load(&[], Some("[orchestrator]\nbogus = 1\n")).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn metrics_and_log_settings_are_checked() {
+        let c = load(
+            &[
+                ("AENV_METRICS_INTERVAL_MS", "250"),
+                ("AENV_METRICS_HISTORY", "10"),
+                ("AENV_SANDBOX_LOG_FILE_BYTES", "100000"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.metrics_interval, Duration::from_millis(250));
+        assert_eq!((c.metrics_history, c.sandbox_log_file_bytes), (10, 100_000));
+        for (k, v) in [
+            ("AENV_METRICS_INTERVAL_MS", "10"),
+            ("AENV_METRICS_HISTORY", "0"),
+            ("AENV_SANDBOX_LOG_FILE_BYTES", "10"),
+        ] {
+            let e = load(&[(k, v)], None).unwrap_err();
+            assert!(e.to_string().contains(k), "{e}");
+        }
     }
 
     #[test]

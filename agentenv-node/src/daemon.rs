@@ -64,6 +64,8 @@ pub struct Daemon {
     reporter: Option<ReporterHandle>,
     event_task: Option<tokio::task::JoinHandle<ReporterHandle>>,
     ticker: tokio::task::JoinHandle<()>,
+    /// Samples the sandboxes' resource usage.
+    sampler: tokio::task::JoinHandle<()>,
     /// TLS of the API listener (`AENV_TLS_CERT_FILE`…).
     tls: Option<Arc<rustls::ServerConfig>>,
 }
@@ -117,6 +119,10 @@ fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonE
     h.iface_prefix = cfg.jail_iface_prefix.clone();
     h.cgroup_parent = cfg.jail_cgroup_parent.clone();
     h.id_pool = cfg.jail_id_pool;
+    h.sandbox_logs = Arc::new(crate::observe::LogBook::new(
+        cfg.home.join("sandbox-logs"),
+        cfg.sandbox_log_file_bytes,
+    ));
     Ok(())
 }
 
@@ -213,10 +219,32 @@ impl Daemon {
             }
             other => other,
         };
-        let backend: Arc<dyn SandboxBackend> = match kind {
-            BackendKind::Microvm => Arc::new(microvm_backend(&cfg, &kept).await?),
-            BackendKind::Jail | BackendKind::Auto => Arc::new(jail_backend(&cfg, &kept).await?),
+        let (backend, sandbox_logs): (Arc<dyn SandboxBackend>, _) = match kind {
+            BackendKind::Microvm => {
+                let b = microvm_backend(&cfg, &kept).await?;
+                let logs = b.sandbox_logs().clone();
+                (Arc::new(b), logs)
+            }
+            BackendKind::Jail | BackendKind::Auto => {
+                let b = jail_backend(&cfg, &kept).await?;
+                let logs = b.sandbox_logs().clone();
+                (Arc::new(b), logs)
+            }
         };
+        // Logs of sandboxes no record names are what an earlier run left behind.
+        let known: std::collections::HashSet<String> = store
+            .load_all()
+            .map_err(LifecycleError::from)?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        let removed = sandbox_logs.retain(&|id| known.contains(id));
+        if !removed.is_empty() {
+            tracing::info!(
+                removed = removed.len(),
+                "removed sandbox logs of an earlier run"
+            );
+        }
         let lc = LifecycleConfig {
             default_timeout: cfg.default_timeout,
             auto_evict_interval: cfg.auto_evict_interval,
@@ -224,9 +252,13 @@ impl Daemon {
             default_cpu_count: cfg.default_cpu_count,
             default_memory_mb: cfg.default_memory_mb,
             agent_ready_timeout: cfg.agent_ready_timeout,
+            metrics_interval: cfg.metrics_interval,
+            metrics_history: cfg.metrics_history,
+            default_disk_size_mb: (kind != BackendKind::Microvm).then_some(cfg.jail_disk_size_mb),
             ..LifecycleConfig::default()
         };
         let orch = Orchestrator::new(backend, lc, TokenIssuer::new(&seed), store)?;
+        orch.set_sandbox_logs(sandbox_logs);
         let catalog = Arc::new(crate::template::catalog::TemplateCatalog::new(
             snapshots.storage().clone(),
             &seed,
@@ -252,6 +284,9 @@ impl Daemon {
             version: env!("CARGO_PKG_VERSION").into(),
             commit: option_env!("AENV_GIT_COMMIT").unwrap_or("unknown").into(),
         };
+        // One host sampler for heartbeats and `GET /nodes`; the data directory's file
+        // system is among its disks.
+        let host = Arc::new(crate::observe::HostSampler::new(vec![cfg.home.clone()]));
         let state = ApiState::new(
             orch.clone(),
             api_key,
@@ -261,6 +296,7 @@ impl Daemon {
                 upload_idle: cfg.proxy_upload_idle_timeout,
                 response_headers: cfg.proxy_response_header_timeout,
             },
+            host.clone(),
         );
         state
             .tls
@@ -284,7 +320,7 @@ impl Daemon {
                     ReporterConfig::new(ep.clone(), cfg.node_id.clone(), cfg.report_interval);
                 rc.cluster_id = cfg.cluster_id.clone();
                 rc.service_instance_id = cfg.service_instance_id.clone();
-                rc.disk_paths = vec![cfg.home.clone()];
+                rc.host = host.clone();
                 rc.link = agentenv_core::cluster_auth::SchedulerLink::from_config(
                     &cfg.cluster_token_file
                         .as_deref()
@@ -313,6 +349,7 @@ impl Daemon {
             }
         };
         let ticker = orch.start_ticker();
+        let sampler = orch.start_sampler();
         let tls = if cfg.tls.enabled() {
             let cert = agentenv_core::tls::ReloadingCert::load(
                 std::path::Path::new(cfg.tls.cert_file.trim()),
@@ -336,6 +373,7 @@ impl Daemon {
             reporter,
             event_task,
             ticker,
+            sampler,
             tls,
         })
     }
@@ -376,6 +414,7 @@ impl Daemon {
         orch.begin_shutdown();
         let _ = stop_tx.send(());
         self.ticker.abort();
+        self.sampler.abort();
         let (_, ()) = tokio::join!(server, orch.shutdown());
         let reporter = match self.event_task {
             Some(t) => t.await.ok(),

@@ -10,6 +10,7 @@ pub mod dataplane;
 pub mod host;
 pub mod ids;
 pub mod lifecycle;
+pub mod observe;
 pub mod reporter;
 pub mod snapshot;
 pub mod template;

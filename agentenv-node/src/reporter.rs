@@ -7,7 +7,6 @@
 //! resets the period. Sandbox events are batched and sent as they come. On
 //! shutdown the node unregisters, so the scheduler drops its bindings at once.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use agentenv_core::cluster_auth::{SchedulerLink, SendClusterToken};
@@ -22,6 +21,8 @@ use tokio::task::JoinHandle;
 use tokio::time::{Duration, sleep, timeout};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::observe::HostSampler;
 
 /// The scheduler connection: every call carries the cluster credential.
 type SchedulerClient = GrpcClient<InterceptedService<Channel, SendClusterToken>>;
@@ -58,8 +59,9 @@ pub struct ReporterConfig {
     pub max_backoff: Duration,
     /// Timeout of each RPC.
     pub rpc_timeout: Duration,
-    /// Filesystems whose usage is reported (e.g. the node's data directory).
-    pub disk_paths: Vec<PathBuf>,
+    /// The host's CPU, memory and file systems (the node's data directory's): shared
+    /// with `GET /nodes`.
+    pub host: Arc<HostSampler>,
     /// The cluster credential sent with every call (`AENV_CLUSTER_TOKEN_FILE`) and
     /// the TLS of `https://` endpoints.
     pub link: SchedulerLink,
@@ -84,7 +86,7 @@ impl ReporterConfig {
             first_delay: Duration::from_millis(100),
             max_backoff: Duration::from_secs(60),
             rpc_timeout: Duration::from_secs(10),
-            disk_paths: Vec::new(),
+            host: Arc::new(HostSampler::new(Vec::new())),
             link: SchedulerLink::default(),
         }
     }
@@ -257,54 +259,6 @@ impl Drop for ReporterHandle {
     }
 }
 
-/// Host CPU, memory and disk usage. CPU usage is measured between two
-/// samples, so the sampler lives as long as the reporter.
-struct HostSampler {
-    system: Option<sysinfo::System>,
-}
-
-impl HostSampler {
-    fn new() -> Self {
-        let system = match sysinfo::System::new() {
-            Ok(mut s) => {
-                s.refresh_cpu_usage();
-                s.refresh_memory();
-                Some(s)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "host metrics unavailable; heartbeats report zero CPU and memory usage");
-                None
-            }
-        };
-        Self { system }
-    }
-
-    fn sample(&mut self, snapshot: &mut NodeSnapshot, disk_paths: &[PathBuf]) {
-        if let Some(system) = &mut self.system {
-            system.refresh_cpu_usage();
-            system.refresh_memory();
-            snapshot.cpu_percent = system.global_cpu_usage().round().clamp(0.0, 100.0) as u32;
-            snapshot.cpu_count = system.cpus().len() as u32;
-            snapshot.memory_total_bytes = system.total_memory();
-            snapshot.memory_used_bytes = system.used_memory();
-        }
-        snapshot.disks = disk_paths.iter().filter_map(|p| disk_metric(p)).collect();
-    }
-}
-
-fn disk_metric(path: &std::path::Path) -> Option<DiskMetric> {
-    let st = nix::sys::statvfs::statvfs(path).ok()?;
-    let frsize = st.fragment_size() as u64;
-    let total = st.blocks() as u64 * frsize;
-    let free = st.blocks_free() as u64 * frsize;
-    Some(DiskMetric {
-        mount_point: path.display().to_string(),
-        total_bytes: total,
-        used_bytes: total.saturating_sub(free),
-        ..Default::default()
-    })
-}
-
 /// The host's processor as `/proc/cpuinfo` names its first one (`None`: not there).
 #[derive(Debug, Clone, Default)]
 pub struct CpuModel {
@@ -357,7 +311,6 @@ async fn heartbeat_loop(
     status: Arc<Mutex<ReporterStatus>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut host = HostSampler::new();
     let mut delay = config.first_delay;
     let mut backoff = config.interval;
     let mut ever_succeeded = false;
@@ -382,7 +335,22 @@ async fn heartbeat_loop(
             paused_allocated_memory_bytes: usage.paused_allocated_memory_bytes,
             ..Default::default()
         };
-        host.sample(&mut snapshot, &config.disk_paths);
+        let host = config.host.sample();
+        snapshot.cpu_percent = host.cpu_percent;
+        snapshot.cpu_count = host.cpu_count;
+        snapshot.memory_total_bytes = host.memory_total_bytes;
+        snapshot.memory_used_bytes = host.memory_used_bytes;
+        snapshot.disks = host
+            .disks
+            .into_iter()
+            .map(|d| DiskMetric {
+                mount_point: d.mount_point,
+                device: d.device,
+                filesystem_type: d.filesystem_type,
+                used_bytes: d.used_bytes,
+                total_bytes: d.total_bytes,
+            })
+            .collect();
         let send_cpu = !ever_succeeded || cpu_config_wanted;
         let req = HeartbeatRequest {
             node_id: config.node_id.clone(),

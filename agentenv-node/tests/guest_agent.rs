@@ -34,8 +34,7 @@ async fn create_with_agent(
     {
         Ok(()) => Ok(info),
         Err(e) => {
-            let log = std::fs::read_to_string(b.sandbox_dir(&info.id).join("agent.log"))
-                .unwrap_or_default();
+            let log = common::agent_log(b, &info.id);
             b.destroy(&info.id).await.unwrap();
             Err(format!("{e}\nagent log:\n{log}"))
         }

@@ -119,8 +119,12 @@ async fn heartbeats_carry_the_roster_so_the_scheduler_routes_to_the_node() {
     let sched = start_scheduler(TcpListener::bind("127.0.0.1:0").await.unwrap()).await;
     let node = Arc::new(FakeNode::default());
     *node.roster.lock() = vec!["sbx-1".into(), "sbx-2".into()];
-    let reporter =
-        ReporterHandle::start(reporter_config(sched.addr, "node-a"), node.clone()).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let mut config = reporter_config(sched.addr, "node-a");
+    config.host = Arc::new(agentenv_node::observe::HostSampler::new(vec![
+        data.path().to_path_buf(),
+    ]));
+    let reporter = ReporterHandle::start(config, node.clone()).unwrap();
     let addr = sched.addr;
     eventually("sbx-1 bound to node-a", WAIT, || async move {
         owner(addr, "sbx-1").await.as_deref() == Some("node-a")
@@ -143,6 +147,16 @@ async fn heartbeats_carry_the_roster_so_the_scheduler_routes_to_the_node() {
     assert!(
         snap.cpu_count > 0 && snap.memory_total_bytes > 0,
         "host metrics sampled"
+    );
+    assert_eq!(snap.disks.len(), 1, "the data directory's file system");
+    let disk = &snap.disks[0];
+    assert!(
+        disk.total_bytes > 0 && disk.total_bytes >= disk.used_bytes,
+        "{disk:?}"
+    );
+    assert!(
+        data.path().starts_with(&disk.mount_point) && !disk.filesystem_type.is_empty(),
+        "{disk:?}"
     );
     assert_eq!(observed.service_instance_id, "node-a-instance");
 

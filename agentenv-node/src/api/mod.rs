@@ -78,7 +78,8 @@ pub struct ApiState {
     pub relay_timeouts: dataplane::RelayTimeouts,
     registry: Mutex<Registry>,
     http: Family<HttpLabels, Histogram>,
-    host: Mutex<Option<sysinfo::System>>,
+    /// The host's CPU, memory and disks (the sampler heartbeats use too).
+    host: Arc<crate::observe::HostSampler>,
     machine: serde_json::Value,
     /// The listener serves TLS (links the node hands out say `https`).
     pub tls: std::sync::atomic::AtomicBool,
@@ -93,6 +94,7 @@ impl ApiState {
         identity: NodeIdentity,
         domains: Vec<String>,
         relay_timeouts: dataplane::RelayTimeouts,
+        host: Arc<crate::observe::HostSampler>,
     ) -> Arc<Self> {
         let http = Family::<HttpLabels, Histogram>::new_with_constructor(
             agentenv_core::metrics::latency_histogram as fn() -> Histogram,
@@ -112,7 +114,7 @@ impl ApiState {
             relay_timeouts,
             registry: Mutex::new(registry),
             http,
-            host: Mutex::new(sysinfo::System::new().ok()),
+            host,
             machine: nodes::machine_info(),
             tls: std::sync::atomic::AtomicBool::new(false),
             idempotency: idempotency::Idempotency::default(),

@@ -47,23 +47,20 @@ pub(super) fn machine_info() -> serde_json::Value {
 
 fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
     let u = state.orch.usage();
-    let (mem_total, mem_used, cpus) = {
-        let mut s = state.host.lock();
-        let (total, used) = match s.as_mut() {
-            Some(s) => {
-                s.refresh_memory();
-                (s.total_memory(), s.used_memory())
-            }
-            None => (0, 0),
-        };
-        (
-            total,
-            used,
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
-        )
-    };
+    let host = state.host.sample();
+    let disks: Vec<serde_json::Value> = host
+        .disks
+        .iter()
+        .map(|d| {
+            serde_json::json!({
+                "mountPoint": d.mount_point,
+                "device": d.device,
+                "filesystemType": d.filesystem_type,
+                "usedBytes": d.used_bytes,
+                "totalBytes": d.total_bytes,
+            })
+        })
+        .collect();
     let id = &state.identity;
     let mut v = serde_json::json!({
         "id": id.node_id,
@@ -82,11 +79,11 @@ fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
         "metrics": {
             "allocatedCPU": u.allocated_cpu,
             "allocatedMemoryBytes": u.allocated_memory_bytes,
-            "cpuPercent": 0,
-            "cpuCount": cpus,
-            "memoryUsedBytes": mem_used,
-            "memoryTotalBytes": mem_total,
-            "disks": [],
+            "cpuPercent": host.cpu_percent,
+            "cpuCount": host.cpu_count,
+            "memoryUsedBytes": host.memory_used_bytes,
+            "memoryTotalBytes": host.memory_total_bytes,
+            "disks": disks,
             "pausedAllocatedCPU": u.paused_allocated_cpu,
             "pausedAllocatedMemoryBytes": u.paused_allocated_memory_bytes,
         },

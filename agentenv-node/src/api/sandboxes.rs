@@ -124,7 +124,7 @@ pub(super) fn list_v1(state: &ApiState, req: &Request<Incoming>) -> Reply {
     let items: Vec<_> = items
         .iter()
         .filter(|r| r.state.api_name() == "running")
-        .map(listed_json)
+        .map(|r| listed_json(state, r))
         .collect();
     Ok(json_response(StatusCode::OK, &items))
 }
@@ -134,7 +134,10 @@ pub(super) fn list_v2(state: &ApiState, req: &Request<Incoming>) -> Reply {
     let q = ListQuery::parse(req.uri().query().unwrap_or("")).map_err(bad_request)?;
     let (items, next) = q.apply(sorted(state.orch.list()));
     Ok(page_response(
-        &items.iter().map(listed_json).collect::<Vec<_>>(),
+        &items
+            .iter()
+            .map(|r| listed_json(state, r))
+            .collect::<Vec<_>>(),
         next,
     ))
 }
@@ -308,7 +311,7 @@ fn end_at(rec: &SandboxRecord) -> String {
     )
 }
 
-fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
+fn listed_json(state: &ApiState, rec: &SandboxRecord) -> ListedSandboxJson {
     ListedSandboxJson {
         template_id: template_id(rec),
         alias: template_alias(rec),
@@ -318,7 +321,7 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
         end_at: end_at(rec),
         cpu_count: rec.cpu_count,
         memory_mb: rec.memory_mb,
-        disk_size_mb: 0,
+        disk_size_mb: state.orch.disk_size_mb(rec),
         metadata: rec.options.metadata.clone(),
         state: rec.state.api_name().to_string(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
@@ -327,7 +330,7 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
 
 fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
     SandboxDetailJson {
-        listed: listed_json(rec),
+        listed: listed_json(state, rec),
         envd_access_token: Some(state.orch.tokens().envd_token(&rec.id)),
         domain: state.domains.first().cloned(),
         allow_internet_access: rec.options.allow_internet_access,

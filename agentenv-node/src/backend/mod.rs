@@ -170,6 +170,21 @@ pub struct ResourceUsage {
     pub memory_limit_bytes: u64,
     /// Processes (threads included) in the sandbox.
     pub processes: u64,
+    /// Page cache charged to the sandbox, in bytes (part of `memory_bytes`).
+    #[serde(default)]
+    pub memory_cache_bytes: u64,
+    /// The sandbox's writable disk, when the backend can tell (see [`DiskUsage`]).
+    #[serde(default)]
+    pub disk: Option<DiskUsage>,
+}
+
+/// Space on a sandbox's writable disk, in bytes. jail: its layer's file system (`total`
+/// is the size less the file system's own metadata); microvm: its disk image (`used` is
+/// what the image holds on the host, which deletes in the guest do not shrink).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskUsage {
+    pub used_bytes: u64,
+    pub total_bytes: u64,
 }
 
 /// What [`SandboxBackend::reconcile`] found and removed.

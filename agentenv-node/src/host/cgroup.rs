@@ -84,6 +84,17 @@ pub struct Usage {
     pub memory_bytes: u64,
     pub memory_limit_bytes: u64,
     pub processes: u64,
+    /// Page cache (v1 `total_cache`, v2 `file` of `memory.stat`).
+    pub cache_bytes: u64,
+}
+
+/// The value of `key` in a `memory.stat` text (0 when absent).
+fn stat_value(stat: &str, key: &str) -> u64 {
+    stat.lines()
+        .filter_map(|l| l.split_once(' '))
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// CFS period used for CPU quotas.
@@ -626,6 +637,7 @@ impl SandboxCgroup {
                 memory_bytes: num(self.read("memory", "memory.usage_in_bytes")?),
                 memory_limit_bytes: num(self.read("memory", "memory.limit_in_bytes")?),
                 processes: num(self.read("pids", "pids.current")?),
+                cache_bytes: stat_value(&self.read("memory", "memory.stat")?, "total_cache"),
             })
         } else {
             let stat = self.read("cpu", "cpu.stat")?;
@@ -644,6 +656,7 @@ impl SandboxCgroup {
                     num(max)
                 },
                 processes: num(self.read("pids", "pids.current")?),
+                cache_bytes: stat_value(&self.read("memory", "memory.stat")?, "file"),
             })
         }
     }
@@ -652,6 +665,16 @@ impl SandboxCgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_stat_values_are_read_by_key() {
+        let v1 = "cache 4096\nrss 8192\ntotal_cache 12288\ntotal_rss 8192\n";
+        assert_eq!(stat_value(v1, "total_cache"), 12288);
+        assert_eq!(stat_value(v1, "cache"), 4096);
+        let v2 = "anon 100\nfile 2048\nfile_mapped 5\n";
+        assert_eq!(stat_value(v2, "file"), 2048);
+        assert_eq!(stat_value(v2, "missing"), 0);
+    }
 
     const MOUNTINFO_V1: &str = "\
 30 23 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755

@@ -23,7 +23,7 @@ use super::net::Ipv4Net;
 use super::table::{SandboxTable, TableSandbox};
 use super::{HostConfig, HostSlot, SandboxHost, netpool, setup};
 use crate::backend::{
-    AGENT_PORT, BackendError, KeptState, ReconcileReport, ResourceUsage, SandboxAddress,
+    AGENT_PORT, BackendError, DiskUsage, KeptState, ReconcileReport, ResourceUsage, SandboxAddress,
     SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
 };
 use crate::config::BackendKind;
@@ -64,6 +64,9 @@ pub struct HostedConfig {
     pub op_timeout: Duration,
     /// Host ids sandboxes are given, 65,536 each (`AENV_JAIL_ID_POOL`).
     pub id_pool: IdPoolRange,
+    /// Where sandboxes' logs go (the jail's agent output among them); the node shares
+    /// it with its lifecycle.
+    pub sandbox_logs: std::sync::Arc<crate::observe::LogBook>,
 }
 
 impl HostedConfig {
@@ -71,6 +74,10 @@ impl HostedConfig {
     /// changes the interface prefix, cgroup parent and timeout it wants).
     pub fn new(data_dir: impl Into<PathBuf>, agent_binary: impl Into<PathBuf>) -> Self {
         let data_dir = data_dir.into();
+        let sandbox_logs = std::sync::Arc::new(crate::observe::LogBook::new(
+            data_dir.join("sandbox-logs"),
+            crate::observe::logbook::DEFAULT_FILE_BYTES,
+        ));
         Self {
             templates: TemplateStoreConfig::new(data_dir.join("templates")),
             data_dir,
@@ -85,6 +92,7 @@ impl HostedConfig {
             cgroup_parent: "agentenv".into(),
             op_timeout: Duration::from_secs(5),
             id_pool: IdPoolRange::default(),
+            sandbox_logs,
         }
     }
 
@@ -268,6 +276,11 @@ pub trait Runtime: Send + Sync + Sized + 'static {
     /// Releases what the runtime holds for sandboxes to come, once the backend goes with
     /// no sandbox left.
     fn release_unused(&mut self) {}
+
+    /// The sandbox's writable disk, when the runtime can tell (it may block briefly).
+    fn disk_usage(_b: &HostedBackend<Self>, _sbx: &HostedSandbox<Self::Run>) -> Option<DiskUsage> {
+        None
+    }
 }
 
 /// A backend whose sandboxes are slots of a [`SandboxHost`], run by the runtime `R`.
@@ -317,6 +330,11 @@ impl<R: Runtime> HostedBackend<R> {
     /// The host side of the backend.
     pub fn host(&self) -> &SandboxHost {
         &self.host
+    }
+
+    /// Where the backend's sandboxes' logs go.
+    pub fn sandbox_logs(&self) -> &std::sync::Arc<crate::observe::LogBook> {
+        &self.runtime.config().sandbox_logs
     }
 
     /// The cgroup version in use (1 or 2).
@@ -394,6 +412,11 @@ impl<R: Runtime> HostedBackend<R> {
         let result = R::start(self, &spec, limits, progress)
             .await
             .map(std::sync::Arc::new);
+        if result.is_err() && spec.kept.is_none() {
+            // A sandbox that never ran leaves no log (one resumed from kept state keeps
+            // its history).
+            self.runtime.config().sandbox_logs.remove(&spec.id);
+        }
         self.sandboxes.finish(&spec.id, result)
     }
 
@@ -468,7 +491,9 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
     async fn destroy(&self, id: &str) -> Result<(), BackendError> {
         let sbx = self.sandboxes.remove_ready(id)?;
         let _op = sbx.op.lock().await;
-        R::teardown(self, &sbx, None).await
+        let r = R::teardown(self, &sbx, None).await;
+        self.runtime.config().sandbox_logs.remove(id);
+        r
     }
 
     async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {
@@ -537,7 +562,10 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
     }
 
     async fn usage(&self, id: &str) -> Result<ResourceUsage, BackendError> {
-        self.sandboxes.usage(id)
+        let sbx = self.sandboxes.ready(id)?;
+        let mut u = self.sandboxes.usage(id)?;
+        u.disk = R::disk_usage(self, &sbx);
+        Ok(u)
     }
 
     async fn list(&self) -> Vec<SandboxInfo> {

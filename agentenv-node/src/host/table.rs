@@ -123,6 +123,8 @@ impl<S: TableSandbox> SandboxTable<S> {
             memory_bytes: u.memory_bytes,
             memory_limit_bytes: u.memory_limit_bytes,
             processes: u.processes,
+            memory_cache_bytes: u.cache_bytes.min(u.memory_bytes),
+            disk: None,
         })
     }
 

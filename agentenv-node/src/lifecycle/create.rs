@@ -146,20 +146,24 @@ impl Orchestrator {
         }
         match started {
             Ok(addr) => {
-                let mut r = sandbox.done();
-                // The backend sandbox owns the imported state now.
-                r.kept = None;
-                r.address = Some(addr);
-                r.set_deadline(timeout);
-                let out = r.clone();
-                drop(r);
+                let out = {
+                    let mut r = sandbox.done();
+                    // The backend sandbox owns the imported state now.
+                    r.kept = None;
+                    r.address = Some(addr);
+                    r.set_deadline(timeout);
+                    r.clone()
+                };
                 self.create_successes.fetch_add(1, Ordering::Relaxed);
                 self.event(&out, SandboxEventType::Create);
+                self.log_event(&id, "sandbox created");
+                self.observe_started(&id).await;
                 tracing::info!(sandbox = %id, template = %out.template, "sandbox created");
                 Ok(out)
             }
             Err(e) => {
                 self.slots.lock().remove(&id);
+                self.forget_observed(&id);
                 self.create_fails.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(sandbox = %id, error = %e, "create failed");
                 Err(e)
@@ -332,6 +336,7 @@ impl Orchestrator {
             Ok(()) => {
                 self.forget_paused(&rec.id);
                 self.slots.lock().remove(&rec.id);
+                self.forget_observed(&rec.id);
                 self.event(&rec, SandboxEventType::Delete);
                 tracing::info!(sandbox = %rec.id, "sandbox deleted");
                 Ok(())

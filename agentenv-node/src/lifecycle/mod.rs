@@ -16,13 +16,15 @@
 //! The rooms: `state` (the table), `record` (what is known of a sandbox), `create`
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
-//! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage, the data plane's route).
+//! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage,
+//! the data plane's route), `observe` (resource samples and sandbox logs).
 
 mod build;
 mod create;
 mod fork;
 mod listing;
 mod metrics;
+mod observe;
 mod pause;
 mod persist;
 mod record;
@@ -121,6 +123,12 @@ pub struct LifecycleConfig {
     pub agent_ready_timeout: Duration,
     /// Longest `timeout` a create or `/timeout` may ask for.
     pub max_timeout: Duration,
+    /// Time between two resource samples of a running sandbox.
+    pub metrics_interval: Duration,
+    /// Resource samples kept per sandbox.
+    pub metrics_history: usize,
+    /// A sandbox's writable disk (MiB) when its create names none (`None`: unknown).
+    pub default_disk_size_mb: Option<u64>,
 }
 
 impl Default for LifecycleConfig {
@@ -133,6 +141,9 @@ impl Default for LifecycleConfig {
             default_memory_mb: 512,
             agent_ready_timeout: Duration::from_secs(30),
             max_timeout: Duration::from_secs(86_400),
+            metrics_interval: Duration::from_secs(5),
+            metrics_history: crate::observe::ring::DEFAULT_HISTORY,
+            default_disk_size_mb: None,
         }
     }
 }
@@ -224,6 +235,10 @@ pub struct Orchestrator {
     create_successes: AtomicU64,
     create_fails: AtomicU64,
     metrics: LifecycleMetrics,
+    /// Resource samples of the sandboxes.
+    samples: crate::observe::MetricStore,
+    /// Where sandbox logs go.
+    logs: OnceLock<Arc<crate::observe::LogBook>>,
 }
 
 impl Orchestrator {
@@ -244,6 +259,7 @@ impl Orchestrator {
             tracing::info!(sandbox = %rec.id, "restored paused sandbox");
             slots.insert(rec.id.clone(), Slot::new(rec));
         }
+        let samples = crate::observe::MetricStore::new(cfg.metrics_history);
         Ok(Arc::new(Self {
             backend,
             kind,
@@ -258,6 +274,8 @@ impl Orchestrator {
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
             metrics: LifecycleMetrics::default(),
+            samples,
+            logs: OnceLock::new(),
         }))
     }
 
@@ -292,7 +310,7 @@ impl Orchestrator {
                 event_type: kind as i32,
                 requested_cpu: rec.cpu_count,
                 requested_memory_bytes: rec.memory_mb << 20,
-                requested_disk_bytes: 0,
+                requested_disk_bytes: self.disk_size_mb(rec) << 20,
             });
         }
     }

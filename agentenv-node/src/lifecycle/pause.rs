@@ -101,6 +101,7 @@ impl Orchestrator {
             r.clone()
         };
         self.event(&out, SandboxEventType::Pause);
+        self.log_event(&out.id, "sandbox paused");
         tracing::info!(sandbox = %out.id, ?mode, "sandbox paused");
         if mode == PauseMode::Filesystem {
             self.keep_files(slot).await?;
@@ -237,17 +238,20 @@ impl Orchestrator {
             }
         };
         self.forget_paused(&rec.id);
-        let mut r = slot.done();
-        r.restored = false;
-        // The backend sandbox owns what was kept now.
-        r.kept = None;
-        r.address = Some(addr);
-        r.pause_mode = None;
-        r.paused_at_ms = None;
-        r.set_deadline(timeout);
-        let out = r.clone();
-        drop(r);
+        let out = {
+            let mut r = slot.done();
+            r.restored = false;
+            // The backend sandbox owns what was kept now.
+            r.kept = None;
+            r.address = Some(addr);
+            r.pause_mode = None;
+            r.paused_at_ms = None;
+            r.set_deadline(timeout);
+            r.clone()
+        };
         self.event(&out, SandboxEventType::Resume);
+        self.log_event(&out.id, "sandbox resumed");
+        self.observe_started(&out.id).await;
         tracing::info!(sandbox = %out.id, "sandbox resumed");
         Ok(out)
     }

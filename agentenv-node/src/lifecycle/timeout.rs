@@ -62,6 +62,9 @@ impl Orchestrator {
                 if !sandbox.rec.lock().is_due(Instant::now()) {
                     return;
                 }
+                if action == OnTimeout::Pause {
+                    this.log_event(&id, "timeout expired: pausing the sandbox");
+                }
                 let result = match action {
                     OnTimeout::Pause => this.pause_locked(&sandbox, mode).await,
                     OnTimeout::Kill => this.delete_locked(&sandbox).await,

@@ -112,6 +112,21 @@ fn rand_u16() -> u16 {
     (t as u16) ^ N.fetch_add(7919, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// What sandbox `id`'s agent wrote (its log's messages, one a line).
+pub fn agent_log(b: &JailBackend, id: &str) -> String {
+    let q = agentenv_node::observe::LogQuery {
+        limit: usize::MAX,
+        ..Default::default()
+    };
+    b.sandbox_logs()
+        .read(id, &q)
+        .unwrap_or_default()
+        .iter()
+        .map(|e| e.message.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Creates a sandbox and waits until its agent answers.
 pub async fn create_ready(b: &JailBackend, spec: SandboxSpec) -> SandboxInfo {
     let id = spec.id.clone();
@@ -123,7 +138,7 @@ pub async fn create_ready(b: &JailBackend, spec: SandboxSpec) -> SandboxInfo {
     )
     .await
     {
-        let log = std::fs::read_to_string(b.sandbox_dir(&id).join("agent.log")).unwrap_or_default();
+        let log = agent_log(b, &id);
         panic!("{e}\nagent log:\n{log}");
     }
     info

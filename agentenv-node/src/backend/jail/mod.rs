@@ -9,7 +9,12 @@
 //! * `upper/` and `work/`, the overlay's writable layer, owned by the sandbox's ids;
 //! * `lower/`, where the template is attached id-mapped into the sandbox's range (so the
 //!   template, owned by host root on disk, is owned by root inside);
-//! * `root/`, the overlay's mount point, the agent's log and `state.json`.
+//! * `root/`, the overlay's mount point, and `state.json`.
+//!
+//! PID 1's stdout and stderr are a pipe the node reads into the sandbox's log
+//! ([`crate::observe`]): lines cut, escapes removed, held to a rate budget, the log
+//! capped on disk; the tenant can write there (as root inside it reaches the agent's
+//! descriptors) but cannot grow anything of the node's.
 //!
 //! The root and every mount the tenant can write to are `nodev,nosuid`; /dev holds the
 //! host's standard device nodes bound in ([`spawn::STANDARD_DEVICES`]), which is all the
@@ -47,7 +52,7 @@ use nix::sys::wait::WaitStatus;
 use nix::unistd::Pid;
 use tokio::sync::watch;
 
-use super::{BackendError, KeptState, ReconcileReport, SandboxSpec, SnapshotCapture};
+use super::{BackendError, DiskUsage, KeptState, ReconcileReport, SandboxSpec, SnapshotCapture};
 use crate::config::BackendKind;
 use crate::host::cgroup::Limits;
 use crate::host::disk::{self, LayerPool, MountOptions, MountedLayer};
@@ -55,6 +60,7 @@ use crate::host::{
     HostedBackend, HostedConfig, HostedSandbox, Phases, Runtime, SandboxHost, setup, spawn,
     watch_exit,
 };
+use crate::observe::output::{Feed, agent_level, pump_pipe};
 use crate::template::Progress;
 
 pub use config::{
@@ -311,8 +317,10 @@ impl JailBackend {
                 .map_err(|e| BackendError::io(format!("creating {}", d.display()), e))?;
         }
         phases.mark("prepare");
-        let log = std::fs::File::create(dir.join("agent.log"))
-            .map_err(|e| BackendError::io("creating agent.log", e))?;
+        // PID 1's stdout and stderr: a pipe the node reads into the sandbox's log (cut,
+        // cleaned and rate-limited: every byte is the tenant's).
+        let (out_read, out_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| BackendError::io("creating the agent's output pipe", e.into()))?;
         phases.mark("dirs");
         let userns = ids
             .user_namespace()
@@ -362,7 +370,7 @@ impl JailBackend {
             program: spawn::Program::Inside(AGENT_GUEST_PATH),
             args: &self.cfg().agent_args,
             env,
-            log: log.as_fd(),
+            log: out_write.as_fd(),
             filters: self.runtime.filters.as_ref().clone(),
             rlimits: spawn::SANDBOX_RLIMITS,
             umask: 0o022,
@@ -379,7 +387,11 @@ impl JailBackend {
         .await
         .map_err(|e| setup(format!("spawn task: {e}")))?;
         let pid = pid.map_err(setup)?;
-        drop(log);
+        drop(out_write);
+        if let Some(log) = self.cfg().sandbox_logs.open(&spec.id) {
+            let feed = Feed::new(log.clone(), &[("source", "agent")], agent_level);
+            log.attach(tokio::spawn(pump_pipe(out_read, feed)).abort_handle());
+        }
         phases.split("queue", queued);
         phases.mark("spawn");
         claim.set_pid(pid.as_raw());
@@ -585,6 +597,16 @@ impl Runtime for JailRuntime {
             report.removed_other.extend(removed);
         }
         Ok(report)
+    }
+
+    /// The layer's file system: its space in use and its capacity.
+    fn disk_usage(_b: &JailBackend, sbx: &Sandbox) -> Option<DiskUsage> {
+        let layer = sbx.run.layer.lock().unwrap_or_else(|e| e.into_inner());
+        let u = disk::layer_usage(layer.as_ref()?.mountpoint()).ok()?;
+        Some(DiskUsage {
+            used_bytes: u.used_bytes,
+            total_bytes: u.total_bytes,
+        })
     }
 
     /// The pooled layers and the data directory's own mount go: nothing of the backend

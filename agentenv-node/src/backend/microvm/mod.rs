@@ -61,7 +61,7 @@ use tokio::sync::watch;
 
 use self::jail::Jail;
 
-use super::{BackendError, KeptState, SandboxSpec, SnapshotCapture};
+use super::{BackendError, DiskUsage, KeptState, SandboxSpec, SnapshotCapture};
 use crate::config::BackendKind;
 use crate::host::cgroup::{Limits, SandboxCgroup};
 use crate::host::ids::IdRange;
@@ -658,5 +658,20 @@ impl Runtime for MicrovmRuntime {
             return Err(e);
         }
         Ok(KeptState { path })
+    }
+
+    /// The disk image: its size, and the blocks it holds on the host (an upper bound of
+    /// what the guest uses: files it deletes keep their blocks until it discards them).
+    fn disk_usage(_b: &MicrovmBackend, sbx: &Sandbox) -> Option<DiskUsage> {
+        use std::os::unix::fs::MetadataExt;
+        let disk = Jail::of(&sbx.host.dir).host_path(jail::DISK);
+        let m = std::fs::symlink_metadata(disk).ok()?;
+        if !m.is_file() {
+            return None;
+        }
+        Some(DiskUsage {
+            used_bytes: m.blocks().saturating_mul(512).min(m.len()),
+            total_bytes: m.len(),
+        })
     }
 }

@@ -472,6 +472,7 @@ impl Orchestrator {
                     spec.ready_cmd.as_deref(),
                     t.settings.ready_timeout,
                     Some(log),
+                    None,
                 )
                 .await
                 .map_err(|m| BuildFailure::at("finalize", m))?;

@@ -3,6 +3,8 @@
 //! commands, in a build and at a create.
 
 use super::*;
+use crate::observe::output::{DRAIN_PAUSE, Feed};
+use crate::observe::{Level, SandboxLog};
 
 /// The running build sandbox.
 pub(in crate::lifecycle) struct BuildBox {
@@ -425,10 +427,16 @@ impl Orchestrator {
             addr,
             token: self.tokens.envd_token(sandbox_id),
         };
-        self.start_and_wait_ready(&bx, state, start, ready, timeout, None)
+        let log = self.sandbox_log_book().and_then(|b| b.open(sandbox_id));
+        self.start_and_wait_ready(&bx, state, start, ready, timeout, None, log)
             .await
     }
 
+    /// Starts `start` and waits for `ready`, as [`Self::start_and_wait_ready_at`]. With
+    /// `sandbox_log`, the start command's output goes on into that log for as long as
+    /// the command runs (stdout `info`, stderr `error`); without, its stream goes once
+    /// the sandbox is ready.
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::lifecycle) async fn start_and_wait_ready(
         &self,
         bx: &BuildBox,
@@ -437,9 +445,9 @@ impl Orchestrator {
         ready: Option<&str>,
         timeout: Duration,
         log: Option<&BuildLog>,
+        sandbox_log: Option<Arc<SandboxLog>>,
     ) -> Result<(), String> {
         use agentenv_guest::proto::process as pr;
-        use pr::process_event::Event;
         let user = state.user.clone().unwrap_or_else(|| "root".into());
         let ended: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         let mut pump = None;
@@ -459,28 +467,21 @@ impl Orchestrator {
                 tag: Some("start-cmd".into()),
                 ..Default::default()
             };
-            let mut stream = client
+            let stream = client
                 .start(&req)
                 .await
                 .map_err(|e| format!("starting the start command: {e}"))?;
             let ended = ended.clone();
-            pump = Some(tokio::spawn(async move {
-                while let Some(Ok(msg)) = stream.next().await {
-                    if let Some(Event::End(e)) = msg.event.and_then(|e| e.event) {
-                        *ended.lock() = Some(if e.exited {
-                            format!("exit code {}", e.exit_code)
-                        } else {
-                            e.status
-                        });
-                    }
-                }
-            }));
+            let feeds = sandbox_log.clone().map(start_cmd_feeds);
+            pump = Some(tokio::spawn(pump_start_cmd(stream, ended, feeds)));
         }
+        let keep_pumping = sandbox_log.is_some();
         let Some(ready) = ready else {
             if let Some(p) = pump {
-                // The process keeps running in the sandbox; only the stream goes.
+                // The process keeps running in the sandbox; only the stream goes (or
+                // goes on into the sandbox's log).
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                p.abort();
+                keep_or_abort(p, sandbox_log.as_deref(), ended.lock().is_none());
             }
             return match ended.lock().take() {
                 Some(s) if s != "exit code 0" => Err(format!("the start command ended with {s}")),
@@ -519,7 +520,7 @@ impl Orchestrator {
             }
         };
         if let Some(p) = pump {
-            p.abort();
+            keep_or_abort(p, sandbox_log.as_deref(), result.is_ok() && keep_pumping);
         }
         if result.is_ok()
             && let Some(log) = log
@@ -527,6 +528,87 @@ impl Orchestrator {
             log.info(Some("finalize"), "Ready");
         }
         result
+    }
+}
+
+/// The feeds of a start command's stdout (`info`) and stderr (`error`) into `log`.
+fn start_cmd_feeds(log: Arc<SandboxLog>) -> [Feed; 2] {
+    [
+        Feed::new(
+            log.clone(),
+            &[("source", "start-cmd"), ("stream", "stdout")],
+            |_| Level::Info,
+        ),
+        Feed::new(
+            log,
+            &[("source", "start-cmd"), ("stream", "stderr")],
+            |_| Level::Error,
+        ),
+    ]
+}
+
+/// Reads a start command's stream until it ends: its exit into `ended`, its output into
+/// `feeds` (when given).
+async fn pump_start_cmd(
+    mut stream: agentenv_guest::client::ResponseStream<
+        agentenv_guest::proto::process::StartResponse,
+    >,
+    ended: Arc<Mutex<Option<String>>>,
+    mut feeds: Option<[Feed; 2]>,
+) {
+    use agentenv_guest::proto::process::process_event::Event;
+    use agentenv_guest::proto::process::process_event::data_event::Output;
+    while let Some(Ok(msg)) = stream.next().await {
+        match msg.event.and_then(|e| e.event) {
+            Some(Event::Data(d)) => {
+                let Some(feeds) = feeds.as_mut() else {
+                    continue;
+                };
+                let dropped = match d.output {
+                    Some(Output::Stdout(b)) | Some(Output::Pty(b)) => {
+                        feeds[0].push(&b, tokio::time::Instant::now())
+                    }
+                    Some(Output::Stderr(b)) => feeds[1].push(&b, tokio::time::Instant::now()),
+                    None => false,
+                };
+                if dropped {
+                    // Past the budget: slow down, so the agent's stream pushes back.
+                    tokio::time::sleep(DRAIN_PAUSE).await;
+                }
+            }
+            Some(Event::End(e)) => {
+                let how = if e.exited {
+                    format!("exit code {}", e.exit_code)
+                } else {
+                    e.status
+                };
+                if let Some(mut feeds) = feeds.take() {
+                    for f in feeds.iter_mut() {
+                        f.finish();
+                    }
+                    feeds[0].log().push(
+                        Level::Info,
+                        format!("the start command ended with {how}"),
+                        &[("source", "start-cmd")],
+                    );
+                }
+                *ended.lock() = Some(how);
+            }
+            _ => {}
+        }
+    }
+    // The stream broke without an end: what is left of a line still goes in.
+    for f in feeds.iter_mut().flatten() {
+        f.finish();
+    }
+}
+
+/// Leaves the start command's pump running (`keep`, with a log to feed: the log stops
+/// it when the sandbox goes), else stops it.
+fn keep_or_abort(pump: tokio::task::JoinHandle<()>, log: Option<&SandboxLog>, keep: bool) {
+    match log {
+        Some(log) if keep => log.attach(pump.abort_handle()),
+        _ => pump.abort(),
     }
 }
 
