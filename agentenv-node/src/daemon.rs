@@ -244,6 +244,23 @@ impl Daemon {
             )),
             bs,
         )?));
+        let volumes = crate::volume::Volumes::open(
+            snapshots.storage().clone(),
+            &cfg.snapshot_repository,
+            &cfg.volume_path,
+            crate::volume::VolumeKey::from_seed(&seed),
+            &cfg.node_id,
+        )
+        .map_err(LifecycleError::from)?;
+        orch.set_volumes(Arc::new(volumes));
+        match orch.reconcile_volumes().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                removed = n,
+                "removed volume leases of sandboxes this node no longer has"
+            ),
+            Err(e) => tracing::warn!(error = %e, "checking this node's volume leases"),
+        }
         orch.set_snapshot_repository(snapshots);
         let identity = NodeIdentity {
             node_id: cfg.node_id.clone(),

@@ -13,3 +13,4 @@ pub mod lifecycle;
 pub mod reporter;
 pub mod snapshot;
 pub mod template;
+pub mod volume;

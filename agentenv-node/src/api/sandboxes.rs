@@ -12,7 +12,7 @@ use super::body::{json_response, page_response, read_json};
 use super::error::{Reply, bad_request};
 use super::model::{
     LifecycleJson, ListQuery, ListedSandboxJson, NewSandbox, RefreshBody, SandboxDetailJson,
-    SandboxJson, TimeoutBody,
+    SandboxJson, TimeoutBody, VolumeMountJson,
 };
 use crate::clock::ms_rfc3339;
 use crate::dataplane::status_only;
@@ -193,6 +193,15 @@ fn listed_json(rec: &SandboxRecord) -> ListedSandboxJson {
         metadata: rec.options.metadata.clone(),
         state: rec.state.api_name().to_string(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
+        volume_mounts: rec
+            .options
+            .volume_mounts
+            .iter()
+            .map(|m| VolumeMountJson {
+                name: m.name.clone(),
+                path: m.path.clone(),
+            })
+            .collect(),
     }
 }
 

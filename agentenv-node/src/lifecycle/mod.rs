@@ -16,7 +16,8 @@
 //! The rooms: `state` (the table), `record` (what is known of a sandbox), `create`
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
-//! creates from them), `listing` (get, list, usage, the data plane's route).
+//! creates from them), `listing` (get, list, usage, the data plane's route), `volumes`
+//! (a sandbox's volumes through its life).
 
 mod build;
 mod create;
@@ -28,6 +29,7 @@ mod record;
 mod snapshot;
 mod state;
 mod timeout;
+mod volumes;
 
 pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Templates};
 pub use listing::{ReporterSource, RouteError};
@@ -83,6 +85,8 @@ pub enum LifecycleError {
     Snapshot(#[from] SnapshotError),
     #[error(transparent)]
     Catalog(#[from] crate::template::catalog::CatalogError),
+    #[error(transparent)]
+    Volume(#[from] crate::volume::VolumeError),
     #[error(
         "this node has no snapshot repository: configure AENV_SNAPSHOT_STORE (a directory shared by the nodes) or the oss repository"
     )]
@@ -215,6 +219,7 @@ pub struct Orchestrator {
     events: Mutex<Option<mpsc::UnboundedSender<SandboxEvent>>>,
     snapshots: OnceLock<Arc<SnapshotRepo>>,
     templates: OnceLock<Arc<Templates>>,
+    volumes: OnceLock<Arc<crate::volume::Volumes>>,
     create_successes: AtomicU64,
     create_fails: AtomicU64,
     metrics: LifecycleMetrics,
@@ -249,6 +254,7 @@ impl Orchestrator {
             events: Mutex::new(None),
             snapshots: OnceLock::new(),
             templates: OnceLock::new(),
+            volumes: OnceLock::new(),
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
             metrics: LifecycleMetrics::default(),

@@ -32,6 +32,7 @@ impl Orchestrator {
         let timer = self.metrics.start("pause", "total");
         let result = async {
             self.backend.pause(&rec.id).await?;
+            self.flush_volumes(&rec.id).await;
             let mut paused = rec.clone();
             paused.state = State::Paused;
             paused.expires_at_ms = None;
@@ -176,6 +177,7 @@ impl Orchestrator {
             if kept.is_none() {
                 self.release(&id, "releasing the sandbox at shutdown").await;
             }
+            self.unbind_volumes(&id).await;
             // No backend sandbox is left: a later resume starts it afresh, from what
             // was kept.
             let rec = {
