@@ -390,14 +390,16 @@ fn volume_bind(
     userns: RawFd,
 ) -> Result<(), Errno> {
     use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat2};
-    let dir = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    // No O_NOFOLLOW: with O_PATH it would open a final link itself; RESOLVE_NO_SYMLINKS
+    // refuses it (ELOOP) like any other link on the way.
+    let dir = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
     let how = OpenHow::new().flags(dir).resolve(
         ResolveFlag::RESOLVE_BENEATH
             | ResolveFlag::RESOLVE_NO_SYMLINKS
             | ResolveFlag::RESOLVE_NO_MAGICLINKS
             | ResolveFlag::RESOLVE_NO_XDEV,
     );
-    let mut cur = nix::fcntl::open(root, dir, Mode::empty())?;
+    let mut cur = nix::fcntl::open(root, dir | OFlag::O_NOFOLLOW, Mode::empty())?;
     for c in components {
         cur = match openat2(&cur, c.as_c_str(), how) {
             Ok(fd) => fd,
