@@ -140,7 +140,10 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
             "{m}"
         );
     }
-    assert_eq!(api(a, "GET", &format!("/volumes/{vid}"), "").await.status, 200);
+    assert_eq!(
+        api(a, "GET", &format!("/volumes/{vid}"), "").await.status,
+        200
+    );
 
     assert_eq!(delete(a, &sa).await.status, 204);
     assert_eq!(delete(b, &sb).await.status, 204);
@@ -171,7 +174,9 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     );
     // Still mounted, so still not deletable (the restart kept its lease).
     assert_eq!(
-        api(b, "DELETE", &format!("/volumes/{vid}"), "").await.status,
+        api(b, "DELETE", &format!("/volumes/{vid}"), "")
+            .await
+            .status,
         409
     );
     assert_eq!(delete(a, &sc).await.status, 204);
@@ -180,8 +185,14 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     let r = api(b, "DELETE", &format!("/volumes/{vid}"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
     assert!(!store.path().join("volumes").join(&vid).exists());
-    assert_eq!(api(a, "GET", &format!("/volumes/{vid}"), "").await.status, 404);
-    assert_eq!(api(a, "GET", "/volumes", "").await.json(), serde_json::json!([]));
+    assert_eq!(
+        api(a, "GET", &format!("/volumes/{vid}"), "").await.status,
+        404
+    );
+    assert_eq!(
+        api(a, "GET", "/volumes", "").await.json(),
+        serde_json::json!([])
+    );
     node_a.stop().await;
     node_b.stop().await;
 }
@@ -213,7 +224,13 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
         api(addr, "GET", "/volumes", "").await.json(),
         serde_json::json!([{"volumeID": vid, "name": "data"}])
     );
-    let r = api(addr, "POST", "/v2/sandboxes", &mounting("base", "nope", "/mnt/v")).await;
+    let r = api(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &mounting("base", "nope", "/mnt/v"),
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(
         message(&r).contains("volume \"nope\" not found"),
@@ -259,7 +276,11 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
 
     // The content API: the volume's token, not the API key.
     let base = format!("/volumecontent/{vid}");
-    for auth in [None, Some("Bearer wrong"), Some(&*format!("Bearer {}x", &token[1..]))] {
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some(&*format!("Bearer {}x", &token[1..])),
+    ] {
         let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
         let r = request(addr, "GET", &format!("{base}/dir?path=%2F"), &headers, "").await;
         assert_eq!(r.status, 401, "{auth:?}");
@@ -267,7 +288,14 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
     let r = api(addr, "GET", &format!("{base}/dir?path=%2F"), "").await;
     assert_eq!(r.status, 401, "the API key is not the volume's token");
     let other = agentenv_node::ids::new_sandbox_id();
-    let r = content(addr, "GET", &format!("/volumecontent/{other}/dir?path=%2F"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("/volumecontent/{other}/dir?path=%2F"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 401, "a token opens its own volume only");
 
     // Write (Python's `+` for a space), list, stat, read, change, remove.
@@ -284,31 +312,81 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
     assert_eq!(e["name"], "a b.txt");
     assert_eq!(e["path"], "/docs/a b.txt");
     assert_eq!(e["type"], "file");
-    assert_eq!((e["size"].as_u64(), e["mode"].as_u64()), (Some(12), Some(0o640)));
-    assert_eq!((e["uid"].as_u64(), e["gid"].as_u64()), (Some(1000), Some(1000)));
+    assert_eq!(
+        (e["size"].as_u64(), e["mode"].as_u64()),
+        (Some(12), Some(0o640))
+    );
+    assert_eq!(
+        (e["uid"].as_u64(), e["gid"].as_u64()),
+        (Some(1000), Some(1000))
+    );
     assert!(e["mtime"].as_str().unwrap().ends_with('Z'));
-    let r = content(addr, "GET", &format!("{base}/dir?path=%2F&depth=2"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("{base}/dir?path=%2F&depth=2"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let names: Vec<String> = r.json().as_array().unwrap().iter().map(|e| e["path"].as_str().unwrap().to_string()).collect();
+    let names: Vec<String> = r
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(names, ["/docs", "/docs/a b.txt"]);
-    let r = content(addr, "GET", &format!("{base}/file?path=%2Fdocs%2Fa%20b.txt"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("{base}/file?path=%2Fdocs%2Fa%20b.txt"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 200);
     assert_eq!(&r.body[..], b"hello volume");
     assert_eq!(r.headers["content-type"], "application/octet-stream");
-    let r = content(addr, "POST", &format!("{base}/dir?path=%2Fdocs%2Fsub&mode=448"), &token, b"").await;
+    let r = content(
+        addr,
+        "POST",
+        &format!("{base}/dir?path=%2Fdocs%2Fsub&mode=448"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(r.json()["type"], "directory");
-    let r = content(addr, "POST", &format!("{base}/dir?path=%2Fdocs%2Fsub"), &token, b"").await;
+    let r = content(
+        addr,
+        "POST",
+        &format!("{base}/dir?path=%2Fdocs%2Fsub"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 409, "{}", r.text());
     assert_eq!(r.json()["code"], "already_exists");
-    let r = content(addr, "POST", &format!("{base}/dir?path=%2Fnone%2Fsub"), &token, b"").await;
+    let r = content(
+        addr,
+        "POST",
+        &format!("{base}/dir?path=%2Fnone%2Fsub"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 404, "without force the parent must exist");
     assert_eq!(r.json()["code"], "not_found");
     let r = request(
         addr,
         "PATCH",
         &format!("{base}/path?path=%2Fdocs%2Fa%20b.txt"),
-        &[("authorization", &format!("Bearer {token}")), ("content-type", "application/json")],
+        &[
+            ("authorization", &format!("Bearer {token}")),
+            ("content-type", "application/json"),
+        ],
         r#"{"mode":384}"#,
     )
     .await;
@@ -321,10 +399,27 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
         "hello volume1000:1000:600\n0:0:700"
     );
     read(addr, &s, "echo from-sandbox > /mnt/data/s.txt").await;
-    let r = content(addr, "GET", &format!("{base}/path?path=%2Fs.txt"), &token, b"").await;
-    assert_eq!((r.json()["uid"].as_u64(), r.json()["size"].as_u64()), (Some(0), Some(13)));
+    let r = content(
+        addr,
+        "GET",
+        &format!("{base}/path?path=%2Fs.txt"),
+        &token,
+        b"",
+    )
+    .await;
+    assert_eq!(
+        (r.json()["uid"].as_u64(), r.json()["size"].as_u64()),
+        (Some(0), Some(13))
+    );
     assert_eq!(delete(addr, &s).await.status, 204);
-    let r = content(addr, "DELETE", &format!("{base}/path?path=%2Fdocs"), &token, b"").await;
+    let r = content(
+        addr,
+        "DELETE",
+        &format!("{base}/path?path=%2Fdocs"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 204, "{}", r.text());
     for (method, path, status) in [
         ("GET", "path?path=%2Fdocs", 404),
@@ -339,11 +434,24 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
     ] {
         let r = content(addr, method, &format!("{base}/{path}"), &token, b"").await;
         assert_eq!(r.status, status, "{method} {path}: {}", r.text());
-        assert!(r.json()["code"].is_string(), "{method} {path}: the code is a string");
+        assert!(
+            r.json()["code"].is_string(),
+            "{method} {path}: the code is a string"
+        );
     }
     let r = content(addr, "GET", &format!("{base}/dir?path=%2F"), &token, b"").await;
-    assert_eq!(r.json().as_array().unwrap().len(), 1, "only s.txt: {}", r.text());
-    assert_eq!(api(addr, "DELETE", &format!("/volumes/{vid}"), "").await.status, 204);
+    assert_eq!(
+        r.json().as_array().unwrap().len(),
+        1,
+        "only s.txt: {}",
+        r.text()
+    );
+    assert_eq!(
+        api(addr, "DELETE", &format!("/volumes/{vid}"), "")
+            .await
+            .status,
+        204
+    );
     let r = content(addr, "GET", &format!("{base}/dir?path=%2F"), &token, b"").await;
     assert_eq!(r.status, 404, "a deleted volume's content is gone");
     node.stop().await;
@@ -365,11 +473,17 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["keep"], "the host directory changed");
-        assert_eq!(std::fs::read(victim.path().join("keep")).unwrap(), b"host file");
+        assert_eq!(
+            std::fs::read(victim.path().join("keep")).unwrap(),
+            b"host file"
+        );
         let m = std::fs::metadata(victim.path().join("keep")).unwrap();
         assert_eq!((m.uid(), m.gid()), (0, 0));
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        assert!(!mounts.contains(&v), "something is mounted on the host directory");
+        assert!(
+            !mounts.contains(&v),
+            "something is mounted on the host directory"
+        );
     };
     let (vid, _) = new_volume(addr, "links").await;
 
@@ -378,7 +492,9 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
     read(
         addr,
         &src,
-        &format!("ln -s {v} /mnt/at && ln -s {v} /mnt/via && ln -s / /mnt/rootlink && echo x > /mnt/file"),
+        &format!(
+            "ln -s {v} /mnt/at && ln -s {v} /mnt/via && ln -s / /mnt/rootlink && echo x > /mnt/file"
+        ),
     )
     .await;
     let r = snapshot(addr, &src, r#"{"name":"planted"}"#).await;
@@ -390,13 +506,22 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
         ("/mnt/rootlink/tmp", "symbolic link"),
         ("/mnt/file", "not a directory"),
     ] {
-        let r = api(addr, "POST", "/v2/sandboxes", &mounting("planted", "links", path)).await;
+        let r = api(
+            addr,
+            "POST",
+            "/v2/sandboxes",
+            &mounting("planted", "links", path),
+        )
+        .await;
         assert_eq!(r.status, 400, "{path}: {}", r.text());
         let m = message(&r);
         assert!(m.contains(path) && m.contains(why), "{path}: {m}");
         victim_unchanged();
     }
-    assert_eq!(api(addr, "GET", "/v2/sandboxes", "").await.json(), serde_json::json!([]));
+    assert_eq!(
+        api(addr, "GET", "/v2/sandboxes", "").await.json(),
+        serde_json::json!([])
+    );
     // The failed creates left no lease: the volume can go and come back.
     let r = api(addr, "DELETE", &format!("/volumes/{vid}"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
@@ -411,7 +536,14 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
     )
     .await;
     let base = format!("/volumecontent/{vid}");
-    let r = content(addr, "GET", &format!("{base}/path?path=%2Fhost-file"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("{base}/path?path=%2Fhost-file"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["type"], "symlink");
     assert_eq!(r.json()["target"], format!("{v}/keep"));
@@ -426,23 +558,52 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
         ("DELETE", "path?path=%2Fhost-dir%2Fkeep"),
         ("GET", "file?path=%2Ffifo"),
     ] {
-        let body: &'static [u8] = if method == "PATCH" { br#"{"uid":5}"# } else { b"x" };
+        let body: &'static [u8] = if method == "PATCH" {
+            br#"{"uid":5}"#
+        } else {
+            b"x"
+        };
         let r = content(addr, method, &format!("{base}/{path}"), &token, body).await;
         assert_eq!(r.status, 400, "{method} {path}: {}", r.text());
         victim_unchanged();
     }
     // Listing shows the links as links; removing one removes the link.
-    let r = content(addr, "GET", &format!("{base}/dir?path=%2F&depth=3"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("{base}/dir?path=%2F&depth=3"),
+        &token,
+        b"",
+    )
+    .await;
     let kinds: Vec<(String, String)> = r
         .json()
         .as_array()
         .unwrap()
         .iter()
-        .map(|e| (e["path"].as_str().unwrap().into(), e["type"].as_str().unwrap().into()))
+        .map(|e| {
+            (
+                e["path"].as_str().unwrap().into(),
+                e["type"].as_str().unwrap().into(),
+            )
+        })
         .collect();
-    assert!(kinds.contains(&("/host-dir".into(), "symlink".into())), "{kinds:?}");
-    assert!(kinds.contains(&("/fifo".into(), "unknown".into())), "{kinds:?}");
-    let r = content(addr, "DELETE", &format!("{base}/path?path=%2Fhost-dir"), &token, b"").await;
+    assert!(
+        kinds.contains(&("/host-dir".into(), "symlink".into())),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&("/fifo".into(), "unknown".into())),
+        "{kinds:?}"
+    );
+    let r = content(
+        addr,
+        "DELETE",
+        &format!("{base}/path?path=%2Fhost-dir"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!(r.status, 204);
     victim_unchanged();
     // Deleting the sandbox and the volume removes the links, not what they point at.
@@ -485,25 +646,44 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
 
     let s1 = create(addr, &mounting("base", "objects", "/mnt/o")).await;
     read(addr, &s1, "mkdir -p /mnt/o/d && echo one > /mnt/o/d/a.txt && echo gone > /mnt/o/old.txt && ln -s /etc/passwd /mnt/o/link").await;
-    assert!(objects().await.is_empty(), "nothing is uploaded while it runs");
+    assert!(
+        objects().await.is_empty(),
+        "nothing is uploaded while it runs"
+    );
     // A pause uploads (regular files only).
-    assert_eq!(api(addr, "POST", &format!("/sandboxes/{s1}/pause"), "{}").await.status, 204);
+    assert_eq!(
+        api(addr, "POST", &format!("/sandboxes/{s1}/pause"), "{}")
+            .await
+            .status,
+        204
+    );
     assert_eq!(
         objects().await,
         [format!("{prefix}d/a.txt"), format!("{prefix}old.txt")]
     );
     let r = api(addr, "POST", &format!("/v2/sandboxes/{s1}/connect"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
-    read(addr, &s1, "echo two > /mnt/o/d/a.txt && rm /mnt/o/old.txt && echo new > /mnt/o/b.txt").await;
+    read(
+        addr,
+        &s1,
+        "echo two > /mnt/o/d/a.txt && rm /mnt/o/old.txt && echo new > /mnt/o/b.txt",
+    )
+    .await;
     // Delete uploads what changed and drops what went, and the node's copy goes.
     assert_eq!(delete(addr, &s1).await.status, 204);
     assert_eq!(
         objects().await,
         [format!("{prefix}b.txt"), format!("{prefix}d/a.txt")]
     );
-    assert!(!home.path().join("volumes").join(&vid).exists(), "no copy left");
+    assert!(
+        !home.path().join("volumes").join(&vid).exists(),
+        "no copy left"
+    );
     let mut got = Vec::new();
-    bucket.get(&format!("{prefix}d/a.txt"), &mut got).await.unwrap();
+    bucket
+        .get(&format!("{prefix}d/a.txt"), &mut got)
+        .await
+        .unwrap();
     assert_eq!(got, b"two\n");
 
     // The next sandbox gets the bucket's files; the content API serves them too.
@@ -512,9 +692,23 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
         read(addr, &s2, "cat /data/d/a.txt /data/b.txt; ls /data").await,
         "two\nnew\nb.txt\nd"
     );
-    let r = content(addr, "GET", &format!("/volumecontent/{vid}/file?path=%2Fb.txt"), &token, b"").await;
+    let r = content(
+        addr,
+        "GET",
+        &format!("/volumecontent/{vid}/file?path=%2Fb.txt"),
+        &token,
+        b"",
+    )
+    .await;
     assert_eq!((r.status, &r.body[..]), (200, &b"new\n"[..]));
-    let r = content(addr, "PUT", &format!("/volumecontent/{vid}/file?path=%2Fapi.txt"), &token, b"api").await;
+    let r = content(
+        addr,
+        "PUT",
+        &format!("/volumecontent/{vid}/file?path=%2Fapi.txt"),
+        &token,
+        b"api",
+    )
+    .await;
     assert_eq!(r.status, 201, "{}", r.text());
     // The copy is shared on this node: the sandbox sees the API's write at once.
     assert_eq!(read(addr, &s2, "cat /data/api.txt").await, "api");

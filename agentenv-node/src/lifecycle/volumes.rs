@@ -27,10 +27,8 @@ impl Orchestrator {
         if mounts.is_empty() {
             return Ok(());
         }
-        if self.kind == BackendKind::Microvm {
-            return Err(LifecycleError::BadRequest(
-                "volumeMounts need the jail backend: the microvm backend has no shared-file-system device to mount a volume with; create the sandbox on a node with AENV_BACKEND=jail, or without volumeMounts".into(),
-            ));
+        if let Some(why) = volumes_unsupported(self.kind) {
+            return Err(LifecycleError::BadRequest(why.into()));
         }
         let Some(v) = self.volumes.get() else {
             return Err(LifecycleError::BadRequest(
@@ -92,11 +90,50 @@ impl Orchestrator {
     }
 }
 
+/// Why the backend `kind` cannot mount volumes, if it cannot (the create's 400).
+fn volumes_unsupported(kind: BackendKind) -> Option<&'static str> {
+    match kind {
+        BackendKind::Microvm => Some(
+            "volumeMounts need the jail backend: the microvm backend has no shared-file-system device to mount a volume with; create the sandbox on a node with AENV_BACKEND=jail, or without volumeMounts",
+        ),
+        BackendKind::Jail | BackendKind::Auto => None,
+    }
+}
+
 /// A volume error as a lifecycle error: what the client named wrong is a 400.
 fn volume_error(e: crate::volume::VolumeError) -> LifecycleError {
     use crate::volume::VolumeError as V;
     match e {
         V::UnknownName(_) | V::InvalidName(_) => LifecycleError::BadRequest(e.to_string()),
         other => LifecycleError::Volume(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_jail_mounts_volumes_and_the_refusal_says_why() {
+        let why = volumes_unsupported(BackendKind::Microvm).unwrap();
+        assert!(
+            why.contains("jail backend") && why.contains("shared-file-system device"),
+            "{why}"
+        );
+        assert!(volumes_unsupported(BackendKind::Jail).is_none());
+    }
+
+    #[test]
+    fn a_volume_the_client_named_wrong_is_a_bad_request() {
+        use crate::volume::VolumeError as V;
+        let e = volume_error(V::UnknownName("data".into()));
+        assert!(
+            matches!(&e, LifecycleError::BadRequest(m) if m.contains("volume \"data\" not found")),
+            "{e}"
+        );
+        assert!(matches!(
+            volume_error(V::NotFound("x".into())),
+            LifecycleError::Volume(_)
+        ));
     }
 }
