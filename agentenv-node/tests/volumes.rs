@@ -399,6 +399,17 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
         "hello volume1000:1000:600\n0:0:700"
     );
     read(addr, &s, "echo from-sandbox > /mnt/data/s.txt").await;
+    // A snapshot of the sandbox does not take the volume's files with it.
+    let r = snapshot(addr, &s, "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let snap = r.json()["snapshotID"].as_str().unwrap().to_string();
+    let from_snap = create(addr, &format!(r#"{{"templateID":"{snap}","timeout":300}}"#)).await;
+    assert_eq!(
+        read(addr, &from_snap, "ls -A /mnt/data | wc -l").await,
+        "0",
+        "only the empty mount point is in the snapshot"
+    );
+    assert_eq!(delete(addr, &from_snap).await.status, 204);
     let r = content(
         addr,
         "GET",

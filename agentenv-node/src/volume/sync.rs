@@ -327,3 +327,87 @@ fn scan(data: &SafeDir, id: &str) -> Result<BTreeMap<String, Stamp>, VolumeError
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentenv_core::storage::{OpendalStorage, StorageConfig};
+
+    /// Copies of volumes whose objects are on a directory store (the sync does not care
+    /// which store it is).
+    fn oss(t: &Path) -> (OssData, Arc<dyn Storage>) {
+        let storage: Arc<dyn Storage> = Arc::new(
+            OpendalStorage::open(&StorageConfig::Fs {
+                root: t.join("bucket"),
+            })
+            .unwrap(),
+        );
+        (
+            OssData::open(&t.join("copies"), storage.clone()).unwrap(),
+            storage,
+        )
+    }
+
+    #[tokio::test]
+    async fn copies_upload_what_changed_and_never_follow_a_tenants_links() {
+        let t = tempfile::tempdir().unwrap();
+        let (d, bucket) = oss(t.path());
+        let secret = t.path().join("host-secret");
+        std::fs::write(&secret, b"host").unwrap();
+        let id = "vol";
+        let keys = || async { bucket.list(&prefix(id)).await.unwrap() };
+
+        let dir = d.acquire(id).await.unwrap();
+        std::fs::create_dir_all(dir.join("a/b")).unwrap();
+        std::fs::write(dir.join("a/b/f.txt"), b"one").unwrap();
+        std::fs::write(dir.join("gone.txt"), b"x").unwrap();
+        std::os::unix::fs::symlink(&secret, dir.join("link")).unwrap();
+        std::os::unix::fs::symlink(t.path(), dir.join("dirlink")).unwrap();
+        nix::unistd::mkfifo(
+            &dir.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .unwrap();
+        // A second user shares the copy; a flush uploads regular files only.
+        assert_eq!(d.acquire(id).await.unwrap(), dir);
+        d.flush(id).await.unwrap();
+        assert_eq!(
+            keys().await,
+            ["volumes/data/vol/a/b/f.txt", "volumes/data/vol/gone.txt"]
+        );
+        std::fs::write(dir.join("a/b/f.txt"), b"two!").unwrap();
+        std::fs::remove_file(dir.join("gone.txt")).unwrap();
+        d.release(id).await.unwrap();
+        assert!(dir.exists(), "one user is left");
+        d.release(id).await.unwrap();
+        assert!(!dir.exists(), "the last release removes the copy");
+        assert_eq!(keys().await, ["volumes/data/vol/a/b/f.txt"]);
+        let mut got = Vec::new();
+        bucket
+            .get("volumes/data/vol/a/b/f.txt", &mut got)
+            .await
+            .unwrap();
+        assert_eq!(got, b"two!");
+        // The next copy has the bucket's files.
+        let dir = d.acquire(id).await.unwrap();
+        assert_eq!(std::fs::read(dir.join("a/b/f.txt")).unwrap(), b"two!");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        d.release(id).await.unwrap();
+        d.destroy(id).await.unwrap();
+        assert!(keys().await.is_empty());
+        assert_eq!(std::fs::read(&secret).unwrap(), b"host");
+        // A release without a use changes nothing.
+        d.release("other").await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_copy_left_by_an_earlier_run_is_removed_at_start() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(t.path().join("copies/old/data/x")).unwrap();
+        let (_d, _bucket) = oss(t.path());
+        assert_eq!(
+            std::fs::read_dir(t.path().join("copies")).unwrap().count(),
+            0
+        );
+    }
+}
