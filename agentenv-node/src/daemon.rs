@@ -253,6 +253,16 @@ impl Daemon {
         )
         .map_err(LifecycleError::from)?;
         orch.set_volumes(Arc::new(volumes));
+        if kind != BackendKind::Microvm
+            && let Err(e) = crate::host::ids::check_idmapped_mounts(
+                &cfg.volume_path,
+                crate::host::ids::IdRange {
+                    base: cfg.jail_id_pool.first,
+                },
+            )
+        {
+            tracing::warn!(dir = %cfg.volume_path.display(), error = %e, "sandboxes on this node cannot mount volumes: creates with volumeMounts will fail");
+        }
         match orch.reconcile_volumes().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(
