@@ -450,6 +450,26 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
             "{method} {path}: the code is a string"
         );
     }
+    // A file over the cap is refused from its length, before its body is read.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "PUT {base}/file?path=%2Fbig HTTP/1.1\r\nhost: node\r\nauthorization: Bearer {token}\r\ncontent-length: {}\r\n\r\n",
+        (1u64 << 30) + 1
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    while !answer.windows(2).any(|w| w == b"\r\n") {
+        let mut buf = [0u8; 512];
+        let n = tokio::io::AsyncReadExt::read(&mut conn, &mut buf)
+            .await
+            .unwrap();
+        assert!(n > 0, "the node closed without an answer");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let status = String::from_utf8_lossy(&answer);
+    assert!(status.starts_with("HTTP/1.1 413"), "{status}");
     let r = content(addr, "GET", &format!("{base}/dir?path=%2F"), &token, b"").await;
     assert_eq!(
         r.json().as_array().unwrap().len(),

@@ -257,16 +257,23 @@ async fn serve(data: &std::path::Path, op: ContentOp, q: Query, req: Request<Inc
     }
 }
 
-/// A file as a streamed 200 response.
+/// A file as a streamed 200 response of `size` bytes (what it held when it was opened:
+/// a file that grows meanwhile is cut there, so the body matches its length).
 fn file_response(file: tokio::fs::File, size: u64) -> Response<Body> {
-    let stream = futures::stream::unfold(Some(file), |f| async move {
-        let mut f = f?;
-        let mut buf = vec![0u8; READ_CHUNK];
+    let stream = futures::stream::unfold(Some((file, size)), |state| async move {
+        let (mut f, left) = state?;
+        if left == 0 {
+            return None;
+        }
+        let mut buf = vec![0u8; READ_CHUNK.min(usize::try_from(left).unwrap_or(READ_CHUNK))];
         match tokio::io::AsyncReadExt::read(&mut f, &mut buf).await {
             Ok(0) => None,
             Ok(n) => {
                 buf.truncate(n);
-                Some((Ok(Frame::data(Bytes::from(buf))), Some(f)))
+                Some((
+                    Ok(Frame::data(Bytes::from(buf))),
+                    Some((f, left - n as u64)),
+                ))
             }
             Err(e) => Some((Err(crate::dataplane::BoxError::from(e)), None)),
         }
