@@ -60,6 +60,16 @@ impl PosixData {
         }
     }
 
+    /// Volume `id`'s data directory, which must exist ([`VolumeError::NotFound`]
+    /// otherwise: a volume deleted meanwhile is not made again).
+    pub fn existing(&self, id: &str) -> Result<PathBuf, VolumeError> {
+        match self.root_dir()?.open_dir(Path::new(id).join("data")) {
+            Ok(_) => Ok(self.dir(id)),
+            Err(e) if e.is_not_found() => Err(VolumeError::NotFound(id.to_string())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     fn dir(&self, id: &str) -> PathBuf {
         self.root.join(id).join("data")
     }
@@ -122,6 +132,7 @@ mod tests {
         assert!(m.is_dir());
         assert_eq!((m.uid(), m.mode() & 0o7777), (0, 0o755));
         assert_eq!(d.ensure(&id).unwrap(), dir);
+        assert_eq!(d.existing(&id).unwrap(), dir);
         // A tenant's links inside point at the host.
         std::os::unix::fs::symlink(&victim, dir.join("to-host")).unwrap();
         std::fs::create_dir(dir.join("sub")).unwrap();
@@ -140,6 +151,10 @@ mod tests {
         d.init(&id2).unwrap();
         std::fs::remove_dir(t.path().join("volumes").join(&id2).join("data")).unwrap();
         assert!(d.ensure(&id2).unwrap().is_dir());
+        assert!(matches!(
+            d.existing(&id).unwrap_err(),
+            VolumeError::NotFound(_)
+        ));
         assert!(d.destroy("absent").unwrap().is_none());
         // What a stopped node left behind is swept.
         std::fs::create_dir_all(t.path().join("volumes/.deleted-x/a/b")).unwrap();

@@ -313,7 +313,7 @@ impl Volumes {
     /// back with [`Self::close_data`].
     pub async fn open_data(&self, id: &str) -> Result<PathBuf, VolumeError> {
         match &self.data {
-            Data::Posix(d) => d.ensure(id),
+            Data::Posix(d) => d.existing(id),
             Data::Oss(d) => d.acquire(id).await,
         }
     }
