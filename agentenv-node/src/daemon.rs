@@ -276,6 +276,33 @@ impl Daemon {
             )),
             bs,
         )?));
+        let volumes = crate::volume::Volumes::open(
+            snapshots.storage().clone(),
+            &cfg.snapshot_repository,
+            &cfg.volume_path,
+            crate::volume::VolumeKey::from_seed(&seed),
+            &cfg.node_id,
+        )
+        .map_err(LifecycleError::from)?;
+        orch.set_volumes(Arc::new(volumes));
+        if kind != BackendKind::Microvm
+            && let Err(e) = crate::host::ids::check_idmapped_mounts(
+                &cfg.volume_path,
+                crate::host::ids::IdRange {
+                    base: cfg.jail_id_pool.first,
+                },
+            )
+        {
+            tracing::warn!(dir = %cfg.volume_path.display(), error = %e, "sandboxes on this node cannot mount volumes: creates with volumeMounts will fail");
+        }
+        match orch.reconcile_volumes().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                removed = n,
+                "removed volume leases of sandboxes this node no longer has"
+            ),
+            Err(e) => tracing::warn!(error = %e, "checking this node's volume leases"),
+        }
         orch.set_snapshot_repository(snapshots);
         let identity = NodeIdentity {
             node_id: cfg.node_id.clone(),

@@ -14,3 +14,4 @@ pub mod observe;
 pub mod reporter;
 pub mod snapshot;
 pub mod template;
+pub mod volume;

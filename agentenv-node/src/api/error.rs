@@ -8,6 +8,7 @@ use crate::ids::InvalidSandboxId;
 use crate::lifecycle::LifecycleError;
 use crate::snapshot::SnapshotError;
 use crate::template::catalog::CatalogError;
+use crate::volume::VolumeError;
 
 /// The response that ends a handler early: an error.
 pub(super) struct Reject(Box<Response<Body>>);
@@ -79,7 +80,9 @@ pub(super) fn lifecycle_error_parts(e: LifecycleError) -> (StatusCode, String) {
             BackendError::UnknownTemplate(n) => {
                 return (StatusCode::BAD_REQUEST, format!("template {n} not found"));
             }
-            BackendError::InvalidLimits(_) | BackendError::InvalidId(_) => StatusCode::BAD_REQUEST,
+            BackendError::InvalidLimits(_)
+            | BackendError::InvalidId(_)
+            | BackendError::BadVolumeMount(_) => StatusCode::BAD_REQUEST,
             BackendError::NotFound(_) => StatusCode::NOT_FOUND,
             BackendError::AddressPoolExhausted { .. } | BackendError::IdPoolExhausted { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -90,6 +93,7 @@ pub(super) fn lifecycle_error_parts(e: LifecycleError) -> (StatusCode, String) {
             StatusCode::INTERNAL_SERVER_ERROR
         }
         LifecycleError::Snapshot(s) => snapshot_status(s),
+        LifecycleError::Volume(v) => volume_status(v),
         LifecycleError::NoSnapshotRepository => StatusCode::SERVICE_UNAVAILABLE,
     };
     (status, e.to_string())
@@ -109,6 +113,27 @@ fn catalog_status(e: &CatalogError) -> StatusCode {
         CatalogError::Forged { .. } | CatalogError::Corrupt { .. } | CatalogError::Storage(_) => {
             StatusCode::INTERNAL_SERVER_ERROR
         }
+    }
+}
+
+impl From<VolumeError> for Reject {
+    fn from(e: VolumeError) -> Self {
+        json_error(volume_status(&e), e.to_string()).into()
+    }
+}
+
+/// The status of a volume error: what the client named wrong is a 4xx.
+pub(super) fn volume_status(e: &VolumeError) -> StatusCode {
+    match e {
+        VolumeError::InvalidName(_) | VolumeError::UnknownName(_) => StatusCode::BAD_REQUEST,
+        VolumeError::NotFound(_) => StatusCode::NOT_FOUND,
+        VolumeError::NameTaken { .. } | VolumeError::InUse { .. } => StatusCode::CONFLICT,
+        VolumeError::TooManyFiles { .. }
+        | VolumeError::Forged { .. }
+        | VolumeError::Corrupt { .. }
+        | VolumeError::Storage(_)
+        | VolumeError::Files(_)
+        | VolumeError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

@@ -2,7 +2,8 @@
 //! listener, the data plane (see [`crate::dataplane`]).
 //!
 //! The rooms: `route` (which request is which operation), `sandboxes`, `network`
-//! (egress rules), `metrics`, `logs`, `volumes`, `snapshots`, `templates` (builds and
+//! (egress rules), `metrics`, `logs`, `volumes`, `volume_content` (a volume's files,
+//! with its token), `snapshots`, `templates` (builds and
 //! uploads), `template_catalog` (templates, names, tags) and `nodes` (the handlers), `proxy` (data-plane requests), `error` (errors as
 //! responses), `body` (JSON in and out, query strings), `model` (the JSON shapes).
 
@@ -20,6 +21,7 @@ mod sandboxes;
 mod snapshots;
 mod template_catalog;
 mod templates;
+mod volume_content;
 mod volumes;
 
 pub use body::query_pairs;
@@ -175,8 +177,9 @@ pub async fn handle(
             }
             Some(route) => {
                 let label = route.label().to_string();
-                // An upload link carries its own signature (the SDKs send no key).
-                let signed = matches!(route, Route::TemplateUpload(..));
+                // An upload link carries its own signature (the SDKs send no key); the
+                // volume content API takes the volume's token instead of the key.
+                let signed = matches!(route, Route::TemplateUpload(..) | Route::VolumeContent(..));
                 let r = if key_ok || signed {
                     control(&state, route, req).await
                 } else {
@@ -233,6 +236,7 @@ async fn control(state: &ApiState, route: Route, req: Request<Incoming>) -> Resp
         Route::VolumeList => volumes::list(state).await,
         Route::VolumeGet(id) => volumes::get(state, &id).await,
         Route::VolumeDelete(id) => volumes::delete(state, &id).await,
+        Route::VolumeContent(id, op) => volume_content::handle(state, &id, op, req).await,
         Route::Snapshot(id) => snapshots::take(state, &id, req).await,
         Route::Snapshots => snapshots::list(state, &req).await,
         Route::SnapshotGet(id) => snapshots::get(state, id).await,

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::{ms_rfc3339, rfc3339_ms};
 use crate::dataplane::{Body, json_error};
-use crate::lifecycle::{CreateRequest, OnTimeout, SandboxRecord};
+use crate::lifecycle::{CreateRequest, OnTimeout, SandboxRecord, VolumeMount};
 use crate::snapshot::{SnapshotRecord, SnapshotSource};
 
 /// `POST /sandboxes` and `POST /v2/sandboxes`. Unknown fields are ignored.
@@ -113,8 +113,40 @@ impl NewSandbox {
         r.cpu_count = self.cpu_count;
         r.memory_mb = self.memory_mb;
         r.disk_size_mb = self.disk_size_mb;
+        let mounts = self.volume_mounts.unwrap_or_default();
+        crate::volume::validate_mounts(mounts.iter().map(|m| (m.name.as_str(), m.path.as_str())))
+            .map_err(|m| bad(format!("volumeMounts: {m}")))?;
+        r.options.volume_mounts = mounts
+            .into_iter()
+            .map(|m| VolumeMount {
+                name: m.name,
+                path: m.path,
+            })
+            .collect();
         Ok(r)
     }
+}
+
+/// `POST /volumes`.
+#[derive(Debug, Default, Deserialize)]
+pub struct NewVolume {
+    pub name: Option<String>,
+}
+
+/// The `Volume` model (`GET /volumes` items).
+#[derive(Debug, Serialize)]
+pub struct VolumeJson {
+    #[serde(rename = "volumeID")]
+    pub volume_id: String,
+    pub name: String,
+}
+
+/// The `VolumeAndToken` model.
+#[derive(Debug, Serialize)]
+pub struct VolumeAndTokenJson {
+    #[serde(flatten)]
+    pub volume: VolumeJson,
+    pub token: String,
 }
 
 /// `POST /sandboxes/{id}/snapshots`.
@@ -250,6 +282,9 @@ pub struct ListedSandboxJson {
     pub metadata: BTreeMap<String, String>,
     pub state: String,
     pub envd_version: String,
+    /// The volumes the sandbox mounts (`[{name, path}]`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMountJson>,
 }
 
 /// `lifecycle` of `SandboxDetail`.
@@ -522,6 +557,51 @@ mod tests {
         );
         let missing: NewSandbox = serde_json::from_str("{}").unwrap();
         assert!(missing.into_request().is_err());
+    }
+
+    #[tokio::test]
+    async fn volume_mounts_are_checked_for_shape_and_kept() {
+        let b: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"base","volumeMounts":[{"name":"data","path":"/mnt/v"},{"name":"data","path":"/srv"}]}"#,
+        )
+        .unwrap();
+        let r = b.into_request().unwrap();
+        assert_eq!(
+            r.options.volume_mounts,
+            vec![
+                VolumeMount {
+                    name: "data".into(),
+                    path: "/mnt/v".into()
+                },
+                VolumeMount {
+                    name: "data".into(),
+                    path: "/srv".into()
+                }
+            ]
+        );
+        for (mounts, why) in [
+            (r#"[{"name":"data","path":"mnt"}]"#, "absolute"),
+            (r#"[{"name":"data","path":"/proc/x"}]"#, "/proc"),
+            (r#"[{"name":"data","path":"/mnt/../etc"}]"#, "normalized"),
+            (r#"[{"name":"a b","path":"/mnt"}]"#, "invalid volume name"),
+            (
+                r#"[{"name":"a","path":"/mnt"},{"name":"b","path":"/mnt"}]"#,
+                "given twice",
+            ),
+        ] {
+            let b: NewSandbox = serde_json::from_str(&format!(
+                r#"{{"templateID":"base","volumeMounts":{mounts}}}"#
+            ))
+            .unwrap();
+            let resp = b.into_request().unwrap_err();
+            assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            let msg = String::from_utf8_lossy(&body);
+            assert!(msg.contains("volumeMounts: ") && msg.contains(why), "{msg}");
+        }
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 use http::Method;
 
+pub(super) use super::volume_content::ContentOp;
+
 /// Control-plane routes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Route {
@@ -31,6 +33,8 @@ pub(super) enum Route {
     VolumeList,
     VolumeGet(String),
     VolumeDelete(String),
+    /// `/volumecontent/{id}/dir|path|file` (the volume's token, not the API key).
+    VolumeContent(String, ContentOp),
     Nodes,
     Node(String),
     Snapshot(String),
@@ -77,6 +81,13 @@ impl Route {
             Route::Logs(_, true) => "/v2/sandboxes/{sandbox_id}/logs",
             Route::VolumeCreate | Route::VolumeList => "/volumes",
             Route::VolumeGet(_) | Route::VolumeDelete(_) => "/volumes/{volume_id}",
+            Route::VolumeContent(_, op) => match op {
+                ContentOp::List | ContentOp::MakeDir => "/volumecontent/{volume_id}/dir",
+                ContentOp::Stat | ContentOp::SetMeta | ContentOp::Remove => {
+                    "/volumecontent/{volume_id}/path"
+                }
+                ContentOp::Read | ContentOp::Write => "/volumecontent/{volume_id}/file",
+            },
             Route::Nodes => "/nodes",
             Route::Node(_) => "/nodes/{node_id}",
             Route::Snapshot(_) => "/sandboxes/{sandbox_id}/snapshots",
@@ -139,6 +150,19 @@ pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::GET, ["volumes"]) => Route::VolumeList,
         (Method::GET, ["volumes", id]) if !id.is_empty() => Route::VolumeGet(id.to_string()),
         (Method::DELETE, ["volumes", id]) if !id.is_empty() => Route::VolumeDelete(id.to_string()),
+        (m, ["volumecontent", id, what]) if !id.is_empty() => {
+            let op = match (m, *what) {
+                (Method::GET, "dir") => ContentOp::List,
+                (Method::POST, "dir") => ContentOp::MakeDir,
+                (Method::GET, "path") => ContentOp::Stat,
+                (Method::PATCH, "path") => ContentOp::SetMeta,
+                (Method::DELETE, "path") => ContentOp::Remove,
+                (Method::GET, "file") => ContentOp::Read,
+                (Method::PUT, "file") => ContentOp::Write,
+                _ => return None,
+            };
+            Route::VolumeContent(id.to_string(), op)
+        }
         (Method::POST, ["sandboxes", id, "snapshots"]) => Route::Snapshot(id.to_ascii_lowercase()),
         (Method::GET, ["snapshots"]) => Route::Snapshots,
         (Method::GET, ["snapshots", id]) if !id.is_empty() => Route::SnapshotGet(id.to_string()),
@@ -247,6 +271,15 @@ mod tests {
             match_route(&Method::DELETE, "/volumes/v1"),
             Some(Route::VolumeDelete("v1".into()))
         );
+        assert_eq!(
+            match_route(&Method::PUT, "/volumecontent/v1/file"),
+            Some(Route::VolumeContent("v1".into(), ContentOp::Write))
+        );
+        assert_eq!(
+            match_route(&Method::PATCH, "/volumecontent/v1/path"),
+            Some(Route::VolumeContent("v1".into(), ContentOp::SetMeta))
+        );
+        assert_eq!(match_route(&Method::PUT, "/volumecontent/v1/dir"), None);
         assert_eq!(
             match_route(&Method::POST, "/v3/templates"),
             Some(Route::TemplateCreate)

@@ -13,7 +13,7 @@ use super::error::{Reply, bad_request, lifecycle_error_parts};
 use super::idempotency::{Answer, Begin};
 use super::model::{
     ForkBody, LifecycleJson, ListQuery, ListedSandboxJson, NewSandbox, PauseBody, RefreshBody,
-    SandboxDetailJson, SandboxJson, TimeoutBody,
+    SandboxDetailJson, SandboxJson, TimeoutBody, VolumeMountJson,
 };
 use crate::clock::ms_rfc3339;
 use crate::dataplane::status_only;
@@ -325,6 +325,15 @@ fn listed_json(state: &ApiState, rec: &SandboxRecord) -> ListedSandboxJson {
         metadata: rec.options.metadata.clone(),
         state: rec.state.api_name().to_string(),
         envd_version: agentenv_guest::ENVD_VERSION.to_string(),
+        volume_mounts: rec
+            .options
+            .volume_mounts
+            .iter()
+            .map(|m| VolumeMountJson {
+                name: m.name.clone(),
+                path: m.path.clone(),
+            })
+            .collect(),
     }
 }
 

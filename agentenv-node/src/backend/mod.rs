@@ -60,6 +60,20 @@ pub struct SandboxSpec {
     /// (jail: the writable layer; microvm: the snapshot). Create takes it over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept: Option<KeptState>,
+    /// Volumes bound into the sandbox (jail only; see [`VolumeBind`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeBind>,
+}
+
+/// A volume's directory on this host, bound read-write (`nosuid,nodev`) at `path` inside
+/// the sandbox, id-mapped into the sandbox's id range: files on the volume are stored
+/// with the ids the sandbox sees. `path` is absolute and normalized
+/// ([`crate::volume::validate_mount_path`]); the mount point is made inside the
+/// sandbox's root if missing, and a link on the way is refused, never followed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeBind {
+    pub host: PathBuf,
+    pub path: String,
 }
 
 /// What a backend kept of a stopped sandbox so that it can start again from it after a
@@ -113,6 +127,7 @@ impl SandboxSpec {
             max_processes: None,
             disk_size_mb: None,
             kept: None,
+            volumes: Vec::new(),
         }
     }
 }
@@ -209,6 +224,9 @@ pub enum BackendError {
     UnknownTemplate(String),
     #[error("invalid limits: {0}")]
     InvalidLimits(String),
+    /// A volume cannot be mounted where the create asked (the client's to fix).
+    #[error("{0}")]
+    BadVolumeMount(String),
     #[error("no free sandbox address in {pool}: destroy sandboxes or configure a larger pool")]
     AddressPoolExhausted { pool: String },
     #[error(

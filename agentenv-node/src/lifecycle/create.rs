@@ -36,6 +36,7 @@ impl Orchestrator {
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
         let mut req = req;
+        self.check_volumes(&req.options.volume_mounts).await?;
         let custom = self.resolve_custom_template(&req.template).await?;
         let from = match &custom {
             Some(_) => None,
@@ -164,6 +165,7 @@ impl Orchestrator {
             Err(e) => {
                 self.slots.lock().remove(&id);
                 self.forget_observed(&id);
+                self.forget_volumes(&id, &rec.options.volume_mounts).await;
                 self.create_fails.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(sandbox = %id, error = %e, "create failed");
                 Err(e)
@@ -205,10 +207,18 @@ impl Orchestrator {
         rec: &mut SandboxRecord,
         rekeep: bool,
     ) -> Result<SandboxAddress, LifecycleError> {
+        let mut spec = rec.spec();
+        spec.volumes = self.bind_volumes(rec).await?;
         let stage = self.metrics.start("create_warm", "backend_start");
-        let info = self.backend.create(rec.spec()).await;
+        let info = self.backend.create(spec).await;
         stage.finish(info.is_ok());
-        let addr = info?.address;
+        let addr = match info {
+            Ok(info) => info.address,
+            Err(e) => {
+                self.unbind_volumes(&rec.id).await;
+                return Err(e.into());
+            }
+        };
         let stage = self.metrics.start("create_warm", "agent_ready");
         let ready = async {
             wait_ready(
@@ -229,6 +239,7 @@ impl Orchestrator {
             } else if let Err(e) = self.backend.destroy(&rec.id).await {
                 tracing::warn!(sandbox = %rec.id, error = %e, "cleanup after a failed start");
             }
+            self.unbind_volumes(&rec.id).await;
             return Err(LifecycleError::Agent {
                 id: rec.id.clone(),
                 reason,
@@ -273,6 +284,7 @@ impl Orchestrator {
             Ok(()) | Err(BackendError::NotFound(_)) => {}
             Err(e) => tracing::warn!(sandbox = %id, error = %e, "{what}"),
         }
+        self.unbind_volumes(id).await;
     }
 
     async fn init_agent(&self, rec: &SandboxRecord, addr: SandboxAddress) -> Result<(), String> {
@@ -334,6 +346,8 @@ impl Orchestrator {
         }
         match result {
             Ok(()) => {
+                self.forget_volumes(&rec.id, &rec.options.volume_mounts)
+                    .await;
                 self.forget_paused(&rec.id);
                 self.slots.lock().remove(&rec.id);
                 self.forget_observed(&rec.id);

@@ -17,7 +17,8 @@
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
 //! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage,
-//! the data plane's route), `observe` (resource samples and sandbox logs).
+//! the data plane's route), `observe` (resource samples and sandbox logs), `volumes` (a
+//! sandbox's volumes through its life).
 
 mod build;
 mod create;
@@ -31,6 +32,7 @@ mod record;
 mod snapshot;
 mod state;
 mod timeout;
+mod volumes;
 
 pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Templates};
 pub use fork::{ForkOutcome, MAX_FORKS};
@@ -91,6 +93,8 @@ pub enum LifecycleError {
     Snapshot(#[from] SnapshotError),
     #[error(transparent)]
     Catalog(#[from] crate::template::catalog::CatalogError),
+    #[error(transparent)]
+    Volume(#[from] crate::volume::VolumeError),
     #[error(
         "this node has no snapshot repository: configure AENV_SNAPSHOT_STORE (a directory shared by the nodes) or the oss repository"
     )]
@@ -232,6 +236,7 @@ pub struct Orchestrator {
     events: Mutex<Option<mpsc::UnboundedSender<SandboxEvent>>>,
     snapshots: OnceLock<Arc<SnapshotRepo>>,
     templates: OnceLock<Arc<Templates>>,
+    volumes: OnceLock<Arc<crate::volume::Volumes>>,
     create_successes: AtomicU64,
     create_fails: AtomicU64,
     metrics: LifecycleMetrics,
@@ -271,6 +276,7 @@ impl Orchestrator {
             events: Mutex::new(None),
             snapshots: OnceLock::new(),
             templates: OnceLock::new(),
+            volumes: OnceLock::new(),
             create_successes: AtomicU64::new(0),
             create_fails: AtomicU64::new(0),
             metrics: LifecycleMetrics::default(),

@@ -72,6 +72,7 @@ impl Orchestrator {
         let timer = self.metrics.start("pause", "total");
         let result = async {
             self.backend.pause(&rec.id).await?;
+            self.flush_volumes(&rec.id).await;
             let mut paused = rec.clone();
             paused.state = State::Paused;
             paused.expires_at_ms = None;
@@ -116,9 +117,13 @@ impl Orchestrator {
     pub(super) async fn keep_files(&self, slot: &Slot) -> Result<(), LifecycleError> {
         let id = slot.id.clone();
         let kept = self.backend.keep(&id).await;
-        if kept.is_err() {
-            self.release(&id, "releasing a sandbox whose files could not be kept")
-                .await;
+        match &kept {
+            // No backend sandbox is left: its volumes are given back.
+            Ok(_) => self.unbind_volumes(&id).await,
+            Err(_) => {
+                self.release(&id, "releasing a sandbox whose files could not be kept")
+                    .await
+            }
         }
         let rec = {
             let mut r = slot.rec.lock();

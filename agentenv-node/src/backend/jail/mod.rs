@@ -365,6 +365,7 @@ impl JailBackend {
                 base_id: ids.base,
                 agent_host_path: &self.cfg().agent_binary,
                 agent_guest_path: AGENT_GUEST_PATH,
+                volumes: &spec.volumes,
             },
             identity: spawn::Identity::UserNs(userns.as_fd()),
             program: spawn::Program::Inside(AGENT_GUEST_PATH),
@@ -386,7 +387,7 @@ impl JailBackend {
         })
         .await
         .map_err(|e| setup(format!("spawn task: {e}")))?;
-        let pid = pid.map_err(setup)?;
+        let pid = pid.map_err(volume_error)?;
         drop(out_write);
         if let Some(log) = self.cfg().sandbox_logs.open(&spec.id) {
             let feed = Feed::new(log.clone(), &[("source", "agent")], agent_level);
@@ -478,6 +479,31 @@ impl JailBackend {
             Err(setup(errors.join("; ")))
         }
     }
+}
+
+/// A failed spawn as a backend error: a volume that cannot be mounted at its path names
+/// the path and what to change (the client's to fix), anything else is the host's.
+fn volume_error(e: spawn::SpawnError) -> BackendError {
+    use nix::errno::Errno;
+    let spawn::SpawnError::Volume { path, errno } = &e else {
+        return setup(e);
+    };
+    let why = match errno {
+        Errno::ELOOP => {
+            "a component of the path is a symbolic link in the sandbox; mount at the path it points to"
+        }
+        Errno::ENOTDIR | Errno::EEXIST => {
+            "a component of the path is not a directory in the sandbox; choose another path"
+        }
+        Errno::EXDEV => "the path crosses a mount of the sandbox; choose another path",
+        Errno::EINVAL | Errno::EPERM | Errno::EOPNOTSUPP => {
+            return setup(format!(
+                "{e}: the file system holding the volumes does not support id-mapped mounts (ext4, xfs, btrfs and tmpfs do; NFS does not)"
+            ));
+        }
+        _ => return setup(e),
+    };
+    BackendError::BadVolumeMount(format!("volume mount path {path}: {why}"))
 }
 
 #[async_trait]

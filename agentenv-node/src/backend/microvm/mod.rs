@@ -459,6 +459,13 @@ impl Runtime for MicrovmRuntime {
     }
 
     fn admit(b: &MicrovmBackend, spec: &mut SandboxSpec) -> Result<Limits, BackendError> {
+        if !spec.volumes.is_empty() {
+            return Err(BackendError::Unsupported {
+                backend: BackendKind::Microvm,
+                op: "mount volumes",
+                hint: "the VMM has no shared-file-system device; use a node with the jail backend",
+            });
+        }
         if let Some(kept) = &spec.kept {
             Self::check_kept(b, kept)?;
             // A snapshot restores the memory size and vCPUs it was taken with.

@@ -108,6 +108,13 @@ fn child_setup(plan: &ChildPlan) -> Result<Never, (u32, Errno)> {
                 target,
                 userns,
             } => idmap_bind(src, target, *userns),
+            Op::VolumeBind {
+                src,
+                root,
+                components,
+                owner,
+                userns,
+            } => volume_bind(src, root, components, *owner, *userns),
             Op::Mkdir { path, mode } => {
                 nix::unistd::mkdir(path.as_c_str(), Mode::from_bits_truncate(*mode))
             }
@@ -318,11 +325,14 @@ pub(crate) fn open_tree_clone(src: &std::ffi::CStr) -> Result<OwnedFd, Errno> {
 /// Makes the detached mount `tree` id-mapped through the user namespace `userns`, and
 /// read-only, nosuid and nodev. Only system calls: safe in the child.
 pub(crate) fn set_idmap(tree: &OwnedFd, userns: RawFd) -> Result<(), Errno> {
+    set_idmap_attrs(tree, userns, libc::MOUNT_ATTR_RDONLY)
+}
+
+/// Makes the detached mount `tree` id-mapped through `userns`, nosuid and nodev, plus
+/// the attributes `extra`. Only system calls: safe in the child.
+fn set_idmap_attrs(tree: &OwnedFd, userns: RawFd, extra: u64) -> Result<(), Errno> {
     let attr = MountAttr {
-        attr_set: libc::MOUNT_ATTR_IDMAP
-            | libc::MOUNT_ATTR_RDONLY
-            | libc::MOUNT_ATTR_NOSUID
-            | libc::MOUNT_ATTR_NODEV,
+        attr_set: libc::MOUNT_ATTR_IDMAP | extra | libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
         attr_clr: 0,
         propagation: 0,
         userns_fd: userns as u64,
@@ -365,6 +375,94 @@ fn idmap_bind(src: &std::ffi::CStr, target: &std::ffi::CStr, userns: RawFd) -> R
         return Err(Errno::last());
     }
     Ok(())
+}
+
+/// Binds a volume (see [`Op::VolumeBind`]): the mount point is reached from the root
+/// one directory at a time with `openat2` (no link followed, no mount crossed, never
+/// above the root), made where missing, and the id-mapped copy of `src` is moved onto
+/// the descriptor that was opened, so nothing in the sandbox's tree can redirect it.
+/// Only system calls: safe in the child.
+fn volume_bind(
+    src: &std::ffi::CStr,
+    root: &std::ffi::CStr,
+    components: &[std::ffi::CString],
+    owner: u32,
+    userns: RawFd,
+) -> Result<(), Errno> {
+    use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat2};
+    // No O_NOFOLLOW: with O_PATH it would open a final link itself; RESOLVE_NO_SYMLINKS
+    // refuses it (ELOOP) like any other link on the way.
+    let dir = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let how = OpenHow::new().flags(dir).resolve(
+        ResolveFlag::RESOLVE_BENEATH
+            | ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS
+            | ResolveFlag::RESOLVE_NO_XDEV,
+    );
+    let mut cur = nix::fcntl::open(root, dir | OFlag::O_NOFOLLOW, Mode::empty())?;
+    for c in components {
+        cur = match openat2(&cur, c.as_c_str(), how) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => {
+                nix::sys::stat::mkdirat(&cur, c.as_c_str(), Mode::from_bits_truncate(0o755))?;
+                nix::unistd::fchownat(
+                    &cur,
+                    c.as_c_str(),
+                    Some(nix::unistd::Uid::from_raw(owner)),
+                    Some(nix::unistd::Gid::from_raw(owner)),
+                    AtFlags::AT_SYMLINK_NOFOLLOW,
+                )?;
+                openat2(&cur, c.as_c_str(), how)?
+            }
+            Err(e) => return Err(e),
+        };
+    }
+    // SAFETY: a NUL-terminated path and plain flags; the last component is not followed.
+    let tree = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            src.as_ptr(),
+            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_SYMLINK_NOFOLLOW as u32,
+        )
+    };
+    if tree < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: `tree` is a fresh descriptor owned here.
+    let tree = unsafe { OwnedFd::from_raw_fd(tree as RawFd) };
+    set_idmap_attrs(&tree, userns, 0)?;
+    // SAFETY: two live descriptors and empty paths with MOVE_MOUNT_F_EMPTY_PATH and
+    // MOVE_MOUNT_T_EMPTY_PATH: the mount lands on exactly the directory opened above.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            cur.as_raw_fd(),
+            c"".as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    if r < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// The path inside of the volume whose bind is step `idx` of `plan`, if it is one (in
+/// the parent, for the message).
+pub(super) fn volume_path(plan: &ChildPlan, idx: u32) -> Option<String> {
+    let step = plan.steps.get(idx.checked_sub(S_MOUNT_BASE)? as usize)?;
+    let Op::VolumeBind { components, .. } = &step.op else {
+        return None;
+    };
+    Some(
+        components
+            .iter()
+            .map(|c| format!("/{}", c.to_string_lossy()))
+            .collect(),
+    )
 }
 
 trait ToOsStr {

@@ -48,6 +48,11 @@ pub enum SpawnError {
     Clone(Errno),
     #[error("sandbox setup failed at \"{step}\": {errno}")]
     Child { step: &'static str, errno: Errno },
+    /// Binding the volume at `path` (inside) failed.
+    #[error("mounting the volume at {path} failed: {errno}")]
+    Volume { path: String, errno: Errno },
+    #[error("volumes are bound id-mapped: the plan needs the sandbox's user namespace")]
+    VolumesNeedUserNs,
     #[error(
         "{0} is dynamically linked: a jailed program sees nothing of the host, so build it statically (agentenv-vmm/build-static.sh)"
     )]
@@ -104,6 +109,17 @@ enum Op {
     Mkdir {
         path: CString,
         mode: u32,
+    },
+    /// A volume: the host directory `src` attached id-mapped (writable, nosuid, nodev)
+    /// on the directory `components` beneath `root`, which is resolved without
+    /// following links or crossing mounts; missing directories are made (mode 0755,
+    /// owned by `owner`).
+    VolumeBind {
+        src: CString,
+        root: CString,
+        components: Vec<CString>,
+        owner: u32,
+        userns: RawFd,
     },
     /// An empty regular file (a mount point for a bound file).
     Touch {
@@ -187,6 +203,8 @@ pub enum Root<'a> {
         agent_host_path: &'a Path,
         /// Path of the agent inside the sandbox (absolute).
         agent_guest_path: &'a str,
+        /// Volumes bound in, after everything else (paths checked by the caller).
+        volumes: &'a [crate::backend::VolumeBind],
     },
     /// A minimal root: the directory `root` itself (bound onto itself), with a tmpfs
     /// `/dev` holding only `devices` (owned by `owner`) and the `binds` (host file,
@@ -454,9 +472,12 @@ pub fn spawn(plan: &ChildPlan) -> Result<Pid, SpawnError> {
     // Setup failed: reap the child and report.
     let _ = nix::sys::wait::waitpid(pid, None);
     let step = u32::from_ne_bytes(rec[..4].try_into().unwrap_or([0; 4]));
-    let errno = i32::from_ne_bytes(rec[4..].try_into().unwrap_or([0; 4]));
+    let errno = Errno::from_raw(i32::from_ne_bytes(rec[4..].try_into().unwrap_or([0; 4])));
+    if let Some(path) = child::volume_path(plan, step) {
+        return Err(SpawnError::Volume { path, errno });
+    }
     Err(SpawnError::Child {
         step: step_name(plan, step),
-        errno: Errno::from_raw(errno),
+        errno,
     })
 }

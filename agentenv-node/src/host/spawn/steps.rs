@@ -156,6 +156,7 @@ pub(super) fn overlay_steps(
         base_id,
         agent_host_path,
         agent_guest_path,
+        volumes,
     } = input
     else {
         return Ok(());
@@ -299,6 +300,26 @@ pub(super) fn overlay_steps(
             MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC,
             true,
         )?;
+    }
+    if !volumes.is_empty() {
+        let userns = userns.ok_or(SpawnError::VolumesNeedUserNs)?;
+        for v in volumes.iter() {
+            steps.op(
+                "bind a volume",
+                Op::VolumeBind {
+                    src: cpath(&v.host)?,
+                    root: cpath(root)?,
+                    components: v
+                        .path
+                        .split('/')
+                        .filter(|c| !c.is_empty())
+                        .map(cstr)
+                        .collect::<Result<_, _>>()?,
+                    owner: *base_id,
+                    userns,
+                },
+            );
+        }
     }
     Ok(())
 }
