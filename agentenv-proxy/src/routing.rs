@@ -143,6 +143,13 @@ pub fn is_template_upload(method: &Method, path: &str) -> bool {
         && matches!(segments(path).as_slice(), ["templates", id, "files", hash] if !id.is_empty() && !hash.is_empty())
 }
 
+/// `/volumecontent/{volume_id}/…`: a volume's files, reached with the volume's own token
+/// (`Authorization: Bearer`, which the node checks) instead of the API key, as the SDKs'
+/// volume clients send them. Volumes live on the shared store: any node serves them.
+pub fn is_volume_content(path: &str) -> bool {
+    matches!(segments(path).as_slice(), ["volumecontent", id, _, ..] if !id.is_empty())
+}
+
 /// A sandbox control-plane request: forwarded by path id without `/proxy`,
 /// and never exempt from the API key.
 pub fn is_control_plane(method: &Method, path: &str) -> bool {

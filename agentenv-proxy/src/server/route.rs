@@ -100,7 +100,8 @@ impl Router {
             || proxy_path
             || matches!(f.host_route, Ok(Some(_)))
             || (!control_plane && id_header && f.has_port)
-            || (!id_header && !f.has_port && crate::routing::is_template_upload(f.method, d));
+            || (!id_header && !f.has_port && crate::routing::is_template_upload(f.method, d))
+            || (!id_header && !f.has_port && crate::routing::is_volume_content(d));
         if !exempt && !authorized() {
             return Decision::Reject(StatusCode::UNAUTHORIZED, "");
         }
@@ -252,6 +253,15 @@ mod tests {
         assert_eq!(
             decide(Method::GET, "/sandboxes/metrics", None, false),
             ("sandbox metrics".into(), true)
+        );
+        // A volume's files: its token, not the key, and any node.
+        assert_eq!(
+            decide(Method::PUT, "/volumecontent/v1/file", None, false),
+            ("route None schedule".into(), false)
+        );
+        assert_eq!(
+            decide(Method::GET, "/volumes", None, false),
+            ("route None schedule".into(), true)
         );
         assert_eq!(
             decide(Method::GET, "/v2/sandboxes/sbx-1/logs", None, false),
