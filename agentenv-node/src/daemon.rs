@@ -106,7 +106,7 @@ pub async fn microvm_backend(
 
 /// Sets what both backends take from the node configuration: the runtime directory, the
 /// template store, and the jail's address pool (`AENV_JAIL_ADDRESS_POOL`), interface
-/// prefix, cgroup parent and id pool.
+/// prefix, cgroup parent, id pool and sandbox nameservers.
 fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonError> {
     h.runtime_dir = cfg.runtime_path.clone();
     h.templates.root = cfg.template_path.clone();
@@ -117,6 +117,7 @@ fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonE
     h.iface_prefix = cfg.jail_iface_prefix.clone();
     h.cgroup_parent = cfg.jail_cgroup_parent.clone();
     h.id_pool = cfg.jail_id_pool;
+    h.dns_servers = cfg.jail_dns_servers.clone();
     Ok(())
 }
 

@@ -16,12 +16,14 @@
 //! The rooms: `state` (the table), `record` (what is known of a sandbox), `create`
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
-//! creates from them), `listing` (get, list, usage, the data plane's route).
+//! creates from them), `listing` (get, list, usage, the data plane's route), `network`
+//! (replacing a sandbox's egress rules).
 
 mod build;
 mod create;
 mod listing;
 mod metrics;
+mod network;
 mod pause;
 mod persist;
 mod record;
