@@ -8,8 +8,8 @@
 //! (a microVM's address translation lives in `nat` too).
 //!
 //! * `filter OUTPUT` (the jail's processes) and `filter FORWARD` out of `eth0` (a microVM
-//!   guest's packets, arriving from its tap) go through the chain, after loopback and the
-//!   node's own sockets (uid 0 on the host: the tenant's ids are mapped to an unprivileged
+//!   guest's packets, arriving from its tap) go through the chain, after loopback,
+//!   connections redirected to the proxy and the node's own sockets (uid 0 on the host: the tenant's ids are mapped to an unprivileged
 //!   range and can never be 0 there) are let through. The chain accepts replies of
 //!   connections made *to* the sandbox (the data plane), allowed networks and, when a
 //!   domain is allowed, the nameservers; it rejects denied networks (TCP with a reset, the
@@ -58,6 +58,11 @@ pub fn render(policy: &EgressPolicy, dns: &[Ipv4Addr], proxy_port: u16, mode: Mo
             "-A INPUT -i {GUEST_IF} -p tcp --dport {proxy_port} -j REJECT --reject-with tcp-reset"
         ));
         line("-A OUTPUT -o lo -j ACCEPT".into());
+        // A connection redirected to the proxy keeps the interface it was routed to first
+        // (`-o` is fixed for the whole hook), so it is known by its new destination.
+        line(format!(
+            "-A OUTPUT -d 127.0.0.1/32 -p tcp --dport {proxy_port} -j ACCEPT"
+        ));
         line("-A OUTPUT -m owner --uid-owner 0 -j ACCEPT".into());
         line(format!("-A OUTPUT -j {CHAIN}"));
         line(format!("-A FORWARD -o {GUEST_IF} -j {CHAIN}"));
@@ -239,6 +244,12 @@ mod tests {
         let filter = &t[..pos(&t, "*nat")];
         let jump = pos(filter, "-A OUTPUT -j AGENTENV-EGRESS");
         assert!(pos(filter, "-A OUTPUT -o lo -j ACCEPT") < jump);
+        assert!(
+            pos(
+                filter,
+                "-A OUTPUT -d 127.0.0.1/32 -p tcp --dport 1 -j ACCEPT"
+            ) < jump
+        );
         assert!(pos(filter, "-A OUTPUT -m owner --uid-owner 0 -j ACCEPT") < jump);
         assert!(filter.contains("-A FORWARD -o eth0 -j AGENTENV-EGRESS"));
         assert!(filter.contains("-A INPUT -i eth0 -p tcp --dport 1 -j REJECT"));
