@@ -32,7 +32,7 @@ pub enum PolicyError {
         reason: String,
     },
     #[error(
-        "network.{field} has {count} entries; at most {max} are allowed (merge them into CIDRs)"
+        "network.{field} has {count} entries; at most {max} are allowed (cover addresses with CIDRs, names with *. wildcards)"
     )]
     TooMany {
         field: &'static str,
