@@ -417,21 +417,6 @@ fn env_u64(
 }
 
 /// A pool size: at most [`MAX_NET_POOL_SIZE`], 0 turns the pool off.
-/// Sandbox nameservers: IPv4 addresses a sandbox can reach (not loopback: a sandbox's
-/// loopback is its own).
-fn dns_servers(list: Vec<String>) -> Result<Vec<std::net::Ipv4Addr>, ConfigError> {
-    let fix = "use IPv4 addresses of nameservers the sandboxes can reach, e.g. 8.8.8.8,1.1.1.1";
-    if list.is_empty() {
-        return Err(invalid("jail.dns_servers", "[]", fix));
-    }
-    list.iter()
-        .map(|s| match s.trim().parse::<std::net::Ipv4Addr>() {
-            Ok(ip) if !ip.is_loopback() && !ip.is_unspecified() => Ok(ip),
-            _ => Err(invalid("jail.dns_servers", s.clone(), fix)),
-        })
-        .collect()
-}
-
 fn pool_size(key: &'static str, n: u64) -> Result<usize, ConfigError> {
     usize::try_from(n)
         .ok()
@@ -666,7 +651,10 @@ impl NodeConfig {
             .map(|v| v.split(',').map(|s| s.trim().to_string()).collect())
             .or(file.jail.dns_servers.clone())
         {
-            Some(list) => Some(dns_servers(list)?),
+            Some(list) => Some(
+                crate::host::net::parse_nameservers(&list)
+                    .map_err(|(v, fix)| invalid("jail.dns_servers", v, fix))?,
+            ),
             None => None,
         };
         let template_build_concurrency = env_u64(&env, "AENV_TEMPLATE_BUILD_CONCURRENCY")?

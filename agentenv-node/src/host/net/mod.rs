@@ -617,6 +617,21 @@ pub fn nameservers(resolv_conf: &str) -> Vec<Ipv4Addr> {
         .collect()
 }
 
+/// Sandbox nameservers given by the operator: IPv4 addresses a sandbox can reach (not
+/// loopback: a sandbox's loopback is its own); else the entry refused and the fix.
+pub fn parse_nameservers(list: &[String]) -> Result<Vec<Ipv4Addr>, (String, &'static str)> {
+    let fix = "use IPv4 addresses of nameservers the sandboxes can reach, e.g. 8.8.8.8,1.1.1.1";
+    if list.is_empty() {
+        return Err(("[]".into(), fix));
+    }
+    list.iter()
+        .map(|s| match s.trim().parse::<Ipv4Addr>() {
+            Ok(ip) if !ip.is_loopback() && !ip.is_unspecified() => Ok(ip),
+            _ => Err((s.clone(), fix)),
+        })
+        .collect()
+}
+
 /// The host's nameservers (systemd-resolved's upstream file first).
 pub fn host_nameservers() -> Vec<Ipv4Addr> {
     for f in ["/run/systemd/resolve/resolv.conf", "/etc/resolv.conf"] {
