@@ -155,6 +155,11 @@ impl Drop for Internet {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+        // The host end goes with its peer; the namespace may outlive its name a while
+        // (a copy of its mount in a mount namespace made meanwhile holds it).
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &format!("xeg{}", self.slot)])
+            .status();
         let _ = std::process::Command::new("ip")
             .args(["netns", "del", &self.ns])
             .status();
