@@ -153,6 +153,10 @@ pub struct NodeConfig {
     /// Writable layers of the default size kept ready (`AENV_JAIL_LAYER_POOL_SIZE`,
     /// `[jail].layer_pool_size`); 0 turns the pool off.
     pub jail_layer_pool_size: usize,
+    /// Nameservers of the sandboxes, what their resolv.conf names and what the egress
+    /// proxy resolves allowed names through (`AENV_JAIL_DNS_SERVERS`, comma list,
+    /// `[jail].dns_servers`); unset: the host's.
+    pub jail_dns_servers: Option<Vec<std::net::Ipv4Addr>>,
     /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
     pub proxy_domains: Vec<String>,
     /// `[sandbox_proxy].upload_idle_timeout_ms` (30 s).
@@ -317,6 +321,7 @@ struct FileJail {
     id_pool: Option<String>,
     disk_size_mb: Option<u64>,
     layer_pool_size: Option<u64>,
+    dns_servers: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -682,6 +687,17 @@ impl NodeConfig {
                     .unwrap_or(crate::backend::jail::DEFAULT_LAYER_POOL_SIZE as u64),
             ),
         )?;
+        let jail_dns_servers = match env("AENV_JAIL_DNS_SERVERS")
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect())
+            .or(file.jail.dns_servers.clone())
+        {
+            Some(list) => Some(
+                crate::host::net::parse_nameservers(&list)
+                    .map_err(|(v, fix)| invalid("jail.dns_servers", v, fix))?,
+            ),
+            None => None,
+        };
         let template_build_concurrency = env_u64(&env, "AENV_TEMPLATE_BUILD_CONCURRENCY")?
             .or(file.template.build_concurrency)
             .unwrap_or(2);
@@ -804,6 +820,7 @@ impl NodeConfig {
             jail_id_pool,
             jail_disk_size_mb,
             jail_layer_pool_size,
+            jail_dns_servers,
             proxy_domains,
             proxy_upload_idle_timeout,
             proxy_response_header_timeout,
@@ -1044,6 +1061,27 @@ mod tests {
         assert!(e.to_string().contains("backend.posix_fs"), "{e}");
         let e = load(&[], Some("[backend.oss]\nbucket_name = \"x\"\n")).unwrap_err();
         assert!(e.to_string().contains("bucket_name"), "{e}");
+    }
+
+    #[test]
+    fn sandbox_nameservers_come_from_the_environment_or_the_file_and_are_checked() {
+        assert_eq!(load(&[], None).unwrap().jail_dns_servers, None);
+        let c = load(
+            &[("AENV_JAIL_DNS_SERVERS", "198.18.0.53, 1.1.1.1")],
+            Some("[jail]\ndns_servers = [\"9.9.9.9\"]\n"),
+        )
+        .unwrap();
+        let want: Vec<std::net::Ipv4Addr> =
+            vec!["198.18.0.53".parse().unwrap(), "1.1.1.1".parse().unwrap()];
+        assert_eq!(c.jail_dns_servers, Some(want));
+        let c = load(&[], Some("[jail]\ndns_servers = [\"9.9.9.9\"]\n")).unwrap();
+        assert_eq!(c.jail_dns_servers, Some(vec!["9.9.9.9".parse().unwrap()]));
+        for bad in ["127.0.0.53", "dns.google", "::1"] {
+            let e = load(&[("AENV_JAIL_DNS_SERVERS", bad)], None).unwrap_err();
+            assert!(e.to_string().contains("jail.dns_servers"), "{e}");
+        }
+        let e = load(&[], Some("[jail]\ndns_servers = []\n")).unwrap_err();
+        assert!(e.to_string().contains("jail.dns_servers"), "{e}");
     }
 
     #[test]

@@ -108,7 +108,7 @@ pub async fn microvm_backend(
 
 /// Sets what both backends take from the node configuration: the runtime directory, the
 /// template store, and the jail's address pool (`AENV_JAIL_ADDRESS_POOL`), interface
-/// prefix, cgroup parent and id pool.
+/// prefix, cgroup parent, id pool and sandbox nameservers.
 fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonError> {
     h.runtime_dir = cfg.runtime_path.clone();
     h.templates.root = cfg.template_path.clone();
@@ -123,6 +123,7 @@ fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonE
         cfg.home.join("sandbox-logs"),
         cfg.sandbox_log_file_bytes,
     ));
+    h.dns_servers = cfg.jail_dns_servers.clone();
     Ok(())
 }
 

@@ -7,6 +7,7 @@ pub mod clock;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
+pub mod egress;
 pub mod host;
 pub mod ids;
 pub mod lifecycle;

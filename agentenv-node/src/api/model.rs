@@ -104,6 +104,22 @@ impl NewSandbox {
             ));
         }
         r.options.allow_internet_access = self.allow_internet_access;
+        if let Some(n) = &self.network {
+            super::network::refuse_unsupported(
+                n.egress_proxy.as_ref(),
+                n.rules.as_ref(),
+                n.mask_request_host.as_deref(),
+                n.https_ports.as_deref(),
+            )
+            .map_err(bad)?;
+            r.options.network = crate::egress::EgressRules {
+                allow_out: n.allow_out.clone().unwrap_or_default(),
+                deny_out: n.deny_out.clone().unwrap_or_default(),
+                dns_servers: n.dns_servers.clone(),
+            }
+            .checked()
+            .map_err(|e| bad(e.to_string()))?;
+        }
         r.options.allow_public_traffic = self
             .network
             .and_then(|n| n.allow_public_traffic)
@@ -601,6 +617,37 @@ mod tests {
                 .to_bytes();
             let msg = String::from_utf8_lossy(&body);
             assert!(msg.contains("volumeMounts: ") && msg.contains(why), "{msg}");
+        }
+    }
+
+    #[test]
+    fn create_checks_and_normalizes_egress_rules_and_refuses_what_is_not_served() {
+        let ok: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"base","allow_internet_access":false,"network":{"allowOut":["Example.com","8.8.8.8"],"denyOut":["10.1.0.0/8"],"dnsServers":["1.1.1.1"],"egressProxy":null}}"#,
+        )
+        .unwrap();
+        let r = ok.into_request().unwrap();
+        assert_eq!(r.options.network.allow_out, ["example.com", "8.8.8.8"]);
+        assert_eq!(r.options.network.deny_out, ["10.0.0.0/8"]);
+        assert_eq!(r.options.allow_internet_access, Some(false));
+        for (network, want) in [
+            (r#"{"allowOut":["10.0.0.0/33"]}"#, "network.allowOut[0]"),
+            (r#"{"denyOut":["example.com"]}"#, "network.denyOut[0]"),
+            (r#"{"egressProxy":{"address":"p:1080"}}"#, "egressProxy"),
+            (r#"{"rules":{"a.com":[{}]}}"#, "network.rules"),
+            (r#"{"httpsPorts":[3000]}"#, "httpsPorts"),
+        ] {
+            let b: NewSandbox =
+                serde_json::from_str(&format!(r#"{{"templateID":"base","network":{network}}}"#))
+                    .unwrap();
+            let resp = b.into_request().unwrap_err();
+            assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{network}");
+            let body =
+                futures::executor::block_on(http_body_util::BodyExt::collect(resp.into_body()))
+                    .unwrap()
+                    .to_bytes();
+            let text = String::from_utf8_lossy(&body);
+            assert!(text.contains(want), "{network}: {text}");
         }
     }
 

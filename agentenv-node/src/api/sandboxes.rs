@@ -343,8 +343,7 @@ fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
         envd_access_token: Some(state.orch.tokens().envd_token(&rec.id)),
         domain: state.domains.first().cloned(),
         allow_internet_access: rec.options.allow_internet_access,
-        network: (!rec.options.allow_public_traffic)
-            .then(|| serde_json::json!({"allowPublicTraffic": false})),
+        network: super::network::detail_json(rec),
         lifecycle: LifecycleJson {
             auto_resume: rec.options.auto_resume,
             on_timeout: match rec.options.on_timeout {

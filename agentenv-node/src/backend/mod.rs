@@ -49,8 +49,14 @@ pub struct SandboxSpec {
     pub memory_mb: u64,
     /// Environment of the agent and so of every process it starts.
     pub env: BTreeMap<String, String>,
-    /// Outbound traffic to the internet through NAT (`true`, the default) or none.
+    /// Outbound traffic to the internet through NAT (`true`, the default) or none (the
+    /// host interface is named for it and the host rules refuse all its traffic; the
+    /// lifecycle leaves this on and says what is denied in `egress` instead).
     pub allow_internet_access: bool,
+    /// What the sandbox may reach, enforced in its network namespace (default: all the
+    /// node's floor lets through).
+    #[serde(default)]
+    pub egress: crate::egress::EgressPolicy,
     /// Most processes (threads included) at once; `None` uses the backend's default.
     pub max_processes: Option<u32>,
     /// Size of the sandbox's writable disk in MiB; `None` uses the backend's default.
@@ -124,6 +130,7 @@ impl SandboxSpec {
             memory_mb: 512,
             env: BTreeMap::new(),
             allow_internet_access: true,
+            egress: crate::egress::EgressPolicy::default(),
             max_processes: None,
             disk_size_mb: None,
             kept: None,
@@ -305,6 +312,22 @@ pub trait SandboxBackend: Send + Sync {
     /// Stops a sandbox and removes every trace of it: processes, namespaces, cgroup, links,
     /// writable layer, address.
     async fn destroy(&self, id: &str) -> Result<(), BackendError>;
+
+    /// Replaces a sandbox's egress policy (running or paused) at once: the kernel rules in
+    /// its namespace and its egress proxy; established flows to what is denied now are
+    /// cut at their next packet.
+    async fn set_egress(
+        &self,
+        id: &str,
+        policy: crate::egress::EgressPolicy,
+    ) -> Result<(), BackendError> {
+        let _ = (id, policy);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "change a sandbox's egress rules",
+            hint: "its sandboxes keep the rules they were created with",
+        })
+    }
 
     /// The sandbox's info (state and address).
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError>;

@@ -363,6 +363,14 @@ impl<R: Runtime> HostedBackend<R> {
         sbx.host.with_net(|n| n.host_if.clone())
     }
 
+    /// The egress policy in force for a sandbox.
+    pub fn egress_policy(&self, id: &str) -> Option<std::sync::Arc<crate::egress::EgressPolicy>> {
+        self.sandboxes
+            .ready(id)
+            .ok()
+            .map(|s| s.host.egress.policy())
+    }
+
     /// The base of a sandbox's id range (the jail's root inside, the VMM's user).
     pub fn id_base(&self, id: &str) -> Option<u32> {
         self.sandboxes.ready(id).ok().map(|s| s.host.ids.base)
@@ -555,6 +563,16 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
         }
         R::check_kept(self, kept)?;
         self.host.remove_dir(&kept.path).map_err(setup)
+    }
+
+    async fn set_egress(
+        &self,
+        id: &str,
+        policy: crate::egress::EgressPolicy,
+    ) -> Result<(), BackendError> {
+        let sbx = self.sandboxes.ready(id)?;
+        let _op = sbx.op.lock().await;
+        sbx.host.egress.update(policy).await.map_err(setup)
     }
 
     async fn get(&self, id: &str) -> Result<SandboxInfo, BackendError> {

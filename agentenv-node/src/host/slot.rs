@@ -15,6 +15,7 @@ use super::ids::IdRange;
 use super::net::{SandboxNet, Slot};
 use super::{DirHook, SandboxHost, StateFile, ids, net, netpool, setup};
 use crate::backend::{BackendError, SandboxSpec};
+use crate::egress::SandboxEgress;
 
 impl SandboxHost {
     /// Takes what the sandbox of `spec` needs on the host: its directory (its kept
@@ -42,6 +43,7 @@ impl SandboxHost {
             link: None,
             cgroup: None,
             net: None,
+            egress: None,
             pid: None,
             undo_hooks: Vec::new(),
         };
@@ -97,6 +99,7 @@ impl SandboxHost {
             }
         };
         claim.net = Some(sandbox_net);
+        claim.egress = Some(self.start_egress(spec, &mut claim).await?);
 
         let cg = self.hierarchy.sandbox(&self.cfg.hosted.cgroup_parent, id);
         cg.create(limits).map_err(setup)?;
@@ -107,6 +110,31 @@ impl SandboxHost {
             .restrict_devices(self.cfg.devices)
             .map_err(setup)?;
         Ok(claim)
+    }
+
+    /// Applies the egress policy of `spec` in the claimed namespace and serves its egress
+    /// proxy, before any process of the sandbox exists.
+    async fn start_egress(
+        &self,
+        spec: &SandboxSpec,
+        claim: &mut Claim<'_>,
+    ) -> Result<SandboxEgress, BackendError> {
+        let net = claim.net.as_mut().expect("the namespace is claimed");
+        let netns = net
+            .netns
+            .try_clone()
+            .map_err(|e| BackendError::io("duplicating the namespace descriptor", e))?;
+        let listener = net.proxy_listener.take();
+        SandboxEgress::start(
+            &spec.id,
+            netns,
+            listener,
+            net::EGRESS_PROXY_PORT,
+            self.dns.clone(),
+            spec.egress.clone(),
+        )
+        .await
+        .map_err(setup)
     }
 
     /// The address of a new sandbox whose directory is `dir`, with a ready network
@@ -168,6 +196,8 @@ impl SandboxHost {
         if let Err(e) = self.stop_processes(slot).await {
             errors.push(e.to_string());
         }
+        // Its sockets in the namespace go before the namespace.
+        slot.egress.shutdown().await;
         let net = slot.net.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(n) = net {
             // With its processes gone, closing the namespace lets the kernel delete the
@@ -216,6 +246,8 @@ pub struct HostSlot {
     pub ids: IdRange,
     /// The network namespace (taken when the sandbox goes).
     pub net: Mutex<Option<SandboxNet>>,
+    /// Its egress rules and proxy.
+    pub egress: SandboxEgress,
     pub slot: Slot,
     pub host_if: String,
     pub created_at: SystemTime,
@@ -265,6 +297,7 @@ pub struct Claim<'a> {
     link: Option<String>,
     cgroup: Option<SandboxCgroup>,
     net: Option<SandboxNet>,
+    egress: Option<SandboxEgress>,
     pid: Option<Pid>,
     /// Run on undo once the processes are gone, before the directory is removed.
     undo_hooks: Vec<Box<dyn FnOnce() + Send>>,
@@ -320,6 +353,7 @@ impl Claim<'_> {
             cgroup: self.cgroup.take().expect("a claim has its cgroup"),
             ids: self.ids.expect("a claim has its ids"),
             net: Mutex::new(self.net.take()),
+            egress: self.egress.take().expect("a claim has its egress"),
             slot: self.slot.expect("a claim has its slot"),
             host_if: self.link.take().unwrap_or_default(),
             created_at: SystemTime::now(),
@@ -355,6 +389,7 @@ impl Drop for Claim<'_> {
         for hook in self.undo_hooks.drain(..).rev() {
             hook();
         }
+        drop(self.egress.take());
         drop(self.net.take());
         if let Some(link) = self.link.take() {
             // Netlink is async; `ip` does the same synchronously from a destructor.

@@ -17,14 +17,15 @@
 //! (create, delete and starting a backend sandbox), `pause` (pause, resume, connect,
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
 //! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage,
-//! the data plane's route), `observe` (resource samples and sandbox logs), `volumes` (a
-//! sandbox's volumes through its life).
+//! the data plane's route), `network` (replacing a sandbox's egress rules), `observe`
+//! (resource samples and sandbox logs), `volumes` (a sandbox's volumes through its life).
 
 mod build;
 mod create;
 mod fork;
 mod listing;
 mod metrics;
+mod network;
 mod observe;
 mod pause;
 mod persist;

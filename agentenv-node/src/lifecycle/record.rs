@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use super::state::{Op, State, next};
 use crate::backend::{KeptState, SandboxAddress, SandboxSpec};
 use crate::clock::ms_since_epoch;
+use crate::egress::EgressPolicy;
 
 /// What a pause kept of a sandbox: everything (`full`: memory and processes, the jail's
 /// frozen cgroup) or its files only (`filesystem`: it starts afresh on resume).
@@ -81,24 +82,7 @@ fn yes() -> bool {
     true
 }
 
-/// A sandbox's egress rules as the API names them: `allowOut`, `denyOut`, `dnsServers`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EgressRules {
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub allow_out: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub deny_out: Vec<String>,
-    /// `None`: the default nameservers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dns_servers: Option<Vec<String>>,
-}
-
-impl EgressRules {
-    pub fn is_empty(&self) -> bool {
-        self.allow_out.is_empty() && self.deny_out.is_empty() && self.dns_servers.is_none()
-    }
-}
+pub use crate::egress::EgressRules;
 
 /// A volume mounted into a sandbox: its name and the absolute path inside.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,8 +216,22 @@ impl SandboxRecord {
         spec.memory_mb = self.memory_mb;
         spec.disk_size_mb = self.disk_size_mb;
         spec.env = self.options.env_vars.clone();
-        spec.allow_internet_access = self.options.allow_internet_access.unwrap_or(true);
+        // Internet access is part of the policy (a deny of 0.0.0.0/0 that allowOut can
+        // open), enforced in the sandbox's namespace, not by the host interface's name.
+        spec.allow_internet_access = true;
+        spec.egress = self.egress_policy();
         spec.kept = self.kept.clone();
         spec
+    }
+
+    /// The egress policy of the sandbox's rules and internet access. Rules on record were
+    /// checked when they were taken; should they not parse, the sandbox gets no egress.
+    pub fn egress_policy(&self) -> EgressPolicy {
+        EgressPolicy::new(&self.options.network, self.options.allow_internet_access)
+            .unwrap_or_else(|e| {
+                tracing::error!(sandbox = %self.id, error = %e, "egress rules on record do not parse; denying all egress");
+                EgressPolicy::new(&EgressRules::default(), Some(false))
+                    .expect("the empty rules parse")
+            })
     }
 }

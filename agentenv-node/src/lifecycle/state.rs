@@ -73,11 +73,13 @@ pub enum Op {
     Keep,
     /// A paused sandbox's record is loaded at start.
     Restore,
+    /// `PUT /network`: the egress rules are replaced (a paused sandbox gets them on resume).
+    SetNetwork,
 }
 
 impl Op {
     /// Every operation, for tests and tables.
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::Done,
         Op::Pause,
         Op::Resume,
@@ -90,6 +92,7 @@ impl Op {
         Op::Kill,
         Op::Keep,
         Op::Restore,
+        Op::SetNetwork,
     ];
 
     /// The operation as errors name it.
@@ -107,6 +110,7 @@ impl Op {
             Op::Kill => "delete",
             Op::Keep => "keeping its state",
             Op::Restore => "restoring",
+            Op::SetNetwork => "updating the network",
         }
     }
 
@@ -114,7 +118,7 @@ impl Op {
     pub fn needs(self) -> &'static str {
         match self {
             Op::Done => "creating, resuming, pausing or snapshotting",
-            Op::Connect => "running or paused",
+            Op::Connect | Op::SetNetwork => "running or paused",
             Op::Resume | Op::Keep => "paused",
             Op::Kill | Op::Restore => "anything",
             Op::Pause | Op::SetTimeout | Op::Refresh | Op::Expire | Op::Snapshot | Op::Fork => {
@@ -150,6 +154,8 @@ pub fn next(state: State, op: Op) -> Result<State, TransitionError> {
         (Op::Resume | Op::Connect, Paused) => Resuming,
         (Op::Resume | Op::Connect | Op::SetTimeout | Op::Refresh | Op::Expire, Running) => Running,
         (Op::Snapshot | Op::Fork, Running) => Snapshotting,
+        (Op::SetNetwork, Running) => Running,
+        (Op::SetNetwork, Paused) => Paused,
         _ => return Err(TransitionError::Invalid { state, op }),
     })
 }
@@ -190,6 +196,8 @@ mod tests {
         (Pausing, Op::Restore, Paused),
         (Paused, Op::Restore, Paused),
         (Killing, Op::Restore, Paused),
+        (Running, Op::SetNetwork, Running),
+        (Paused, Op::SetNetwork, Paused),
     ];
 
     #[test]

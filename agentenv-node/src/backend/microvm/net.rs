@@ -124,7 +124,13 @@ pub fn setup_tap(netns: BorrowedFd<'_>, sandbox_ip: Ipv4Addr, owner: u32) -> Res
         &["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
         "",
     )?;
-    run_in(netns, "iptables-restore", &["-w"], &nat_rules(sandbox_ip))?;
+    // Added to what the namespace holds: the egress policy's chains are there already.
+    run_in(
+        netns,
+        "iptables-restore",
+        &["-w", "--noflush"],
+        &nat_rules(sandbox_ip),
+    )?;
     Ok(())
 }
 

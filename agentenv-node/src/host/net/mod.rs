@@ -287,7 +287,15 @@ pub struct SandboxNet {
     pub netns: OwnedFd,
     pub host_if: String,
     pub slot: Slot,
+    /// The egress proxy's listener, made in the namespace when it was (on
+    /// [`EGRESS_PROXY_PORT`], before any process of a sandbox could take the port);
+    /// taken by whoever serves it.
+    pub proxy_listener: Option<std::net::TcpListener>,
 }
+
+/// The port the node's egress proxy holds in every sandbox namespace (see
+/// [`crate::egress`]): the namespace's rules redirect web traffic of denied addresses here.
+pub const EGRESS_PROXY_PORT: u16 = 1;
 
 /// The interface name inside the sandbox.
 pub const GUEST_IF: &str = "eth0";
@@ -327,39 +335,46 @@ pub async fn create_sandbox_net_with_netlink(
     let rt = tokio::runtime::Handle::current();
     // A fresh thread enters a new network namespace and opens a netlink socket there;
     // the namespace lives on through the returned descriptor and the socket.
-    let (netns, (conn, ns_handle)) = std::thread::spawn(move || -> Result<_, NetError> {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-            .map_err(|e| io_err("creating a network namespace")(e.into()))?;
-        let fd: OwnedFd = File::open("/proc/thread-self/ns/net")
-            .map_err(io_err("opening the new network namespace"))?
-            .into();
-        // Sandboxes speak IPv4 only (NAT, pool addresses); without IPv6 the new links
-        // skip link-local addresses, duplicate address detection and solicitations.
-        // /proc/sys/net shows the namespace of the thread that reads it.
-        for conf in ["all", "default"] {
-            let path = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
-            if let Err(e) = std::fs::write(&path, "1") {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    return Err(io_err(format!("writing {path}"))(e));
+    let (netns, listener, (conn, ns_handle)) =
+        std::thread::spawn(move || -> Result<_, NetError> {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| io_err("creating a network namespace")(e.into()))?;
+            let fd: OwnedFd = File::open("/proc/thread-self/ns/net")
+                .map_err(io_err("opening the new network namespace"))?
+                .into();
+            // Sandboxes speak IPv4 only (NAT, pool addresses); without IPv6 the new links
+            // skip link-local addresses, duplicate address detection and solicitations.
+            // /proc/sys/net shows the namespace of the thread that reads it.
+            for conf in ["all", "default"] {
+                let path = format!("/proc/sys/net/ipv6/conf/{conf}/disable_ipv6");
+                if let Err(e) = std::fs::write(&path, "1") {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(io_err(format!("writing {path}"))(e));
+                    }
                 }
             }
-        }
-        // Sandbox root lives in a user namespace that does not own this network
-        // namespace, so it has no CAP_NET_BIND_SERVICE or CAP_NET_RAW here: let every
-        // user bind low ports and open ICMP echo sockets (ping), as containers do.
-        for (path, value) in [
-            ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
-            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
-        ] {
-            std::fs::write(path, value).map_err(io_err(format!("writing {path}")))?;
-        }
-        let _guard = rt.enter();
-        let (conn, handle, _) = rtnetlink::new_connection()
-            .map_err(io_err("netlink socket in the sandbox namespace"))?;
-        Ok((fd, (conn, handle)))
-    })
-    .join()
-    .map_err(|_| NetError::Firewall("network namespace thread panicked".into()))??;
+            // Sandbox root lives in a user namespace that does not own this network
+            // namespace, so it has no CAP_NET_BIND_SERVICE or CAP_NET_RAW here: let every
+            // user bind low ports and open ICMP echo sockets (ping), as containers do.
+            for (path, value) in [
+                ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
+                ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+            ] {
+                std::fs::write(path, value).map_err(io_err(format!("writing {path}")))?;
+            }
+            // The egress proxy's port is the node's before the sandbox exists.
+            let listener = std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, EGRESS_PROXY_PORT))
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .map_err(io_err(
+                    "binding the egress proxy's port in the sandbox namespace",
+                ))?;
+            let _guard = rt.enter();
+            let (conn, handle, _) = rtnetlink::new_connection()
+                .map_err(io_err("netlink socket in the sandbox namespace"))?;
+            Ok((fd, listener, (conn, handle)))
+        })
+        .join()
+        .map_err(|_| NetError::Firewall("network namespace thread panicked".into()))??;
     let ns = NsNetlink {
         handle: ns_handle,
         task: tokio::spawn(conn),
@@ -371,6 +386,7 @@ pub async fn create_sandbox_net_with_netlink(
                 netns,
                 host_if,
                 slot,
+                proxy_listener: Some(listener),
             },
             ns,
         )),
@@ -598,6 +614,21 @@ pub fn nameservers(resolv_conf: &str) -> Vec<Ipv4Addr> {
         .filter_map(|l| l.trim().strip_prefix("nameserver"))
         .filter_map(|v| v.trim().parse::<Ipv4Addr>().ok())
         .filter(|ip| !ip.is_loopback())
+        .collect()
+}
+
+/// Sandbox nameservers given by the operator: IPv4 addresses a sandbox can reach (not
+/// loopback: a sandbox's loopback is its own); else the entry refused and the fix.
+pub fn parse_nameservers(list: &[String]) -> Result<Vec<Ipv4Addr>, (String, &'static str)> {
+    let fix = "use IPv4 addresses of nameservers the sandboxes can reach, e.g. 8.8.8.8,1.1.1.1";
+    if list.is_empty() {
+        return Err(("[]".into(), fix));
+    }
+    list.iter()
+        .map(|s| match s.trim().parse::<Ipv4Addr>() {
+            Ok(ip) if !ip.is_loopback() && !ip.is_unspecified() => Ok(ip),
+            _ => Err((s.clone(), fix)),
+        })
         .collect()
 }
 
