@@ -184,10 +184,6 @@ pub struct NodeConfig {
     /// Node-local staging of snapshot captures and downloads
     /// (`AENV_SNAPSHOT_LOCAL_CACHE_PATH`, default `<home>/snapshot-local-cache`).
     pub snapshot_local_cache: PathBuf,
-    /// Where volumes' files are: on `posix_fs`, `<AENV_SNAPSHOT_STORE>/volumes` (on the
-    /// shared mount, beside the repository); on `oss`, this node's copies,
-    /// `<home>/volumes`.
-    pub volume_path: PathBuf,
     /// Template builds this node runs at once (`AENV_TEMPLATE_BUILD_CONCURRENCY`,
     /// `[template].build_concurrency`, 2); more wait as `waiting`.
     pub template_build_concurrency: usize,
@@ -465,6 +461,19 @@ fn hostname() -> String {
 }
 
 impl NodeConfig {
+    /// Where volumes' files are: on `posix_fs`, `<AENV_SNAPSHOT_STORE>/volumes` (on the
+    /// shared mount, beside the repository); on `oss`, this node's copies,
+    /// `<home>/volumes`.
+    pub fn volume_path(&self) -> PathBuf {
+        match &self.snapshot_repository {
+            StorageConfig::Fs { root } => root
+                .parent()
+                .map(|store| store.join("volumes"))
+                .unwrap_or_else(|| self.home.join("volumes")),
+            StorageConfig::S3(_) => self.home.join("volumes"),
+        }
+    }
+
     /// Loads the config from the process environment and, when given (or named by
     /// `AENV_CONFIG_PATH`), a TOML file.
     pub fn from_env(config_path: Option<&Path>) -> Result<Self, ConfigError> {
@@ -751,24 +760,18 @@ impl NodeConfig {
         let repo_s = env("AENV_SNAPSHOT_REPOSITORY_BACKEND")
             .or(file.snapshot.repository_backend)
             .unwrap_or_else(|| "posix_fs".into());
-        let (snapshot_repository, volume_path) = match repo_s.trim() {
+        let snapshot_repository = match repo_s.trim() {
             "posix_fs" => {
                 let store = env("AENV_SNAPSHOT_STORE")
                     .map(PathBuf::from)
                     .or(backend_file.posix_fs.snapshot_store)
                     .map(|p| expand_home(p, &home, &base))
                     .unwrap_or_else(|| home.join("snapshot-store"));
-                (
-                    StorageConfig::Fs {
-                        root: store.join("repository"),
-                    },
-                    store.join("volumes"),
-                )
+                StorageConfig::Fs {
+                    root: store.join("repository"),
+                }
             }
-            "oss" => (
-                StorageConfig::S3(oss_config(backend_file.oss, &env)?),
-                home.join("volumes"),
-            ),
+            "oss" => StorageConfig::S3(oss_config(backend_file.oss, &env)?),
             other => {
                 return Err(invalid(
                     "AENV_SNAPSHOT_REPOSITORY_BACKEND",
@@ -837,7 +840,6 @@ impl NodeConfig {
             agent_ready_timeout: Duration::from_secs(o.agent_ready_timeout_secs.unwrap_or(30)),
             snapshot_repository,
             snapshot_local_cache,
-            volume_path,
             template_build_concurrency: template_build_concurrency as usize,
             template_step_timeout: Duration::from_secs(template_step_timeout),
             template_ready_timeout: Duration::from_secs(template_ready_timeout),

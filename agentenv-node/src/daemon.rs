@@ -277,10 +277,11 @@ impl Daemon {
             )),
             bs,
         )?));
+        let volume_path = cfg.volume_path();
         let volumes = crate::volume::Volumes::open(
             snapshots.storage().clone(),
             &cfg.snapshot_repository,
-            &cfg.volume_path,
+            &volume_path,
             crate::volume::VolumeKey::from_seed(&seed),
             &cfg.node_id,
         )
@@ -288,13 +289,13 @@ impl Daemon {
         orch.set_volumes(Arc::new(volumes));
         if kind != BackendKind::Microvm
             && let Err(e) = crate::host::ids::check_idmapped_mounts(
-                &cfg.volume_path,
+                &volume_path,
                 crate::host::ids::IdRange {
                     base: cfg.jail_id_pool.first,
                 },
             )
         {
-            tracing::warn!(dir = %cfg.volume_path.display(), error = %e, "sandboxes on this node cannot mount volumes: creates with volumeMounts will fail");
+            tracing::warn!(dir = %volume_path.display(), error = %e, "sandboxes on this node cannot mount volumes: creates with volumeMounts will fail");
         }
         match orch.reconcile_volumes().await {
             Ok(0) => {}

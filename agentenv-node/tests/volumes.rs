@@ -19,7 +19,7 @@ fn config_on(home: &Path, slot: u8, store: &Path) -> NodeConfig {
     c.snapshot_repository = StorageConfig::Fs {
         root: store.join("repository"),
     };
-    c.volume_path = store.join("volumes");
+    assert_eq!(c.volume_path(), store.join("volumes"));
     c
 }
 
@@ -667,7 +667,7 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
     let s3 = moto.config("aenv-volumes", "cluster-1/");
     let mut cfg = node_common::config(home.path(), 49);
     cfg.snapshot_repository = StorageConfig::S3(s3.clone());
-    cfg.volume_path = home.path().join("volumes");
+    assert_eq!(cfg.volume_path(), home.path().join("volumes"));
     let node = Node::start(cfg).await;
     let addr = node.addr;
     let bucket = OpendalStorage::open(&StorageConfig::S3(s3)).unwrap();
