@@ -1,17 +1,16 @@
 //! Per-sandbox egress rules with real jail sandboxes against a fake internet (see
-//! `egress_common`): addresses and CIDRs enforced in the sandbox's namespace, names
+//! `agentenv_testkit::internet`): addresses and CIDRs enforced in the sandbox's namespace, names
 //! enforced by the node's egress proxy for HTTP and TLS, `PUT /network` replacing rules
 //! live, rules surviving pause, resume and a node restart, and a tenant that tries to lift
 //! its own rules. Test slots 32 to 35.
 
-mod egress_common;
 mod node_common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use agentenv_testkit::Wait;
-use egress_common::{ECHO_PORT, Internet};
+use agentenv_testkit::internet::{ECHO_PORT, Internet};
 use node_common::{Node, api, create, run};
 
 /// What runs inside the sandboxes: one line, `OK …` or `ERR <exception> …`.

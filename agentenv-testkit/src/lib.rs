@@ -4,6 +4,8 @@
 //!   result instead of a panic): poll a check until it passes or a deadline passes;
 //! * [`bins`]: the workspace's binaries, static builds included;
 //! * `moto` (feature `s3`): a real S3-compatible server on loopback;
+//! * `internet` (feature `internet`): a fake internet in a network namespace, with web
+//!   servers and a DNS server, for egress tests;
 //! * `registry` (feature `registry`): a real OCI registry on loopback, OCI image layouts
 //!   written from a directory, `skopeo` pushes;
 //! * `vmm` (feature `vmm`): guest programs for the VMM, as minimal ELF "kernels";
@@ -13,6 +15,8 @@
 pub mod bins;
 #[cfg(feature = "node")]
 pub mod host_rules;
+#[cfg(feature = "internet")]
+pub mod internet;
 #[cfg(feature = "s3")]
 pub mod moto;
 #[cfg(feature = "node")]

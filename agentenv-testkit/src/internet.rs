@@ -13,8 +13,6 @@
 //! Every server counts the connections it accepted, so a test can tell that a server was
 //! never reached.
 
-#![allow(dead_code)]
-
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::AsFd;
