@@ -359,9 +359,9 @@ fn the_deploy_examples_use_tls_and_the_cluster_token_on_every_link() {
 }
 
 /// TOML key paths of the node config file, read from the `File*` structs of
-/// agentenv-node/src/config.rs.
+/// agentenv-node/src/config/file.rs.
 fn node_toml_keys() -> BTreeSet<String> {
-    let src = read("agentenv-node/src/config.rs");
+    let src = read("agentenv-node/src/config/file.rs");
     let section = |name: &str| -> &'static str {
         match name {
             "FileConfig" => "",
@@ -387,6 +387,7 @@ fn node_toml_keys() -> BTreeSet<String> {
     let mut current: Option<&str> = None;
     for line in src.lines() {
         let t = line.trim();
+        let t = t.strip_prefix("pub(super) ").unwrap_or(t);
         if let Some(rest) = t.strip_prefix("struct File") {
             let name = format!("File{}", rest.split([' ', '{']).next().unwrap());
             current = Some(section(&name));
