@@ -5,24 +5,28 @@
 //! overrides for the running service, then validation. Every error names the
 //! offending key and says what is expected.
 
-use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
-use crate::duration::{parse_go_duration_nanos, parse_positive_duration};
 use crate::logging::{LogFormat, LogLevel};
 
 mod addr;
 mod choices;
 mod tls;
+mod values;
 
 use addr::require_listen_addr;
 pub use addr::{is_loopback_listen_addr, resolve_listen_addr};
 pub use choices::{DiscoveryMode, Strategy};
 pub use tls::{TlsConnect, TlsListen};
+pub use values::{BoolSyntax, parse_bool, validate_http_url};
+use values::{
+    de_duration, env_bool, env_duration, env_int, required_choice, strip_position,
+    validate_grpc_target, validate_nodes,
+};
 
 /// Placement strategies the scheduler ships with (the spellings of [`Strategy`]).
 pub const BUILTIN_STRATEGIES: [&str; 4] = ["round_robin", "random", "least_loaded", "power_of_two"];
@@ -590,216 +594,4 @@ impl Config {
         }
         Ok(())
     }
-}
-
-fn validate_nodes(nodes: &[NodeConfig]) -> Result<(), ConfigError> {
-    if nodes.is_empty() {
-        return Err(ConfigError::invalid(
-            "scheduler.nodes",
-            "must not be empty: list every runtime node as {\"id\": \"node-a\", \"endpoint\": \"http://10.0.0.21:8000\"}",
-        ));
-    }
-    let mut seen = HashSet::new();
-    for (i, n) in nodes.iter().enumerate() {
-        let key = format!("scheduler.nodes[{i}]");
-        if n.id.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                format!("{key}.id"),
-                "is required (the node's AENV_NODE_ID)",
-            ));
-        }
-        if n.id.trim() != n.id {
-            return Err(ConfigError::invalid(
-                format!("{key}.id"),
-                format!(
-                    "{:?} has surrounding white space; write {:?}",
-                    n.id,
-                    n.id.trim()
-                ),
-            ));
-        }
-        if n.endpoint.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                format!("{key}.endpoint"),
-                format!(
-                    "is required for node {:?}, e.g. \"http://10.0.0.21:8000\"",
-                    n.id
-                ),
-            ));
-        }
-        validate_http_url(&format!("{key}.endpoint"), &n.endpoint)?;
-        if !seen.insert(n.id.as_str()) {
-            return Err(ConfigError::invalid(
-                format!("{key}.id"),
-                format!("duplicate node id {:?}: every node needs its own id", n.id),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Checks that `value` is an absolute `http://` or `https://` URL with a host.
-pub fn validate_http_url(key: &str, value: &str) -> Result<(), ConfigError> {
-    let rest = value
-        .strip_prefix("http://")
-        .or_else(|| value.strip_prefix("https://"));
-    let Some(rest) = rest else {
-        return Err(ConfigError::invalid(
-            key,
-            format!("{value:?} must start with http:// or https://, e.g. \"http://{value}\""),
-        ));
-    };
-    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
-    if host.is_empty() || host.contains(char::is_whitespace) {
-        return Err(ConfigError::invalid(
-            key,
-            format!("{value:?} has no valid host"),
-        ));
-    }
-    Ok(())
-}
-
-fn validate_grpc_target(key: &str, value: &str, required: bool) -> Result<(), ConfigError> {
-    let v = value.trim();
-    if v.is_empty() {
-        if required {
-            return Err(ConfigError::invalid(
-                key,
-                "is required, e.g. \"127.0.0.1:9090\"",
-            ));
-        }
-        return Ok(());
-    }
-    if let Some((scheme, rest)) = v.split_once("://") {
-        return Err(ConfigError::invalid(
-            key,
-            format!(
-                "{v:?} must be host:port without a scheme: write {rest:?} instead of {scheme}://{rest}"
-            ),
-        ));
-    }
-    match v.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => Err(ConfigError::invalid(
-            key,
-            format!("{v:?} must be host:port, e.g. \"127.0.0.1:9090\""),
-        )),
-    }
-}
-
-fn env_duration(var: &'static str, value: &str) -> Result<Duration, ConfigError> {
-    parse_positive_duration(value).map_err(|message| ConfigError::Env {
-        var,
-        value: value.to_string(),
-        message,
-    })
-}
-
-fn env_bool(var: &'static str, value: &str) -> Result<bool, ConfigError> {
-    parse_bool(value, BoolSyntax::Plain).ok_or_else(|| ConfigError::Env {
-        var,
-        value: value.to_string(),
-        message: "expected true or false (also 1/0, t/f)".into(),
-    })
-}
-
-fn env_int(var: &'static str, value: &str) -> Result<i64, ConfigError> {
-    value.parse().map_err(|_| ConfigError::Env {
-        var,
-        value: value.to_string(),
-        message: "expected an integer".into(),
-    })
-}
-
-/// Which spellings a boolean setting accepts (see [`parse_bool`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BoolSyntax {
-    /// `1`/`0`, `t`/`f`, `true`/`false` only (the control-plane environment,
-    /// e.g. `GATEWAY_DEBUG_MODE`, where `yes` is an error).
-    Plain,
-    /// Also `yes`/`no`, `on`/`off`, and blank text as false (the node's
-    /// environment variables).
-    WithWords,
-}
-
-/// The boolean parser of every config layer (environment variables, files):
-/// `1`, `t`, `true` and `0`, `f`, `false`, compared case-insensitively after
-/// trimming, plus the words of [`BoolSyntax::WithWords`] where `syntax`
-/// allows them. Anything else is `None`, for the caller to report with the
-/// key.
-pub fn parse_bool(v: &str, syntax: BoolSyntax) -> Option<bool> {
-    let words = syntax == BoolSyntax::WithWords;
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "t" | "true" => Some(true),
-        "0" | "f" | "false" => Some(false),
-        "yes" | "on" if words => Some(true),
-        "no" | "off" | "" if words => Some(false),
-        _ => None,
-    }
-}
-
-/// A required choice: blank text says which values exist, other text must
-/// parse.
-fn required_choice<T>(
-    key: &str,
-    choices: &str,
-    text: &str,
-    parse: fn(&str) -> Result<T, String>,
-) -> Result<T, ConfigError> {
-    if text.trim().is_empty() {
-        return Err(ConfigError::invalid(
-            key,
-            format!("is required (one of {choices})"),
-        ));
-    }
-    parse(text).map_err(|m| ConfigError::invalid(key, m))
-}
-
-fn strip_position(e: &serde_json::Error) -> String {
-    let s = e.to_string();
-    match s.rfind(" at line ") {
-        Some(i) => s[..i].to_string(),
-        None => s,
-    }
-}
-
-fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    struct V;
-    impl serde::de::Visitor<'_> for V {
-        type Value = Duration;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a duration string like \"30s\"")
-        }
-        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
-            parse_go_duration_nanos(v)
-                .map_err(|e| E::custom(format!("must be a duration string like \"30s\": {e}")))?;
-            parse_positive_duration(v).map_err(E::custom)
-        }
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
-            )))
-        }
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
-            )))
-        }
-        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}"
-            )))
-        }
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Duration, E> {
-            Err(E::custom(
-                "must be a duration string like \"30s\", got null",
-            ))
-        }
-        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Duration, E> {
-            Err(E::custom(
-                "must be a duration string like \"30s\", got a boolean",
-            ))
-        }
-    }
-    d.deserialize_any(V)
 }
