@@ -203,6 +203,7 @@ fn row(name: &str, v: &mut [Duration], reference: Duration) {
 
 /// An XFS file system with reflinks on a loop device, mounted at `dir/mnt`.
 fn mount_xfs(dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
     let backing = dir.join("xfs.img");
     std::fs::File::create(&backing)?.set_len(64 << 30)?;
     let st = std::process::Command::new("mkfs.xfs")
@@ -310,8 +311,8 @@ async fn main() -> anyhow::Result<()> {
         load.trim()
     );
     let dir = tempfile::tempdir()?;
-    let fs_type = std::process::Command::new("stat")
-        .args(["-f", "-c", "%T"])
+    let fs_type = std::process::Command::new("findmnt")
+        .args(["-n", "-o", "FSTYPE", "-T"])
         .arg(dir.path())
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())

@@ -776,6 +776,12 @@ fn clone_and_check(s: &Sandbox) -> u64 {
     };
     let before = free(&s.root);
     disk::clone_mounted(layer.mountpoint(), &image, &dest).unwrap();
+    // Copied while mounted, the image says so: refused until marked clean.
+    assert!(matches!(
+        mount_layer(&dest, &s.root.join("fork")),
+        Err(DiskError::Unclean { .. })
+    ));
+    disk::mark_clean(&dest).unwrap();
     let used = before.saturating_sub(free(&s.root));
     // The layer runs on: writable, its files unchanged.
     fs::write(layer.upper().join("small"), b"after the fork").unwrap();

@@ -113,6 +113,48 @@ async fn forks_start_with_the_source_files_and_the_source_runs_on_unchanged() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_the_source_planted_never_make_the_node_write_outside_a_forks_layer() {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let node = Node::start(node_common::config(home.path(), 59)).await;
+    let addr = node.addr;
+    // A host file the links point at, through paths that lead out of the layer when the
+    // node follows them on the host.
+    let victim = home.path().join("victim");
+    std::fs::write(&victim, b"host file").unwrap();
+    let victim_s = victim.display().to_string();
+    let source = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
+    sh(
+        addr,
+        &source,
+        &format!(
+            "rm -f /etc/hostname /etc/hosts && ln -s {victim_s} /etc/hostname && ln -s /proc/1/root{victim_s} /etc/hosts && ln -sfn / /etc/resolv.conf"
+        ),
+    )
+    .await;
+    let r = api(addr, "POST", &format!("/sandboxes/{source}/fork"), "{}").await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let fork = r.json()[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{}", r.text()))
+        .to_string();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"host file");
+    // The node replaced the links with its own files, inside the fork.
+    assert_eq!(sh(addr, &fork, "cat /etc/hostname").await, fork);
+    assert_eq!(
+        sh(
+            addr,
+            &fork,
+            "test -L /etc/hostname || test -L /etc/hosts && echo link || echo file"
+        )
+        .await,
+        "file"
+    );
+    assert!(sh(addr, &fork, "cat /etc/hosts").await.contains(&fork));
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_without_memory_keeps_the_files_and_the_sandbox_starts_afresh() {
     require_node!();
     let home = tempfile::tempdir().unwrap();

@@ -19,7 +19,7 @@ use crate::host::{Runtime, disk, setup};
 
 impl JailBackend {
     /// A kept state with the writable layer of `sbx` as it is now; the sandbox is frozen
-    /// while it is copied.
+    /// while it is copied (its copy is marked clean once it runs on).
     pub(super) async fn fork_layer(&self, sbx: &Sandbox) -> Result<KeptState, BackendError> {
         let path = self.host.new_kept_path("fork");
         let (dir, dest) = (sbx.host.dir.clone(), path.clone());
@@ -32,7 +32,17 @@ impl JailBackend {
         .map_err(|e| setup(format!("fork task: {e}")))
         .and_then(|r| r);
         let thawed = JailRuntime::resume(self, sbx).await;
-        if let Err(e) = copied.and(thawed) {
+        let image = kept_image(&path);
+        let marked = match (copied, thawed, image) {
+            (Ok(()), Ok(()), Ok(image)) => {
+                tokio::task::spawn_blocking(move || disk::mark_clean(&image).map_err(copy_err))
+                    .await
+                    .map_err(|e| setup(format!("fork task: {e}")))
+                    .and_then(|r| r)
+            }
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
+        };
+        if let Err(e) = marked {
             self.remove_kept(&path);
             return Err(e);
         }

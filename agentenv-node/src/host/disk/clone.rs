@@ -4,8 +4,9 @@
 //! without a journal clears its "valid" flag while mounted, and dirty pages may not have
 //! reached the image yet. [`clone_mounted`] freezes the file system (`FIFREEZE`: every
 //! dirty page and the metadata are written and writers wait), copies the image's data
-//! extents, thaws it, and marks the copy's superblock valid again: a frozen file system
-//! is consistent on disk, so the copy is a cleanly unmounted one to [`super::mount_layer`].
+//! extents and thaws it; [`mark_clean`] then marks the copy's superblock valid again: a
+//! frozen file system is consistent on disk, so the copy is a cleanly unmounted one to
+//! [`super::mount_layer`].
 //! The sandbox's processes should be stopped too (its cgroup frozen) so that the copy is
 //! of one moment of the sandbox rather than of whatever its writes had reached.
 
@@ -57,16 +58,12 @@ impl Drop for Frozen {
 }
 
 /// Copies the image `image` of the layer mounted at `mountpoint` to the new file `dest`
-/// while the layer's file system is frozen, and marks the copy cleanly unmounted. The
-/// layer is frozen for the copy of its data only.
+/// while the layer's file system is frozen (for the copy of its data only). The copy is
+/// consistent but still says "mounted": [`mark_clean`] it before it is mounted (the
+/// layer's processes need not wait for that).
 pub fn clone_mounted(mountpoint: &Path, image: &Path, dest: &Path) -> Result<(), DiskError> {
-    {
-        let _frozen = Frozen::freeze(mountpoint)?;
-        copy_sparse(image, dest)?;
-    }
-    mark_clean(dest).inspect_err(|_| {
-        let _ = std::fs::remove_file(dest);
-    })
+    let _frozen = Frozen::freeze(mountpoint)?;
+    copy_sparse(image, dest)
 }
 
 /// Sets the "valid" flag in the superblock of the ext4 image `image` (and its checksum,
