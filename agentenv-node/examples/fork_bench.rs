@@ -11,8 +11,9 @@
 //! and on an XFS file system with reflinks that the bench makes on a loop device (a copy
 //! shares the data). On each, a source sandbox writes M MiB (default 100) of random data;
 //! each round forks it once, then into 8, and times from the fork request until every
-//! fork has answered a command (`true`) through the node's data plane, and how long the
-//! source was frozen for the capture (the node's `fork`/`capture` stage). The reference
+//! fork has answered a command (`true`) through the node's data plane, and the capture
+//! (the node's `fork`/`capture` stage: the source frozen while its layer is copied, the
+//! copy marked clean). The reference
 //! is a create from `base` until its first command answers, on the same node. Prints
 //! p50/p99 and the ratios to the reference. Needs root, `mkfs.xfs` (xfsprogs), the
 //! static guest agent (`AGENTENV_GUEST_BIN` or its static build) and `base` in the
@@ -279,8 +280,16 @@ async fn bench_on(
     );
     row("fork count 1 → the fork answers", &mut one, reference);
     row("fork count 8 → all 8 forks answer", &mut eight, reference);
-    row("  source frozen (count 1)", &mut frozen1, reference);
-    row("  source frozen (count 8)", &mut frozen8, reference);
+    row(
+        "  capture: source frozen, layer copied (1)",
+        &mut frozen1,
+        reference,
+    );
+    row(
+        "  capture: source frozen, layer copied (8)",
+        &mut frozen8,
+        reference,
+    );
     call(addr, "DELETE", &format!("/sandboxes/{source}"), "").await?;
     let _ = stop.send(());
     let _ = task.await;
