@@ -771,7 +771,7 @@ fn clone_and_check(s: &Sandbox) -> u64 {
     let dest = s.root.join("fork.img");
     let free = |p: &Path| {
         nix::sys::statvfs::statvfs(p)
-            .map(|v| v.blocks_available() as u64 * v.fragment_size() as u64)
+            .map(|v| v.blocks_available() * v.fragment_size())
             .unwrap()
     };
     let before = free(&s.root);
