@@ -539,6 +539,38 @@ pub fn e2b_python() -> Result<PathBuf, String> {
     Ok(py)
 }
 
+/// Runs an SDK script, `program script args…`, against the gateway at `gateway`
+/// (`E2B_API_URL`, `E2B_SANDBOX_URL` and `E2B_VOLUME_API_URL` set to it, `E2B_API_KEY`),
+/// with `env` added, and returns the JSON object it prints; panics with its output when
+/// it fails or prints something else.
+pub fn run_sdk_script(
+    program: &Path,
+    script: &str,
+    args: &[&str],
+    gateway: SocketAddr,
+    env: &[(&str, &str)],
+) -> serde_json::Value {
+    let gw = format!("http://{gateway}");
+    let mut cmd = Command::new(program);
+    cmd.arg(script)
+        .args(args)
+        .env("E2B_API_URL", &gw)
+        .env("E2B_SANDBOX_URL", &gw)
+        .env("E2B_VOLUME_API_URL", &gw)
+        .env("E2B_API_KEY", API_KEY);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {script}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed:\n{stderr}\n{stdout}");
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{script} printed no JSON ({e}):\n{stdout}\n{stderr}"))
+}
+
 /// A local template directory `dir` holding `base` (hard links into [`TEMPLATE_CACHE`],
 /// built there first if needed), so a node given it (`AENV_TEMPLATE_PATH`) sees no
 /// template but `base` at start. Returns `dir` as a string.

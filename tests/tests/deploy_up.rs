@@ -166,7 +166,14 @@ fn agentenv_up_serves_sandboxes_through_the_gateway_and_ctrl_c_leaves_nothing_be
     let key = field("API key");
     let data_dir = field("state and logs:");
     assert!(gateway.starts_with("http://127.0.0.1:"), "{gateway}");
-    assert_eq!(key.len(), 64, "a generated 32-byte hex key: {key}");
+    // As a node generates its key: `e2b_` and 32 random bytes in hex.
+    let hex = key
+        .strip_prefix("e2b_")
+        .unwrap_or_else(|| panic!("a generated key starts with e2b_: {key}"));
+    assert!(
+        hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()),
+        "a generated 32-byte hex key: {key}"
+    );
     // The start-up check ran a real command in a real sandbox through the gateway.
     let ran = lines
         .iter()

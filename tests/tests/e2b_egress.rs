@@ -4,10 +4,8 @@
 //! HTTPS under a deny of everything, addresses denied, `update_network` replacing the
 //! rules live, and no internet at all.
 
-use std::process::Command;
-
 use agentenv_testkit::internet::{ECHO_PORT, Internet};
-use agentenv_tests::{API_KEY, Cluster, e2b_python, skip_reason};
+use agentenv_tests::{Cluster, e2b_python, run_sdk_script, skip_reason};
 
 const FIRST_IDX: u8 = 22;
 /// The fake internet's slot: `198.18.41.0/24`.
@@ -29,26 +27,19 @@ fn the_sdk_allows_names_denies_addresses_and_replaces_rules_live() {
     let dir = tempfile::tempdir().unwrap();
     let ca = dir.path().join("ca.pem");
     std::fs::write(&ca, &net.ca_pem).unwrap();
-    let gw = format!("http://{}", cluster.gateway);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/e2b_egress.py");
-    let out = Command::new(&py)
-        .arg(script)
-        .arg(&ca)
-        .arg(net.ip(2).to_string())
-        .arg(net.ip(3).to_string())
-        .arg(ECHO_PORT.to_string())
-        .env("E2B_API_URL", &gw)
-        .env("E2B_SANDBOX_URL", &gw)
-        .env("E2B_API_KEY", API_KEY)
-        .output()
-        .expect("run the SDK script");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "SDK script failed:\n{stderr}\n{stdout}"
+    let v = run_sdk_script(
+        &py,
+        script,
+        &[
+            &ca.display().to_string(),
+            &net.ip(2).to_string(),
+            &net.ip(3).to_string(),
+            &ECHO_PORT.to_string(),
+        ],
+        cluster.gateway,
+        &[],
     );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("JSON from the script");
     let refused = |s: &serde_json::Value| s.as_str().is_some_and(|s| s.starts_with("ERR"));
 
     let named = &v["named"];

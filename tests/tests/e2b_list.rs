@@ -2,9 +2,7 @@
 //! in pages of 50: more than a node's own page (100) on each node, every sandbox exactly
 //! once, newest first and oldest first.
 
-use std::process::Command;
-
-use agentenv_tests::{API_KEY, Cluster, api, e2b_python, skip_reason};
+use agentenv_tests::{Cluster, api, e2b_python, run_sdk_script, skip_reason};
 
 const FIRST_IDX: u8 = 14;
 const SANDBOXES: usize = 250;
@@ -24,25 +22,15 @@ fn a_250_sandbox_cluster_lists_every_sandbox_once_in_pages_of_50() {
         )]
     });
     cluster.wait_nodes_listed(2);
-    let gw = format!("http://{}", cluster.gateway);
     let suite = format!("list-{:08x}", rand::random::<u32>());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/e2b_list.py");
-    let out = Command::new(&py)
-        .arg(script)
-        .arg(&suite)
-        .arg(SANDBOXES.to_string())
-        .env("E2B_API_URL", &gw)
-        .env("E2B_SANDBOX_URL", &gw)
-        .env("E2B_API_KEY", API_KEY)
-        .output()
-        .expect("run the SDK script");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "SDK script failed:\n{stderr}\n{stdout}"
+    let v = run_sdk_script(
+        &py,
+        script,
+        &[&suite, &SANDBOXES.to_string()],
+        cluster.gateway,
+        &[],
     );
-    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("JSON from the script");
     let ids = |k: &str| -> Vec<String> {
         v[k]["ids"]
             .as_array()

@@ -3,19 +3,9 @@
 //! template's start command, volumes shared by sandboxes, an idempotent create, lists in
 //! pages.
 
-use std::process::Command;
-
-use agentenv_tests::{API_KEY, Cluster, e2b_js, e2b_python, node_templates, skip_reason};
+use agentenv_tests::{Cluster, e2b_js, e2b_python, node_templates, run_sdk_script, skip_reason};
 
 const FIRST_IDX: u8 = 12;
-
-fn json_of(out: &std::process::Output, what: &str) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{what} failed:\n{stderr}\n{stdout}");
-    serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{what}: not JSON ({e}):\n{stdout}\n{stderr}"))
-}
 
 #[test]
 fn both_sdks_fork_measure_log_share_volumes_and_retry_creates_through_the_gateway() {
@@ -36,23 +26,12 @@ fn both_sdks_fork_measure_log_share_volumes_and_retry_creates_through_the_gatewa
         ]
     });
     cluster.wait_nodes_listed(2);
-    let gw = format!("http://{}", cluster.gateway);
     let nonce = format!("{:08x}", rand::random::<u32>());
-
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/e2b_sandbox_api.py"
     );
-    let out = Command::new(&py)
-        .arg(script)
-        .arg(&nonce)
-        .env("E2B_API_URL", &gw)
-        .env("E2B_SANDBOX_URL", &gw)
-        .env("E2B_VOLUME_API_URL", &gw)
-        .env("E2B_API_KEY", API_KEY)
-        .output()
-        .expect("run the SDK script");
-    let v = json_of(&out, "the Python SDK script");
+    let v = run_sdk_script(&py, script, &[&nonce], cluster.gateway, &[]);
 
     // Fork: two running sandboxes with the source's files; the source runs on unchanged.
     assert_eq!(v["fork_kinds"], serde_json::json!(["Sandbox", "Sandbox"]));
@@ -139,16 +118,14 @@ fn both_sdks_fork_measure_log_share_volumes_and_retry_creates_through_the_gatewa
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/e2b_sandbox_api.mjs"
     );
-    let out = Command::new("node")
-        .arg(script)
-        .arg(format!("js-{nonce}"))
-        .env("E2B_JS_DIR", &js)
-        .env("E2B_API_URL", &gw)
-        .env("E2B_SANDBOX_URL", &gw)
-        .env("E2B_API_KEY", API_KEY)
-        .output()
-        .expect("run the JS SDK script");
-    let j = json_of(&out, "the JS SDK script");
+    let js_nonce = format!("js-{nonce}");
+    let j = run_sdk_script(
+        std::path::Path::new("node"),
+        script,
+        &[&js_nonce],
+        cluster.gateway,
+        &[("E2B_JS_DIR", &js.display().to_string())],
+    );
     let forks = j["forks"].as_array().unwrap();
     assert_eq!(forks.len(), 2, "{j}");
     for f in forks {
