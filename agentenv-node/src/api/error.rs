@@ -87,6 +87,9 @@ pub(super) fn lifecycle_error_parts(e: LifecycleError) -> (StatusCode, String) {
             BackendError::AddressPoolExhausted { .. } | BackendError::IdPoolExhausted { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            // What this node's backend cannot do (a fork on a microVM node): not the
+            // client's mistake, nor a failure of the node.
+            BackendError::Unsupported { .. } => StatusCode::NOT_IMPLEMENTED,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         },
         LifecycleError::Agent { .. } | LifecycleError::Persist(_) | LifecycleError::Internal(_) => {
@@ -204,6 +207,21 @@ mod tests {
         assert_eq!(
             message,
             format!("sandbox {id} is Paused; refresh needs it running")
+        );
+    }
+
+    #[tokio::test]
+    async fn what_the_backend_cannot_do_is_not_implemented_and_says_where_to_go() {
+        let e = LifecycleError::Backend(BackendError::Unsupported {
+            backend: crate::config::BackendKind::Microvm,
+            op: "fork a sandbox",
+            hint: "fork sandboxes on a node with the jail backend",
+        });
+        let (status, message) = answer(e.into()).await;
+        assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+        assert_eq!(
+            message,
+            "the microvm backend cannot fork a sandbox: fork sandboxes on a node with the jail backend"
         );
     }
 }
