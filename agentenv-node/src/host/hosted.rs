@@ -161,6 +161,19 @@ impl<T> HostedSandbox<T> {
         self.info_lock().state
     }
 
+    /// Refuses an operation that needs the sandbox running when it is paused.
+    fn check_running(&self) -> Result<(), BackendError> {
+        let info = self.info_lock();
+        if info.state == SandboxState::Running {
+            return Ok(());
+        }
+        Err(BackendError::InvalidState {
+            id: info.id.clone(),
+            state: info.state,
+            needed: SandboxState::Running,
+        })
+    }
+
     /// Records that it runs or is paused now; its info.
     fn set_state(&self, state: SandboxState) -> SandboxInfo {
         let mut info = self.info_lock();
@@ -516,14 +529,7 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
     async fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotCapture, BackendError> {
         let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
-        let state = sbx.state();
-        if state != SandboxState::Running {
-            return Err(BackendError::InvalidState {
-                id: id.to_string(),
-                state,
-                needed: SandboxState::Running,
-            });
-        }
+        sbx.check_running()?;
         R::capture(self, &sbx, dir).await
     }
 
@@ -538,14 +544,7 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
     async fn fork(&self, id: &str) -> Result<KeptState, BackendError> {
         let sbx = self.sandboxes.ready(id)?;
         let _op = sbx.op.lock().await;
-        let state = sbx.state();
-        if state != SandboxState::Running {
-            return Err(BackendError::InvalidState {
-                id: id.to_string(),
-                state,
-                needed: SandboxState::Running,
-            });
-        }
+        sbx.check_running()?;
         R::fork(self, &sbx).await
     }
 

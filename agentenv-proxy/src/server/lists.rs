@@ -126,25 +126,7 @@ impl Gateway {
             (None, None, None)
         };
         let order = asked_order.unwrap_or_default();
-        let host = request_host(&req);
-        let request_uri = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_else(|| "/".into());
-        let mut headers = req.headers().clone();
-        rewrite_request_headers(
-            &mut headers,
-            false,
-            &Forwarded {
-                client_ip: remote.ip().to_canonical(),
-                host: host.as_ref(),
-                method: req.method(),
-                request_uri: &request_uri,
-                tls: req.extensions().get::<ClientTls>().is_some(),
-            },
-        );
-        headers.remove(header::CONTENT_LENGTH);
+        let headers = fanout_headers(&req, remote);
         let target = ListTarget {
             path: req.uri().path(),
             v2,
@@ -319,6 +301,32 @@ enum NodeFailure {
     Refused(StatusCode, String),
     /// No usable answer (unreachable, 5xx, not a list): listed without it.
     Unavailable(String),
+}
+
+/// The headers of a request the gateway makes to a node on a client's behalf (a list,
+/// metrics of several sandboxes): the client's, with the `X-Forwarded-*` of the client's
+/// request, without a body length.
+pub(super) fn fanout_headers(req: &Request<GatewayBody>, remote: SocketAddr) -> http::HeaderMap {
+    let host = request_host(req);
+    let request_uri = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let mut headers = req.headers().clone();
+    rewrite_request_headers(
+        &mut headers,
+        false,
+        &Forwarded {
+            client_ip: remote.ip().to_canonical(),
+            host: host.as_ref(),
+            method: req.method(),
+            request_uri: &request_uri,
+            tls: req.extensions().get::<ClientTls>().is_some(),
+        },
+    );
+    headers.remove(header::CONTENT_LENGTH);
+    headers
 }
 
 /// Largest refusal body of a node whose message is relayed.

@@ -9,16 +9,16 @@ use std::net::SocketAddr;
 
 use agentenv_core::proto::scheduler_v1 as pb;
 use futures::future::join_all;
-use http::header::{self, HeaderValue};
+use http::header::HeaderValue;
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::proxy::request_host;
-use super::{ClientTls, Gateway, LIST_BODY_CAP, scheduler_error};
+use super::lists::fanout_headers;
+use super::{Gateway, LIST_BODY_CAP, scheduler_error};
 use crate::body::{GatewayBody, boxed, concat, empty, error_response, json_response, read_prefix};
 use crate::cluster_list;
-use crate::forward::{Forwarded, rewrite_request_headers, upstream_uri};
+use crate::forward::upstream_uri;
 use crate::routing::MISSING_NODES_HEADER;
 
 /// Most sandboxes one request may ask about.
@@ -56,25 +56,7 @@ impl Gateway {
                 Err(status) => return scheduler_error(&status),
             }
         }
-        let mut headers = req.headers().clone();
-        let request_uri = req
-            .uri()
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .unwrap_or_else(|| "/".into());
-        let host = request_host(&req);
-        rewrite_request_headers(
-            &mut headers,
-            false,
-            &Forwarded {
-                client_ip: remote.ip().to_canonical(),
-                host: host.as_ref(),
-                method: req.method(),
-                request_uri: &request_uri,
-                tls: req.extensions().get::<ClientTls>().is_some(),
-            },
-        );
-        headers.remove(header::CONTENT_LENGTH);
+        let headers = fanout_headers(&req, remote);
         let path = req.uri().path();
         let asked = join_all(by_node.values().map(|(node, ids)| {
             let headers = headers.clone();
