@@ -254,6 +254,11 @@ impl Gateway {
                 return Box::pin(self.node_detail(req, remote, &node_id, deadline, long_lived))
                     .await;
             }
+            Decision::NodeMove(node_id) => {
+                rec.source = RouteSource::Gateway;
+                let node_id = node_id.to_string();
+                return Box::pin(self.move_node(req, remote, &node_id, deadline)).await;
+            }
             Decision::Route { id, source } => (id.map(str::to_string), source),
         };
         let host_route = host_route.ok().flatten();
