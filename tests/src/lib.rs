@@ -175,9 +175,14 @@ impl Drop for Proc {
 /// firewall rules among it.
 pub const NODE_RUNTIME_DIR: &str = "/run/aenv";
 
-/// The host interface prefix of test node `idx`.
+/// The host interface prefix of test node `idx` (0..=51): `c` and a letter for 0..=25,
+/// `k` and a letter for 26..=51 (never a prefix of another index's).
 pub fn node_iface_prefix(idx: u8) -> String {
-    format!("c{}", (b'a' + idx) as char)
+    assert!(idx < 52, "test node index {idx} is not in 0..=51");
+    match idx {
+        0..=25 => format!("c{}", (b'a' + idx) as char),
+        _ => format!("k{}", (b'a' + idx - 26) as char),
+    }
 }
 
 /// Removes the host firewall chains of `iface_prefix` (see
@@ -196,7 +201,7 @@ pub struct NodeProc {
     pub proc: Proc,
 }
 
-/// Environment of a test node with index `idx` (0..=25): its own data directory, address
+/// Environment of a test node with index `idx` (0..=51): its own data directory, address
 /// pool, interface prefix and cgroup parent.
 pub fn node_env(
     idx: u8,
