@@ -104,13 +104,13 @@ for i = first, #ARGV do
   if not listed[id] then
     local old = owner(redis.call('GET', bkey))
     if old and old ~= node then redis.call('SREM', prefix .. ':node:' .. old, id) end
+    batch[#batch + 1] = id
+    if #batch == 1000 then
+      redis.call('SADD', skey, unpack(batch))
+      batch = {}
+    end
   end
   redis.call('SET', bkey, value, 'PX', ttl)
-  batch[#batch + 1] = id
-  if #batch == 1000 then
-    redis.call('SADD', skey, unpack(batch))
-    batch = {}
-  end
 end
 if #batch > 0 then redis.call('SADD', skey, unpack(batch)) end
 if #ARGV >= first or kept > 0 then
