@@ -127,11 +127,14 @@ impl Replica {
     }
 }
 
-/// Whether a replica's status says the replica itself could not be reached
-/// (a transport failure), not an answer such as NOT_FOUND or the binding
-/// store being down, which the primary would give as well.
+/// Whether a replica's status says the replica itself could not be reached:
+/// made here by the transport (it carries the transport's error as its source:
+/// connection refused, or a connection cut during the call), or UNAVAILABLE for
+/// another reason than the binding store. An answer such as NOT_FOUND, or the
+/// binding store being down, is what the primary would say as well.
 fn replica_unreachable(status: &Status) -> bool {
-    status.code() == tonic::Code::Unavailable && status.message() != STORE_UNAVAILABLE
+    std::error::Error::source(status).is_some()
+        || (status.code() == tonic::Code::Unavailable && status.message() != STORE_UNAVAILABLE)
 }
 
 /// The message a scheduler sends when its binding store cannot answer.

@@ -197,8 +197,9 @@ fn a_primary_killed_and_restarted_under_load_loses_no_binding() {
         "with the replica up, nothing fails: {:?}",
         statuses(&b)
     );
+    // 503 while the primary cannot be reached; 502 for a call cut by the kill.
     assert!(
-        a.iter().all(|(st, _)| *st == 200 || *st == 503),
+        a.iter().all(|(st, _)| [200, 502, 503].contains(st)),
         "without a scheduler the gateway answers 503: {:?}",
         statuses(&a)
     );
