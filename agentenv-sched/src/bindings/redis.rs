@@ -103,6 +103,8 @@ local batch = {}
 for i = first, #ARGV do
   local id = ARGV[i]
   local bkey = prefix .. ':sandbox:' .. id
+  -- An id already in this node's set is bound here; a stale membership in
+  -- another node's set is harmless, as deletions check the owner.
   if not listed[id] then
     local old = owner(redis.call('GET', bkey))
     if old and old ~= node then redis.call('SREM', prefix .. ':node:' .. old, id) end
