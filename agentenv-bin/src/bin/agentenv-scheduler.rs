@@ -16,7 +16,7 @@ use clap::Parser;
 #[command(
     name = "agentenv-scheduler",
     version,
-    after_help = "Examples:\n  agentenv-scheduler -config /etc/agentenv/control-plane.json\n  SCHEDULER_STRATEGY=least_loaded agentenv-scheduler -config cp.json\n  agentenv-scheduler -config cp.json -query-only   (a replica: lookups from scheduler.redis_addr)\n\nFlags may be written with one dash (-config) or two (--config)."
+    after_help = "Examples:\n  agentenv-scheduler -config /etc/agentenv/control-plane.json\n  SCHEDULER_STRATEGY=least_loaded agentenv-scheduler -config cp.json\n\nFlags may be written with one dash (-config) or two (--config)."
 )]
 struct Args {
     /// The control-plane JSON config (defaults apply when omitted).
