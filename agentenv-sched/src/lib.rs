@@ -19,6 +19,10 @@
 //! scheduler.serve(listener, std::future::pending()).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! With `redis_addr` set, bindings live in Redis ([`RedisBindingStore`]),
+//! shared with query-only replicas and kept across restarts; build with
+//! [`SchedulerBuilder::build_async`], which connects first.
 
 #![forbid(unsafe_code)]
 
@@ -51,7 +55,7 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-pub use bindings::{BindingStore, MemoryBindingStore, StoreError};
+pub use bindings::{BindingStore, MemoryBindingStore, RedisBindingStore, StoreError};
 pub use placement::{Candidate, Placement};
 pub use registry::{NodeRegistry, P2pQuery, StaticRegistry};
 pub use service::SchedulerService;
@@ -71,9 +75,13 @@ pub enum BuildError {
     )]
     KubernetesUnsupported,
     #[error(
-        "scheduler.redis_addr: the Redis binding store is not available in this build; leave redis_addr empty to keep bindings in memory"
+        "scheduler.redis_addr: {0}; check that redis-server runs there and that redis_addr names it (host:port, redis://[:password@]host:port/db or rediss://...), or leave redis_addr empty to keep bindings in memory"
     )]
-    RedisUnsupported,
+    Redis(String),
+    #[error(
+        "scheduler.redis_addr: the Redis binding store connects asynchronously; build with SchedulerBuilder::build_async, or pass a store with binding_store"
+    )]
+    RedisNeedsAsync,
     #[error("scheduler.artifact_store_capacity: must be greater than zero")]
     ArtifactCapacity,
     #[error("scheduler.{0}")]
@@ -105,7 +113,8 @@ impl SchedulerBuilder {
         self
     }
 
-    /// Use this binding store instead of the in-memory one.
+    /// Use this binding store instead of the one the config names (in
+    /// memory, or Redis with `redis_addr`).
     pub fn binding_store(mut self, store: Arc<dyn BindingStore>) -> Self {
         self.store = Some(store);
         self
@@ -124,6 +133,23 @@ impl SchedulerBuilder {
         self
     }
 
+    /// Builds the scheduler, connecting to Redis first when
+    /// `scheduler.redis_addr` is set and no store was passed: the Redis must
+    /// answer a PING within 2 s.
+    pub async fn build_async(mut self) -> Result<Scheduler, BuildError> {
+        if self.store.is_none() && !self.config.redis_addr.trim().is_empty() {
+            let store =
+                RedisBindingStore::connect(&self.config.redis_addr, self.config.binding_ttl)
+                    .await
+                    .map_err(|e| BuildError::Redis(e.0))?;
+            self.store = Some(Arc::new(store));
+        }
+        self.build()
+    }
+
+    /// Builds the scheduler with the in-memory binding store, or the store
+    /// passed with [`Self::binding_store`]. A `scheduler.redis_addr` needs
+    /// [`Self::build_async`].
     pub fn build(self) -> Result<Scheduler, BuildError> {
         let c = &self.config;
         let placement: Arc<dyn Placement> = match self.placement {
@@ -134,7 +160,7 @@ impl SchedulerBuilder {
         };
         let store: Arc<dyn BindingStore> = match self.store {
             Some(s) => s,
-            None if !c.redis_addr.trim().is_empty() => return Err(BuildError::RedisUnsupported),
+            None if !c.redis_addr.trim().is_empty() => return Err(BuildError::RedisNeedsAsync),
             None => Arc::new(MemoryBindingStore::new(c.binding_ttl)),
         };
         let registry: Option<Arc<dyn NodeRegistry>> = if self.query_only {

@@ -8,6 +8,8 @@
 //!   servers and a DNS server, for egress tests;
 //! * `registry` (feature `registry`): a real OCI registry on loopback, OCI image layouts
 //!   written from a directory, `skopeo` pushes;
+//! * `redis` (feature `redis`): a real `redis-server` on loopback that can be killed and
+//!   restarted on its port;
 //! * `vmm` (feature `vmm`): guest programs for the VMM, as minimal ELF "kernels";
 //! * `host_rules` and `node` (feature `node`): the host firewall chains a test's backends
 //!   install, the shared template cache, a log subscriber, the root check.
@@ -22,6 +24,8 @@ pub mod moto;
 #[cfg(feature = "node")]
 pub mod node;
 mod poll;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "registry")]
 pub mod registry;
 #[cfg(feature = "vmm")]

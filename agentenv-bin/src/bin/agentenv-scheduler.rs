@@ -22,7 +22,9 @@ struct Args {
     /// The control-plane JSON config (defaults apply when omitted).
     #[arg(long, value_name = "PATH")]
     config: Option<PathBuf>,
-    /// Serve only LookupNode, reading bindings from the shared store.
+    /// Serve only LookupNode, reading bindings from the Redis in
+    /// scheduler.redis_addr that a primary scheduler writes (a replica for
+    /// gateways' query_only_scheduler_addr); every other call is UNIMPLEMENTED.
     #[arg(long)]
     query_only: bool,
 }
@@ -58,7 +60,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let metrics_addr = resolve_listen_addr(&s.metrics_listen_addr).map_err(anyhow::Error::msg)?;
     let scheduler = Scheduler::builder(s.clone())
         .query_only(args.query_only)
-        .build()?;
+        .build_async()
+        .await?;
+    let binding_store = if s.redis_addr.trim().is_empty() {
+        "memory"
+    } else {
+        "redis"
+    };
 
     let grpc = tokio::net::TcpListener::bind(grpc_addr)
         .await
@@ -86,6 +94,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         strategy = %s.strategy,
         nodes = s.nodes.len(),
         query_only = args.query_only,
+        binding_store,
         "scheduler listening"
     );
     let server = scheduler.serve(grpc, wait_stop(stop_rx));

@@ -1,15 +1,5 @@
-//! Sandbox → node bindings with a TTL.
-//!
-//! A binding is created or refreshed by RecordAssignment and by every
-//! heartbeat whose roster lists the sandbox; it is removed when its owner's
-//! roster omits it, when the owner unregisters, and when it expires. Recording
-//! or reconciling an id under another node moves it there.
-//!
-//! A node samples its roster before sending it, so a heartbeat can arrive just
-//! after the RecordAssignment of a sandbox the roster was sampled too early to
-//! list. A binding recorded by RecordAssignment after the node's previous
-//! heartbeat was processed is therefore kept when that node's next roster
-//! omits it; the heartbeat after that decides.
+//! Bindings in process memory: a map of id → node and expiry plus a reverse
+//! index node → ids. Expired entries go on lookup and on the periodic sweep.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -19,37 +9,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokio::time::{Duration, Instant};
 
-/// The binding store could not answer (e.g. Redis is down).
-#[derive(Debug, thiserror::Error)]
-#[error("binding store unavailable: {0}")]
-pub struct StoreError(pub String);
-
-/// Where bindings live.
-#[async_trait]
-pub trait BindingStore: Send + Sync + 'static {
-    /// The node bound to `sandbox_id`, if the binding exists and has not expired.
-    async fn get(&self, sandbox_id: &str, now: Instant) -> Result<Option<Node>, StoreError>;
-
-    /// Binds `sandbox_id` to `node` (moving it from any other node).
-    async fn record(&self, sandbox_id: &str, node: &Node, now: Instant) -> Result<(), StoreError>;
-
-    /// Makes `sandbox_ids` the complete set of sandboxes bound to `node`
-    /// (a heartbeat's roster).
-    async fn reconcile_node(
-        &self,
-        node: &Node,
-        sandbox_ids: &[String],
-        now: Instant,
-    ) -> Result<(), StoreError>;
-
-    /// Drops every binding owned by the node (it unregistered).
-    async fn forget_node(&self, node_id: &str) -> Result<(), StoreError>;
-
-    /// Drops expired bindings. Stores that expire on their own do nothing.
-    async fn sweep_expired(&self, _now: Instant) -> Result<usize, StoreError> {
-        Ok(0)
-    }
-}
+use super::{BindingStore, StoreError};
 
 #[derive(Debug)]
 struct Binding {
