@@ -153,7 +153,7 @@ fn a_primary_killed_and_restarted_under_load_loses_no_binding() {
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let mut ha = Ha::start(16);
+    let mut ha = Ha::start(28);
     let (_replica, replica_addr) = ha.replica("replica");
     let (_gw_primary, via_primary) = ha.gateway("gateway-primary", None);
     let (_gw_replica, via_replica) = ha.gateway("gateway-replica", Some(&replica_addr));
@@ -216,7 +216,7 @@ fn with_two_replicas_a_dead_primary_keeps_routing_and_refuses_creates_with_503()
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let mut ha = Ha::start(6);
+    let mut ha = Ha::start(26);
     let (mut replica_1, replica_1_addr) = ha.replica("replica-1");
     let (_replica_2, replica_2_addr) = ha.replica("replica-2");
     let (_g1, gw1) = ha.gateway("gateway-1", Some(&replica_1_addr));
@@ -286,7 +286,7 @@ fn redis_killed_mid_run_gives_503_binding_store_unavailable_and_the_scheduler_re
         eprintln!("SKIPPED: {r}");
         return;
     }
-    let mut ha = Ha::start(7);
+    let mut ha = Ha::start(27);
     let (_g, gw) = ha.gateway("gateway", None);
     let id = create_ok(gw);
     assert_eq!(hostname(gw, &id), (200, id.clone()));

@@ -301,6 +301,85 @@ impl Api {
         })
     }
 
+    /// `method path` with a JSON `body` whose answer is a stream of JSON lines: each line
+    /// is handed to `on_line` as it arrives (no overall timeout: the server reports
+    /// progress; `idle` bounds the wait for the next line). A refusal is an error with the
+    /// server's message.
+    pub async fn stream_lines(
+        &self,
+        method: Method,
+        path: &str,
+        body: &impl Serialize,
+        idle: Duration,
+        mut on_line: impl FnMut(&[u8]),
+    ) -> Result<(), ApiError> {
+        let url = format!("{}{}", self.base, path);
+        let req = Request::builder()
+            .method(method.clone())
+            .uri(&url)
+            .header("x-api-key", &self.key)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(
+                header::USER_AGENT,
+                concat!("aenv/", env!("CARGO_PKG_VERSION")),
+            )
+            .body(Full::new(Bytes::from(encode(body))))
+            .map_err(|e| ApiError::BadUrl {
+                url: url.clone(),
+                reason: e.to_string(),
+            })?;
+        let unreachable = |reason: String| ApiError::Unreachable {
+            url: url.clone(),
+            reason,
+        };
+        let resp = tokio::time::timeout(REQUEST_TIMEOUT, self.http.request(req))
+            .await
+            .map_err(|_| ApiError::Timeout {
+                url: url.clone(),
+                secs: REQUEST_TIMEOUT.as_secs(),
+            })?
+            .map_err(|e| unreachable(error_chain(&e)))?;
+        let (parts, mut body) = resp.into_parts();
+        if !parts.status.is_success() {
+            let bytes = body
+                .collect()
+                .await
+                .map_err(|e| unreachable(format!("reading the response: {e}")))?
+                .to_bytes();
+            let message = error_message(&bytes);
+            return Err(match parts.status {
+                StatusCode::UNAUTHORIZED => {
+                    ApiError::Unauthorized(Some(message).filter(|m| !m.is_empty()))
+                }
+                s => ApiError::Status {
+                    status: s.as_u16(),
+                    message,
+                },
+            });
+        }
+        let mut pending: Vec<u8> = Vec::new();
+        loop {
+            let frame = tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| ApiError::Timeout {
+                    url: url.clone(),
+                    secs: idle.as_secs(),
+                })?;
+            let Some(frame) = frame else { break };
+            let frame = frame.map_err(|e| unreachable(format!("reading the response: {e}")))?;
+            let Ok(data) = frame.into_data() else { continue };
+            pending.extend_from_slice(&data);
+            while let Some(i) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=i).collect();
+                on_line(line[..i].trim_ascii());
+            }
+        }
+        if !pending.trim_ascii().is_empty() {
+            on_line(pending.trim_ascii());
+        }
+        Ok(())
+    }
+
     /// Checks the URL and key with an authenticated call (`GET /v2/sandboxes?limit=1`).
     pub async fn verify(&self) -> Result<(), ApiError> {
         self.ok(Method::GET, "/v2/sandboxes?limit=1", None, None)
