@@ -18,8 +18,10 @@ use crate::cpu_template::intersect_cpu_configs;
 use crate::placement::{Candidate, Placement, passes_limits};
 
 mod membership;
+mod status;
 
 pub use membership::{DrainState, NodeListChange, RemovedNode};
+pub use status::{P2pQuery, derive_status};
 
 /// Why the registry refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -148,40 +150,6 @@ pub trait NodeRegistry: Send + Sync + 'static {
     }
 }
 
-/// Which P2P peers [`NodeRegistry::p2p_peers`] returns. Blank strings select
-/// everything (after trimming).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct P2pQuery<'a> {
-    /// Only nodes of this cluster.
-    pub cluster_id: &'a str,
-    /// Only endpoints for this backend.
-    pub backend: &'a str,
-    /// Not this node.
-    pub exclude_node_id: &'a str,
-    /// Only these nodes, when set.
-    pub only: Option<&'a HashSet<String>>,
-}
-
-impl<'a> P2pQuery<'a> {
-    /// Peers of `cluster_id` for `backend`, except `exclude_node_id`.
-    pub fn new(cluster_id: &'a str, backend: &'a str, exclude_node_id: &'a str) -> Self {
-        Self {
-            cluster_id,
-            backend,
-            exclude_node_id,
-            only: None,
-        }
-    }
-
-    /// Restricts the peers to `nodes`.
-    pub fn only(self, nodes: &'a HashSet<String>) -> Self {
-        Self {
-            only: Some(nodes),
-            ..self
-        }
-    }
-}
-
 /// Whether an observed node belongs to `cluster` (trimmed; blank means every cluster).
 fn in_cluster(o: &Observation, cluster: &str) -> bool {
     cluster.is_empty() || o.view.cluster_id == cluster
@@ -305,29 +273,6 @@ fn cpu_config(view: &ObservedNode) -> &str {
         .as_ref()
         .map(|m| m.cpu_config_json.as_str())
         .unwrap_or("")
-}
-
-/// Derives a node's status from discovery and heartbeat age.
-pub fn derive_status(
-    last_seen: Instant,
-    reported: i32,
-    discovered: bool,
-    lingering: bool,
-    report_ttl: Duration,
-    now: Instant,
-) -> NodeStatus {
-    if now.saturating_duration_since(last_seen) > report_ttl {
-        NodeStatus::Unhealthy
-    } else if !discovered {
-        NodeStatus::Connecting
-    } else if lingering {
-        NodeStatus::Lingering
-    } else {
-        match NodeStatus::try_from(reported).unwrap_or(NodeStatus::Unspecified) {
-            NodeStatus::Unspecified => NodeStatus::Connecting,
-            s => s,
-        }
-    }
 }
 
 /// The in-memory registry behind static discovery (and, later, Kubernetes).
