@@ -663,6 +663,10 @@ impl NodeRegistry for StaticRegistry {
     }
 
     fn prune_removed(&self, now: Instant, grace: Duration) -> Vec<String> {
+        // Runs every few seconds: take the write lock only when there is work.
+        if !self.state.read().entries.iter().any(|e| e.removed) {
+            return Vec::new();
+        }
         let mut st = self.state.write();
         let pruned = st.prune_removed(now, grace);
         if !pruned.is_empty() {
