@@ -207,6 +207,14 @@ pub fn records_assignment(method: &Method, path: &str, source: RouteSource) -> b
     }
 }
 
+/// The node id of `POST /nodes/{id}/move`.
+pub fn node_move_from_path(path: &str) -> Option<&str> {
+    match segments(path).as_slice() {
+        ["nodes", id, "move"] if !id.is_empty() => Some(id),
+        _ => None,
+    }
+}
+
 /// The node id of `/nodes/{id}[/]`.
 pub fn node_id_from_path(path: &str) -> Option<&str> {
     match segments(path).as_slice() {

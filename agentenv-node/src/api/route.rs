@@ -23,6 +23,10 @@ pub(super) enum Route {
     Fork(String),
     /// `PUT /sandboxes/{id}/network`.
     Network(String),
+    /// `POST /sandboxes/{id}/export` (true) and `DELETE` (false: the move is cancelled).
+    Export(String, bool),
+    /// `POST /sandboxes/{id}/import`: a sandbox exported by another node.
+    Import(String),
     /// `GET /sandboxes/{id}/metrics`.
     SandboxMetrics(String),
     /// `GET /sandboxes/metrics?sandbox_ids=…`.
@@ -75,6 +79,8 @@ impl Route {
             Route::Refresh(_) => "/sandboxes/{sandbox_id}/refreshes",
             Route::Fork(_) => "/sandboxes/{sandbox_id}/fork",
             Route::Network(_) => "/sandboxes/{sandbox_id}/network",
+            Route::Export(..) => "/sandboxes/{sandbox_id}/export",
+            Route::Import(_) => "/sandboxes/{sandbox_id}/import",
             Route::SandboxMetrics(_) => "/sandboxes/{sandbox_id}/metrics",
             Route::MetricsMany => "/sandboxes/metrics",
             Route::Logs(_, false) => "/sandboxes/{sandbox_id}/logs",
@@ -139,6 +145,11 @@ pub(super) fn match_route(method: &Method, path: &str) -> Option<Route> {
         (Method::POST, ["sandboxes", id, "refreshes"]) => Route::Refresh(id.to_ascii_lowercase()),
         (Method::POST, ["sandboxes", id, "fork"]) => Route::Fork(id.to_ascii_lowercase()),
         (Method::PUT, ["sandboxes", id, "network"]) => Route::Network(id.to_ascii_lowercase()),
+        (Method::POST, ["sandboxes", id, "export"]) => Route::Export(id.to_ascii_lowercase(), true),
+        (Method::DELETE, ["sandboxes", id, "export"]) => {
+            Route::Export(id.to_ascii_lowercase(), false)
+        }
+        (Method::POST, ["sandboxes", id, "import"]) => Route::Import(id.to_ascii_lowercase()),
         (Method::GET, ["sandboxes", id, "metrics"]) => {
             Route::SandboxMetrics(id.to_ascii_lowercase())
         }

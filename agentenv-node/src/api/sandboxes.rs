@@ -265,6 +265,39 @@ pub(super) async fn fork(state: &ApiState, id: &str, req: Request<Incoming>) -> 
     Ok(json_response(StatusCode::CREATED, &items))
 }
 
+/// `POST /sandboxes/{id}/export`: a paused sandbox is published for another node, which
+/// takes it over with the answer (see [`crate::lifecycle::Export`]).
+pub(super) async fn export(state: &ApiState, id: &str) -> Reply {
+    let id = parse_sandbox_id(id)?;
+    let export = state.orch.export(&id).await?;
+    Ok(json_response(StatusCode::CREATED, &export))
+}
+
+/// `DELETE /sandboxes/{id}/export`: the move is off; the sandbox stays here, paused.
+pub(super) async fn cancel_move(state: &ApiState, id: &str) -> Reply {
+    let id = parse_sandbox_id(id)?;
+    let rec = state.orch.cancel_move(&id).await?;
+    Ok(json_response(StatusCode::OK, &sandbox_json(state, &rec)))
+}
+
+/// `POST /sandboxes/{id}/import`: takes over a sandbox another node exported (the body is
+/// that node's answer to the export); it is paused here.
+pub(super) async fn import(state: &ApiState, id: &str, req: Request<Incoming>) -> Reply {
+    let id = parse_sandbox_id(id)?;
+    let export: crate::lifecycle::Export = read_json(req).await?;
+    if export.sandbox.id != id {
+        return Err(bad_request(format!(
+            "the export holds sandbox {}, not {id}: import it at /sandboxes/{}/import",
+            export.sandbox.id, export.sandbox.id
+        )));
+    }
+    let rec = state.orch.import(export).await?;
+    Ok(json_response(
+        StatusCode::CREATED,
+        &sandbox_json(state, &rec),
+    ))
+}
+
 /// The listed sandboxes: newest first, ties by id, none being deleted.
 fn sorted(mut v: Vec<SandboxRecord>) -> Vec<SandboxRecord> {
     v.retain(|r| r.state != State::Killing);
@@ -351,7 +384,7 @@ fn detail_json(state: &ApiState, rec: &SandboxRecord) -> SandboxDetailJson {
                 OnTimeout::Kill => "kill".into(),
             },
         },
-        pause_mode: (rec.state == State::Paused)
+        pause_mode: matches!(rec.state, State::Paused | State::Moving)
             .then_some(rec.pause_mode)
             .flatten()
             .map(|m| match m {

@@ -374,6 +374,23 @@ pub trait SandboxBackend: Send + Sync {
         })
     }
 
+    /// Captures the kept state `kept` (a paused sandbox's files, see
+    /// [`SandboxBackend::keep`]) into `dir` as a snapshot capture, so that the sandbox can
+    /// be started from it on another node; `kept` is left as it was. jail: the writable
+    /// layer, owners relative to the sandbox's id range.
+    async fn capture_kept(
+        &self,
+        kept: &KeptState,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        let _ = (kept, dir);
+        Err(BackendError::Unsupported {
+            backend: self.kind(),
+            op: "move a paused sandbox to another node",
+            hint: "move paused sandboxes between nodes with the jail backend",
+        })
+    }
+
     /// Captures a running sandbox's state as a kept state a create starts from
     /// ([`SandboxSpec::kept`]), for a fork; the sandbox keeps running. jail: a copy of its
     /// writable layer, taken while it is frozen for a moment (processes are not copied);

@@ -265,6 +265,20 @@ pub trait Runtime: Send + Sync + Sized + 'static {
         Err(unsupported_fork(Self::KIND))
     }
 
+    /// Captures kept state for another node (see [`SandboxBackend::capture_kept`]).
+    async fn capture_kept(
+        b: &HostedBackend<Self>,
+        kept: &KeptState,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        let _ = (b, kept, dir);
+        Err(BackendError::Unsupported {
+            backend: Self::KIND,
+            op: "move a paused sandbox to another node",
+            hint: "move paused sandboxes between nodes with the jail backend",
+        })
+    }
+
     /// Turns a capture into kept state (see [`SandboxBackend::import_snapshot`]).
     async fn import(
         b: &HostedBackend<Self>,
@@ -531,6 +545,15 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
         let _op = sbx.op.lock().await;
         sbx.check_running()?;
         R::capture(self, &sbx, dir).await
+    }
+
+    async fn capture_kept(
+        &self,
+        kept: &KeptState,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        R::check_kept(self, kept)?;
+        R::capture_kept(self, kept, dir).await
     }
 
     async fn import_snapshot(

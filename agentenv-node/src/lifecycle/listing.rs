@@ -62,7 +62,9 @@ impl Orchestrator {
                         Ok(Ok(_)) => continue,
                     }
                 }
-                State::Paused | State::Pausing => return Err(RouteError::NotProxyable),
+                State::Paused | State::Pausing | State::Moving => {
+                    return Err(RouteError::NotProxyable);
+                }
                 State::Killing => return Err(RouteError::NotFound),
                 _ => {
                     // Starting or resuming: wait for the operation to finish.
@@ -83,10 +85,10 @@ impl Orchestrator {
         for r in self.list() {
             match r.state {
                 State::Creating | State::Resuming => u.starting += 1,
-                State::Paused => u.paused += 1,
+                State::Paused | State::Moving => u.paused += 1,
                 _ => u.running += 1,
             }
-            if r.state == State::Paused {
+            if matches!(r.state, State::Paused | State::Moving) {
                 u.paused_allocated_cpu += r.cpu_count;
                 u.paused_allocated_memory_bytes += r.memory_mb << 20;
             } else {
@@ -102,8 +104,15 @@ impl Orchestrator {
 pub struct ReporterSource(pub Arc<Orchestrator>);
 
 impl NodeSource for ReporterSource {
+    /// Every sandbox but those being moved away: the node taking one over reports it
+    /// (its binding moves there), and this node must not pull it back meanwhile.
     fn sandbox_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.0.slots.lock().keys().cloned().collect();
+        let slots: Vec<Arc<Slot>> = self.0.slots.lock().values().cloned().collect();
+        let mut ids: Vec<String> = slots
+            .iter()
+            .filter(|s| s.rec.lock().state != State::Moving)
+            .map(|s| s.id.clone())
+            .collect();
         ids.sort();
         ids
     }

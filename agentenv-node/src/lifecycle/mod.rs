@@ -18,13 +18,15 @@
 //! shutdown), `timeout` (timeouts and their expiry), `snapshot` (snapshots, and
 //! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage,
 //! the data plane's route), `network` (replacing a sandbox's egress rules), `observe`
-//! (resource samples and sandbox logs), `volumes` (a sandbox's volumes through its life).
+//! (resource samples and sandbox logs), `volumes` (a sandbox's volumes through its life),
+//! `moves` (a paused sandbox handed to another node).
 
 mod build;
 mod create;
 mod fork;
 mod listing;
 mod metrics;
+mod moves;
 mod network;
 mod observe;
 mod pause;
@@ -39,6 +41,7 @@ pub use build::{BUILD_STALE_AFTER, BuildFailure, BuildSettings, DEFAULT_TAG, Tem
 pub use fork::{ForkOutcome, MAX_FORKS};
 pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
+pub use moves::Export;
 pub use persist::{PausedStore, PersistError};
 pub use record::{
     CreateRequest, EgressRules, OnTimeout, PauseMode, SandboxOptions, SandboxRecord, StartSpec,

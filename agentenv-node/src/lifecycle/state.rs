@@ -20,26 +20,30 @@ pub enum State {
     Snapshotting,
     Pausing,
     Paused,
+    /// Paused, its files published for another node that takes it over (a move): it
+    /// is not resumed here unless the move is cancelled.
+    Moving,
     /// Being deleted: to every operation the sandbox is gone.
     Killing,
 }
 
 impl State {
     /// Every state, for tests and tables.
-    pub const ALL: [State; 7] = [
+    pub const ALL: [State; 8] = [
         State::Creating,
         State::Resuming,
         State::Running,
         State::Snapshotting,
         State::Pausing,
         State::Paused,
+        State::Moving,
         State::Killing,
     ];
 
     /// The state the API shows: `running` or `paused`.
     pub fn api_name(self) -> &'static str {
         match self {
-            State::Pausing | State::Paused | State::Snapshotting => "paused",
+            State::Pausing | State::Paused | State::Snapshotting | State::Moving => "paused",
             _ => "running",
         }
     }
@@ -75,11 +79,15 @@ pub enum Op {
     Restore,
     /// `PUT /network`: the egress rules are replaced (a paused sandbox gets them on resume).
     SetNetwork,
+    /// `POST /export`: a paused sandbox's files are published for another node (a move).
+    Move,
+    /// `DELETE /export`: the move did not happen; the sandbox stays here, paused.
+    CancelMove,
 }
 
 impl Op {
     /// Every operation, for tests and tables.
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 15] = [
         Op::Done,
         Op::Pause,
         Op::Resume,
@@ -93,6 +101,8 @@ impl Op {
         Op::Keep,
         Op::Restore,
         Op::SetNetwork,
+        Op::Move,
+        Op::CancelMove,
     ];
 
     /// The operation as errors name it.
@@ -111,6 +121,8 @@ impl Op {
             Op::Keep => "keeping its state",
             Op::Restore => "restoring",
             Op::SetNetwork => "updating the network",
+            Op::Move => "moving it to another node",
+            Op::CancelMove => "cancelling a move",
         }
     }
 
@@ -119,7 +131,8 @@ impl Op {
         match self {
             Op::Done => "creating, resuming, pausing or snapshotting",
             Op::Connect | Op::SetNetwork => "running or paused",
-            Op::Resume | Op::Keep => "paused",
+            Op::Resume | Op::Keep | Op::Move => "paused",
+            Op::CancelMove => "being moved",
             Op::Kill | Op::Restore => "anything",
             Op::Pause | Op::SetTimeout | Op::Refresh | Op::Expire | Op::Snapshot | Op::Fork => {
                 "running"
@@ -156,6 +169,8 @@ pub fn next(state: State, op: Op) -> Result<State, TransitionError> {
         (Op::Snapshot | Op::Fork, Running) => Snapshotting,
         (Op::SetNetwork, Running) => Running,
         (Op::SetNetwork, Paused) => Paused,
+        (Op::Move, Paused) => Moving,
+        (Op::CancelMove, Moving) => Paused,
         _ => return Err(TransitionError::Invalid { state, op }),
     })
 }
@@ -198,6 +213,10 @@ mod tests {
         (Killing, Op::Restore, Paused),
         (Running, Op::SetNetwork, Running),
         (Paused, Op::SetNetwork, Paused),
+        (Paused, Op::Move, Moving),
+        (Moving, Op::CancelMove, Paused),
+        (Moving, Op::Kill, Killing),
+        (Moving, Op::Restore, Paused),
     ];
 
     #[test]
@@ -242,6 +261,12 @@ mod tests {
             ),
             (Paused, Op::Snapshot, "snapshot needs it running"),
             (Paused, Op::Fork, "fork needs it running"),
+            (Moving, Op::Resume, "resume needs it paused"),
+            (
+                Running,
+                Op::Move,
+                "moving it to another node needs it paused",
+            ),
         ];
         for (state, op, needs) in cases {
             let e = next(state, op).unwrap_err();
@@ -255,7 +280,7 @@ mod tests {
             .into_iter()
             .filter(|s| s.api_name() == "paused")
             .collect();
-        assert_eq!(paused, [Snapshotting, Pausing, Paused]);
+        assert_eq!(paused, [Snapshotting, Pausing, Paused, Moving]);
         assert!(
             State::ALL
                 .iter()

@@ -13,6 +13,7 @@ mod admission;
 mod fast;
 mod lists;
 mod metrics_fanout;
+mod moves;
 mod proxy;
 mod route;
 mod serve;

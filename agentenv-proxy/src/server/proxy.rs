@@ -259,6 +259,11 @@ impl Gateway {
                 let node_id = node_id.to_string();
                 return Box::pin(self.node_drain(&node_id, drain, deadline)).await;
             }
+            Decision::NodeMove(node_id) => {
+                rec.source = RouteSource::Gateway;
+                let node_id = node_id.to_string();
+                return Box::pin(self.move_node(req, remote, &node_id, deadline)).await;
+            }
             Decision::Route { id, source } => (id.map(str::to_string), source),
         };
         let host_route = host_route.ok().flatten();

@@ -12,7 +12,7 @@ use super::{GatewayError, GatewayOptions};
 use crate::host_route::{HostRoute, HostRouteError, HostRouter};
 use crate::routing::{
     API_KEY_HEADER, RouteSource, is_control_plane, is_proxy_path, node_drain_from_path,
-    node_id_from_path, path_sandbox_id, trim_trailing_slashes,
+    node_id_from_path, node_move_from_path, path_sandbox_id, trim_trailing_slashes,
 };
 
 /// What routing looks at, however the request was read.
@@ -45,6 +45,8 @@ pub(super) enum Decision<'a> {
         node_id: &'a str,
         drain: bool,
     },
+    /// `POST /nodes/{id}/move`: the node's paused sandboxes move to other nodes.
+    NodeMove(&'a str),
     /// Proxied to the sandbox's node (`id`) or a scheduled one (`None`).
     Route {
         id: Option<&'a str>,
@@ -131,6 +133,13 @@ impl Router {
             Ok(r) => r.as_ref(),
             Err(_) => return Decision::BadHost,
         };
+        if host_route.is_none()
+            && !routing_headers
+            && *f.method == Method::POST
+            && let Some(node_id) = node_move_from_path(d)
+        {
+            return Decision::NodeMove(node_id);
+        }
         if host_route.is_none() && !routing_headers && *f.method == Method::GET {
             let trimmed = trim_trailing_slashes(d);
             if trimmed == "/sandboxes" || trimmed == "/v2/sandboxes" {
@@ -247,6 +256,7 @@ mod tests {
             Decision::NodeList => "node list".into(),
             Decision::NodeDetail(id) => format!("node {id}"),
             Decision::NodeDrain { node_id, drain } => format!("drain {node_id} {drain}"),
+            Decision::NodeMove(id) => format!("node move {id}"),
             Decision::Route { id, source } => format!("route {id:?} {}", source.label()),
         };
         (decision, asked)
@@ -278,6 +288,15 @@ mod tests {
         assert_eq!(
             decide(Method::GET, "/nodes/n1/drain", None, false),
             ("route None schedule".into(), true)
+        );
+        assert_eq!(
+            decide(Method::POST, "/nodes/n1/move", None, false),
+            ("node move n1".into(), true)
+        );
+        // Only POST moves; a GET of it is not the node's detail either.
+        assert_eq!(
+            decide(Method::GET, "/nodes/n1/move", None, false).0,
+            "route None schedule"
         );
         assert_eq!(
             decide(Method::GET, "/sandboxes/metrics", None, false),

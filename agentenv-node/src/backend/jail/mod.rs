@@ -38,6 +38,7 @@
 //! [`SandboxBackend::keep`]: crate::backend::SandboxBackend::keep
 
 mod config;
+mod export;
 mod fork;
 pub mod layer;
 pub mod snapshot;
@@ -567,6 +568,14 @@ impl Runtime for JailRuntime {
         dir: &Path,
     ) -> Result<SnapshotCapture, BackendError> {
         b.capture(sbx, dir).await
+    }
+
+    async fn capture_kept(
+        b: &JailBackend,
+        kept: &KeptState,
+        dir: &Path,
+    ) -> Result<SnapshotCapture, BackendError> {
+        b.capture_kept_layer(kept, dir).await
     }
 
     async fn import(
