@@ -6,7 +6,7 @@
 #      client certificate, gateway.node_tls.cert_file, as the gateway does);
 #   2. every node accepts the shared API key (a node with another key is named);
 #   3. the gateway answers /health;
-#   4. the gateway's /nodes lists every configured node as ready.
+#   4. the gateway's /nodes lists every configured node as ready (or draining).
 # Exit status 0 when all checks pass, 1 otherwise. Run it with sudo: the key, the
 # client certificate's key and the config are readable by root and agentenv-control.
 #
@@ -142,6 +142,9 @@ except ValueError:
 print(next((n.get("status", "") for n in v if isinstance(n, dict) and n.get("id") == sys.argv[1]), "absent"))' "$id")"
   if [ "$state" = ready ]; then
     ok "$id: ready in $gateway/nodes"
+  elif [ "$state" = draining ]; then
+    # Its heartbeats arrive; an operator took it out of placement on purpose.
+    ok "$id: draining in $gateway/nodes (no new sandboxes go there until: aenv node undrain $id)"
   else
     hint="AENV_OBSERVABILITY_SCHEDULER_ENDPOINT=\"$scheduler_scheme://<scheduler>:9090\" (with $scheduler_scheme://) and AENV_CLUSTER_TOKEN_FILE holding the scheduler's cluster token"
     [ "$scheduler_scheme" = https ] && hint="$hint, AENV_SCHEDULER_CA_FILE (the cluster's CA) and AENV_SCHEDULER_CLIENT_CERT_FILE/AENV_SCHEDULER_CLIENT_KEY_FILE (its certificate)"

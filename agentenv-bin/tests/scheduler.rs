@@ -275,3 +275,83 @@ fn an_address_in_use_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+/// The daemon's config file, rewritten to `json`, then SIGHUP.
+fn reload(d: &Daemon, json: &str) {
+    std::fs::write(d._dir.path().join("control-plane.json"), json).unwrap();
+    let status = Command::new("kill")
+        .args(["-HUP", &d.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// The value of the reload counter with `result` (0 before the first).
+async fn reloads(d: &Daemon, result: &str) -> u64 {
+    let text = http_get(&d.metrics, "/metrics").await;
+    let prefix = format!("agentenv_scheduler_config_reloads_total{{result=\"{result}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn sighup_applies_the_node_list_and_a_file_that_does_not_load_changes_nothing() {
+    let d = start(CONFIG);
+    let mut client = SchedulerClient::connect(format!("http://{}", d.grpc))
+        .await
+        .unwrap();
+    client.heartbeat(beat("node-a", &[])).await.unwrap();
+    client.heartbeat(beat("node-b", &["sbx-1"])).await.unwrap();
+    assert!(client.heartbeat(beat("node-c", &[])).await.is_err());
+
+    // node-c added, node-b removed while it holds sbx-1.
+    let next = CONFIG.replace(
+        r#"{"id": "node-b", "endpoint": "http://127.0.0.1:18002"}"#,
+        r#"{"id": "node-c", "endpoint": "http://127.0.0.1:18003"}"#,
+    );
+    reload(&d, &next);
+    let d_ref = &d;
+    agentenv_testkit::eventually("the reload to apply", Duration::from_secs(15), || async {
+        reloads(d_ref, "ok").await == 1
+    })
+    .await;
+    client.heartbeat(beat("node-c", &[])).await.unwrap();
+    let mut placed = std::collections::BTreeSet::new();
+    for _ in 0..4 {
+        let r = client.schedule(ScheduleRequest::default()).await.unwrap();
+        placed.insert(r.into_inner().node.unwrap().node_id);
+    }
+    assert_eq!(placed, ["node-a".to_string(), "node-c".to_string()].into());
+    // node-b still reports sbx-1, which stays bound to it.
+    client.heartbeat(beat("node-b", &["sbx-1"])).await.unwrap();
+    let owner = client
+        .lookup_node(LookupNodeRequest {
+            sandbox_id: "sbx-1".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(owner.into_inner().node.unwrap().node_id, "node-b");
+
+    // A file that does not load, and one that does not validate: nothing changes.
+    for bad in [
+        "{\"scheduler\": ",
+        r#"{"scheduler":{"nodes":[{"id":"a","endpoint":"10.0.0.21:8000"}]}}"#,
+    ] {
+        let before = reloads(&d, "failed").await;
+        reload(&d, bad);
+        agentenv_testkit::eventually("the reload to fail", Duration::from_secs(15), || async {
+            reloads(d_ref, "failed").await == before + 1
+        })
+        .await;
+        client.heartbeat(beat("node-c", &[])).await.unwrap();
+        client.heartbeat(beat("node-b", &["sbx-1"])).await.unwrap();
+    }
+    assert_eq!(reloads(&d, "ok").await, 1);
+
+    // node-b's last sandbox is gone: it leaves.
+    client.heartbeat(beat("node-b", &[])).await.unwrap();
+    let e = client.heartbeat(beat("node-b", &[])).await.unwrap_err();
+    assert_eq!(e.message(), "node is not in scheduler node list");
+}

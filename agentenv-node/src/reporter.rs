@@ -387,15 +387,19 @@ async fn heartbeat_loop(
                 delay = config.interval;
             }
             failed => {
+                let mut unlisted = false;
                 let message = match failed {
                     Ok(Err(s))
                         if s.code() == tonic::Code::InvalidArgument
                             && s.message().contains(NOT_IN_NODE_LIST) =>
                     {
                         let m = format!(
-                            "the scheduler rejected this node: AENV_NODE_ID={:?} is not in its scheduler.nodes list; add {{\"id\": {:?}, \"endpoint\": \"http://<this host>:8000\"}} to the control-plane config and restart the scheduler, or set AENV_NODE_ID to a listed id",
+                            "the scheduler rejected this node: AENV_NODE_ID={:?} is not in its scheduler.nodes list; add {{\"id\": {:?}, \"endpoint\": \"http://<this host>:8000\"}} to the control-plane config and reload the scheduler (systemctl reload agentenv-scheduler, or SIGHUP), or set AENV_NODE_ID to a listed id",
                             config.node_id, config.node_id
                         );
+                        // A reload may list it any moment: ask again at the
+                        // heartbeat interval rather than backing off.
+                        unlisted = true;
                         tracing::error!(scheduler = %config.endpoint, "{m}");
                         m
                     }
@@ -418,8 +422,12 @@ async fn heartbeat_loop(
                 st.failures += 1;
                 st.consecutive_failures += 1;
                 st.last_error = Some(message);
-                delay = backoff;
-                backoff = next_backoff(backoff, config.max_backoff);
+                if unlisted {
+                    delay = config.interval;
+                } else {
+                    delay = backoff;
+                    backoff = next_backoff(backoff, config.max_backoff);
+                }
             }
         }
     }

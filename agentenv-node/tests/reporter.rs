@@ -192,6 +192,7 @@ async fn an_unlisted_node_id_is_reported_with_the_fix() {
     let err = status().last_error.unwrap();
     assert!(err.contains("AENV_NODE_ID=\"node-z\""), "{err}");
     assert!(err.contains("scheduler.nodes"), "{err}");
+    assert!(err.contains("reload the scheduler"), "{err}");
     assert_eq!(status().successes, 0);
     reporter.shutdown().await;
     sched.stop().await;

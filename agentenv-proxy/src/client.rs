@@ -39,6 +39,18 @@ pub trait SchedulerClient: Send + Sync + 'static {
     async fn list_observed_nodes(&self, cluster_id: &str) -> Result<Vec<pb::ObservedNode>, Status>;
     /// One node's heartbeat-derived view.
     async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status>;
+    /// Drains (`true`: no new sandboxes there) or undrains a node; its view
+    /// afterwards, `None` when it never sent a heartbeat.
+    async fn set_draining(
+        &self,
+        node_id: &str,
+        draining: bool,
+    ) -> Result<Option<pb::ObservedNode>, Status> {
+        let _ = (node_id, draining);
+        Err(Status::unimplemented(
+            "this scheduler client cannot drain nodes",
+        ))
+    }
 }
 
 #[async_trait]
@@ -60,6 +72,13 @@ impl<T: SchedulerClient + ?Sized> SchedulerClient for Arc<T> {
     }
     async fn get_node(&self, node_id: &str, cluster_id: &str) -> Result<pb::ObservedNode, Status> {
         (**self).get_node(node_id, cluster_id).await
+    }
+    async fn set_draining(
+        &self,
+        node_id: &str,
+        draining: bool,
+    ) -> Result<Option<pb::ObservedNode>, Status> {
+        (**self).set_draining(node_id, draining).await
     }
 }
 
@@ -295,6 +314,27 @@ impl SchedulerClient for GrpcSchedulerClient {
             .node
             .ok_or_else(|| Status::not_found("observed node not found"))
     }
+
+    async fn set_draining(
+        &self,
+        node_id: &str,
+        draining: bool,
+    ) -> Result<Option<pb::ObservedNode>, Status> {
+        let node_id = node_id.to_string();
+        let mut client = self.primary.clone();
+        let node = if draining {
+            client
+                .drain_node(pb::DrainNodeRequest { node_id })
+                .await
+                .map(|r| r.into_inner().node)
+        } else {
+            client
+                .undrain_node(pb::UndrainNodeRequest { node_id })
+                .await
+                .map(|r| r.into_inner().node)
+        };
+        node.map_err(|s| unreachable_scheduler(&self.primary_addr, s))
+    }
 }
 
 /// A scheduler service running in the same process, called directly through
@@ -382,6 +422,27 @@ impl<T: Scheduler> SchedulerClient for InProcessScheduler<T> {
         resp.into_inner()
             .node
             .ok_or_else(|| Status::not_found("observed node not found"))
+    }
+
+    async fn set_draining(
+        &self,
+        node_id: &str,
+        draining: bool,
+    ) -> Result<Option<pb::ObservedNode>, Status> {
+        let node_id = node_id.to_string();
+        if draining {
+            let r = self
+                .service
+                .drain_node(Request::new(pb::DrainNodeRequest { node_id }))
+                .await?;
+            Ok(r.into_inner().node)
+        } else {
+            let r = self
+                .service
+                .undrain_node(Request::new(pb::UndrainNodeRequest { node_id }))
+                .await?;
+            Ok(r.into_inner().node)
+        }
     }
 }
 

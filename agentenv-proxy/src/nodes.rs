@@ -67,15 +67,19 @@ pub struct NodeView {
     pub sandbox_starting_count: u32,
     #[serde(rename = "sandboxPausedCount")]
     pub sandbox_paused_count: u32,
+    /// When the scheduler took the node's last heartbeat (Unix milliseconds).
+    #[serde(rename = "lastHeartbeatUnixMs")]
+    pub last_heartbeat_unix_ms: i64,
 }
 
-/// `ready`, `connecting`, `unhealthy`; anything else (lingering included)
-/// is `unspecified`.
+/// `ready`, `connecting`, `unhealthy`, `draining`; anything else
+/// (lingering included) is `unspecified`.
 pub fn status_name(status: i32) -> &'static str {
     match pb::NodeStatus::try_from(status) {
         Ok(pb::NodeStatus::Ready) => "ready",
         Ok(pb::NodeStatus::Connecting) => "connecting",
         Ok(pb::NodeStatus::Unhealthy) => "unhealthy",
+        Ok(pb::NodeStatus::Draining) => "draining",
         _ => "unspecified",
     }
 }
@@ -123,6 +127,7 @@ impl From<&pb::ObservedNode> for NodeView {
             create_fails: s.create_fails,
             sandbox_starting_count: s.sandbox_starting_count,
             sandbox_paused_count: s.paused_sandbox_count,
+            last_heartbeat_unix_ms: n.last_seen_unix_ms,
         }
     }
 }
@@ -132,11 +137,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lingering_is_reported_as_unspecified() {
+    fn lingering_is_reported_as_unspecified_and_draining_by_name() {
         assert_eq!(status_name(pb::NodeStatus::Ready as i32), "ready");
         assert_eq!(status_name(pb::NodeStatus::Connecting as i32), "connecting");
         assert_eq!(status_name(pb::NodeStatus::Unhealthy as i32), "unhealthy");
         assert_eq!(status_name(pb::NodeStatus::Lingering as i32), "unspecified");
+        assert_eq!(status_name(pb::NodeStatus::Draining as i32), "draining");
         assert_eq!(status_name(99), "unspecified");
     }
 
@@ -166,6 +172,7 @@ mod tests {
             "createFails",
             "sandboxStartingCount",
             "sandboxPausedCount",
+            "lastHeartbeatUnixMs",
         ] {
             assert!(v.get(k).is_some(), "{k}");
         }

@@ -223,6 +223,14 @@ pub fn node_id_from_path(path: &str) -> Option<&str> {
     }
 }
 
+/// The node id of `/nodes/{id}/drain[/]`.
+pub fn node_drain_from_path(path: &str) -> Option<&str> {
+    match segments(path).as_slice() {
+        ["nodes", id, "drain"] if !id.is_empty() => Some(id),
+        _ => None,
+    }
+}
+
 /// A WebSocket upgrade: `Upgrade: websocket` and a `Connection` token `upgrade`.
 pub fn is_websocket(headers: &HeaderMap) -> bool {
     let upgrade = headers.get_all(http::header::UPGRADE).iter().any(|v| {
@@ -292,6 +300,7 @@ pub fn route_label(path: &str) -> &'static str {
             _ => "unmatched",
         },
         ["nodes", id] if !id.is_empty() => "/nodes/{node_id}",
+        ["nodes", id, "drain"] if !id.is_empty() => "/nodes/{node_id}/drain",
         ["proxy", ..] => "/proxy/*",
         _ => "unmatched",
     }
@@ -475,6 +484,7 @@ mod tests {
 
     #[test]
     fn route_labels_name_known_routes_and_collapse_the_rest() {
+        assert_eq!(route_label("/nodes/n1/drain"), "/nodes/{node_id}/drain");
         assert_eq!(route_label("/v2/sandboxes"), "/v2/sandboxes");
         assert_eq!(route_label("/sandboxes/"), "/sandboxes");
         assert_eq!(

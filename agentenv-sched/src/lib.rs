@@ -31,6 +31,7 @@ pub mod auth;
 pub mod bindings;
 pub mod cpu_template;
 pub mod metrics;
+pub mod node_admin;
 pub mod placement;
 pub mod registry;
 pub mod service;
@@ -57,7 +58,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 
 pub use bindings::{BindingStore, MemoryBindingStore, RedisBindingStore, StoreError};
 pub use placement::{Candidate, Placement};
-pub use registry::{NodeRegistry, P2pQuery, StaticRegistry};
+pub use registry::{NodeListChange, NodeRegistry, P2pQuery, StaticRegistry};
 pub use service::SchedulerService;
 
 /// How often the observed-nodes gauge is refreshed.
@@ -237,6 +238,7 @@ impl SchedulerBuilder {
             metrics_registry: Arc::new(Mutex::new(prom)),
             health,
             binding_ttl: c.binding_ttl,
+            report_ttl: c.report_ttl,
         })
     }
 }
@@ -250,6 +252,7 @@ pub struct Scheduler {
     metrics_registry: SharedRegistry,
     health: HealthReporter,
     binding_ttl: Duration,
+    report_ttl: Duration,
 }
 
 type Server = SchedulerServer<SchedulerService>;
@@ -326,11 +329,14 @@ impl Scheduler {
         result
     }
 
-    /// Refreshes the observed-nodes gauge every 15 s and sweeps expired
-    /// bindings every binding TTL, forever.
+    /// Refreshes the observed-nodes gauge and drops nodes that left the node
+    /// list and went silent every 15 s, and sweeps expired bindings every
+    /// binding TTL, forever.
     pub fn maintenance(&self) -> impl Future<Output = ()> + Send + 'static {
         let service = self.service.clone();
         let sweep_every = self.binding_ttl.max(Duration::from_secs(1));
+        // By then a silent node's bindings have expired and it counts as unhealthy.
+        let removed_grace = self.binding_ttl.max(self.report_ttl);
         async move {
             let mut gauge = tokio::time::interval(GAUGE_REFRESH);
             let mut sweep = tokio::time::interval(sweep_every);
@@ -339,6 +345,7 @@ impl Scheduler {
             loop {
                 tokio::select! {
                     _ = gauge.tick() => {
+                        service.prune_removed_nodes(removed_grace);
                         if let Some(r) = service.registry() {
                             service.metrics().set_observed(r.status_counts(Instant::now()));
                         }

@@ -32,6 +32,12 @@ pub struct StatusLabel {
     pub status: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabel {
+    /// `ok` or `failed`.
+    pub result: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Every metric the scheduler exports.
@@ -41,6 +47,7 @@ pub struct SchedulerMetrics {
     pub schedule_duration: HistogramFamily<ScheduleLabels>,
     pub schedule_assignments: Family<StrategyLabel, Counter>,
     pub observed_nodes: Family<StatusLabel, Gauge>,
+    pub config_reloads: Family<ReloadLabel, Counter>,
 }
 
 impl Default for SchedulerMetrics {
@@ -50,6 +57,7 @@ impl Default for SchedulerMetrics {
             schedule_duration: Family::new_with_constructor(latency_histogram),
             schedule_assignments: Family::default(),
             observed_nodes: Family::default(),
+            config_reloads: Family::default(),
         }
     }
 }
@@ -77,15 +85,21 @@ impl SchedulerMetrics {
             "Observed runtime nodes by derived status",
             self.observed_nodes.clone(),
         );
+        registry.register(
+            "agentenv_scheduler_config_reloads",
+            "Config reloads (SIGHUP) by result: ok, or failed (nothing changed)",
+            self.config_reloads.clone(),
+        );
     }
 
-    /// Sets the observed-nodes gauge for all five statuses.
+    /// Sets the observed-nodes gauge for every status.
     pub fn set_observed(&self, c: StatusCounts) {
         for (status, n) in [
             ("ready", c.ready),
             ("connecting", c.connecting),
             ("unhealthy", c.unhealthy),
             ("lingering", c.lingering),
+            ("draining", c.draining),
             ("unspecified", c.unspecified),
         ] {
             self.observed_nodes

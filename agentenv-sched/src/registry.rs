@@ -17,6 +17,12 @@ use tokio::time::{Duration, Instant};
 use crate::cpu_template::intersect_cpu_configs;
 use crate::placement::{Candidate, Placement, passes_limits};
 
+mod membership;
+mod status;
+
+pub use membership::{DrainState, NodeListChange, RemovedNode};
+pub use status::{P2pQuery, derive_status};
+
 /// Why the registry refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
@@ -24,6 +30,14 @@ pub enum RegistryError {
     UnknownNode,
     #[error("service instance mismatch")]
     InstanceMismatch,
+    /// Drain or undrain of an id the registry does not hold.
+    #[error(
+        "node {0:?} is not in the scheduler's node list; list the nodes with `aenv node ls` (GET /nodes)"
+    )]
+    NotFound(String),
+    /// This registry cannot do what was asked.
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
 
 /// What a heartbeat changed, for the caller to act on.
@@ -35,6 +49,9 @@ pub struct HeartbeatOutcome {
     pub cpu_config_json: String,
     /// The scheduler holds no CPU config for this node and wants it sent.
     pub cpu_config_wanted: bool,
+    /// The node had left the node list and this heartbeat's empty roster
+    /// dropped it from the registry: its next heartbeat is refused.
+    pub dropped: bool,
 }
 
 /// Counts of observed nodes per derived status.
@@ -44,6 +61,7 @@ pub struct StatusCounts {
     pub connecting: u64,
     pub unhealthy: u64,
     pub lingering: u64,
+    pub draining: u64,
     pub unspecified: u64,
 }
 
@@ -102,39 +120,33 @@ pub trait NodeRegistry: Send + Sync + 'static {
 
     /// Observed nodes per derived status.
     fn status_counts(&self, now: Instant) -> StatusCounts;
-}
 
-/// Which P2P peers [`NodeRegistry::p2p_peers`] returns. Blank strings select
-/// everything (after trimming).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct P2pQuery<'a> {
-    /// Only nodes of this cluster.
-    pub cluster_id: &'a str,
-    /// Only endpoints for this backend.
-    pub backend: &'a str,
-    /// Not this node.
-    pub exclude_node_id: &'a str,
-    /// Only these nodes, when set.
-    pub only: Option<&'a HashSet<String>>,
-}
-
-impl<'a> P2pQuery<'a> {
-    /// Peers of `cluster_id` for `backend`, except `exclude_node_id`.
-    pub fn new(cluster_id: &'a str, backend: &'a str, exclude_node_id: &'a str) -> Self {
-        Self {
-            cluster_id,
-            backend,
-            exclude_node_id,
-            only: None,
-        }
+    /// Applies a new static node list (a config reload). New ids are added
+    /// (candidates once they heartbeat); an id whose endpoint changed is
+    /// replaced; an id no longer listed leaves placement at once but keeps
+    /// taking heartbeats (so its sandboxes stay routable) until its roster
+    /// is empty, it unregisters, or [`NodeRegistry::prune_removed`] finds its
+    /// heartbeats gone. The default replaces the discovered set wholesale.
+    fn apply_node_list(&self, nodes: Vec<Node>) -> NodeListChange {
+        let before = self.list_nodes();
+        self.set(nodes.clone(), Vec::new());
+        NodeListChange::between(&before, &nodes)
     }
 
-    /// Restricts the peers to `nodes`.
-    pub fn only(self, nodes: &'a HashSet<String>) -> Self {
-        Self {
-            only: Some(nodes),
-            ..self
-        }
+    /// Drains (`true`) or undrains a node: a draining node gets no new
+    /// sandboxes from the moment this returns and keeps serving its own.
+    fn set_draining(&self, node_id: &str, draining: bool) -> Result<DrainState, RegistryError> {
+        let _ = (node_id, draining);
+        Err(RegistryError::Unsupported(
+            "this node registry cannot drain nodes",
+        ))
+    }
+
+    /// Drops the nodes that left the node list and have not sent a heartbeat
+    /// for `grace` (their bindings have expired by then); returns their ids.
+    fn prune_removed(&self, now: Instant, grace: Duration) -> Vec<String> {
+        let _ = (now, grace);
+        Vec::new()
     }
 }
 
@@ -150,13 +162,37 @@ struct Observation {
     snapshot: Arc<NodeSnapshot>,
     last_seen: Instant,
     p2p: Option<P2pEndpoint>,
+    /// How many sandboxes (running and paused) the last roster listed.
+    roster_len: usize,
 }
 
 #[derive(Debug, Clone)]
 struct Entry {
     node: Arc<Node>,
     lingering: bool,
+    /// Left the configured node list: no placements, heartbeats still taken
+    /// until its roster is empty.
+    removed: bool,
+    /// Drained by an operator: no placements.
+    draining: bool,
     observed: Option<Observation>,
+}
+
+impl Entry {
+    fn new(node: Node, lingering: bool) -> Self {
+        Self {
+            node: Arc::new(node),
+            lingering,
+            removed: false,
+            draining: false,
+            observed: None,
+        }
+    }
+
+    /// May get new sandboxes (heartbeat freshness aside).
+    fn placeable(&self) -> bool {
+        !self.lingering && !self.removed && !self.draining
+    }
 }
 
 /// The candidate list of the last Schedule, reused until the registry changes,
@@ -182,6 +218,26 @@ struct State {
 impl State {
     fn entry(&self, id: &str) -> Option<&Entry> {
         self.index.get(id).map(|&i| &self.entries[i])
+    }
+
+    /// Installs `entries` (any order) as the discovered set.
+    fn install(&mut self, mut entries: Vec<Entry>) {
+        entries.sort_by(|a, b| a.node.node_id.cmp(&b.node.node_id));
+        self.index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.node.node_id.clone(), i))
+            .collect();
+        self.entries = entries;
+    }
+
+    /// Forgets what the registry derived from a node that is gone (or whose
+    /// observation was dropped).
+    fn forget_observation(&mut self, id: &str, gone: Option<Observation>) {
+        self.intersection_sent.remove(id);
+        if let Some(o) = gone {
+            self.invalidate_cluster(&o.view.cluster_id);
+        }
     }
 
     fn invalidate_cluster(&mut self, cluster_id: &str) {
@@ -219,29 +275,6 @@ fn cpu_config(view: &ObservedNode) -> &str {
         .unwrap_or("")
 }
 
-/// Derives a node's status from discovery and heartbeat age.
-pub fn derive_status(
-    last_seen: Instant,
-    reported: i32,
-    discovered: bool,
-    lingering: bool,
-    report_ttl: Duration,
-    now: Instant,
-) -> NodeStatus {
-    if now.saturating_duration_since(last_seen) > report_ttl {
-        NodeStatus::Unhealthy
-    } else if !discovered {
-        NodeStatus::Connecting
-    } else if lingering {
-        NodeStatus::Lingering
-    } else {
-        match NodeStatus::try_from(reported).unwrap_or(NodeStatus::Unspecified) {
-            NodeStatus::Unspecified => NodeStatus::Connecting,
-            s => s,
-        }
-    }
-}
-
 /// The in-memory registry behind static discovery (and, later, Kubernetes).
 pub struct StaticRegistry {
     state: RwLock<State>,
@@ -265,14 +298,19 @@ impl StaticRegistry {
     }
 
     fn status(&self, e: &Entry, o: &Observation, now: Instant) -> NodeStatus {
-        derive_status(
+        let status = derive_status(
             o.last_seen,
             o.snapshot.status,
             true,
-            e.lingering,
+            e.lingering || e.removed,
             self.report_ttl,
             now,
-        )
+        );
+        match status {
+            NodeStatus::Unhealthy | NodeStatus::Lingering => status,
+            _ if e.draining => NodeStatus::Draining,
+            _ => status,
+        }
     }
 
     fn view(&self, e: &Entry, o: &Observation, now: Instant) -> ObservedNode {
@@ -308,7 +346,7 @@ impl StaticRegistry {
         let list: Vec<Candidate> = st
             .entries
             .iter()
-            .filter(|e| !e.lingering)
+            .filter(|e| e.placeable())
             .filter_map(|e| {
                 let o = e.observed.as_ref()?;
                 let stale_at = o.last_seen + self.report_ttl;
@@ -348,26 +386,20 @@ impl NodeRegistry for StaticRegistry {
             .into_iter()
             .map(|e| (e.node.node_id.clone(), e))
             .collect();
-        let mut entries: Vec<Entry> = next
+        let entries: Vec<Entry> = next
             .into_iter()
-            .map(|(id, (node, lingering))| Entry {
-                observed: old.remove(&id).and_then(|e| e.observed),
-                node: Arc::new(node),
-                lingering,
+            .map(|(id, (node, lingering))| {
+                let previous = old.remove(&id);
+                Entry {
+                    draining: previous.as_ref().is_some_and(|e| e.draining),
+                    observed: previous.and_then(|e| e.observed),
+                    ..Entry::new(node, lingering)
+                }
             })
             .collect();
-        entries.sort_by(|a, b| a.node.node_id.cmp(&b.node.node_id));
-        st.index = entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.node.node_id.clone(), i))
-            .collect();
-        st.entries = entries;
+        st.install(entries);
         for (id, gone) in old {
-            st.intersection_sent.remove(&id);
-            if let Some(o) = gone.observed {
-                st.invalidate_cluster(&o.view.cluster_id);
-            }
+            st.forget_observation(&id, gone.observed);
         }
         self.changed();
     }
@@ -448,8 +480,19 @@ impl NodeRegistry for StaticRegistry {
             snapshot: Arc::new(snapshot),
             last_seen: now,
             p2p: req.p2p_endpoint.clone(),
+            roster_len: req.sandbox_ids.len(),
         });
         self.changed();
+        if st.entries[idx].removed && req.sandbox_ids.is_empty() {
+            // Its last sandbox is gone: the node leaves the registry.
+            st.drop_entry(idx);
+            return Ok(HeartbeatOutcome {
+                node,
+                cpu_config_json: String::new(),
+                cpu_config_wanted: false,
+                dropped: true,
+            });
+        }
 
         if let Some(prev) = previous_cluster.filter(|c| *c != cluster) {
             st.invalidate_cluster(&prev);
@@ -479,6 +522,7 @@ impl NodeRegistry for StaticRegistry {
             node,
             cpu_config_json,
             cpu_config_wanted,
+            dropped: false,
         })
     }
 
@@ -494,10 +538,14 @@ impl NodeRegistry for StaticRegistry {
         if o.view.service_instance_id != service_instance_id {
             return Err(RegistryError::InstanceMismatch);
         }
-        let cluster = o.view.cluster_id.clone();
-        st.entries[idx].observed = None;
-        st.intersection_sent.remove(node_id);
-        st.invalidate_cluster(&cluster);
+        if st.entries[idx].removed {
+            // It left the node list and now says goodbye: forget it.
+            st.drop_entry(idx);
+            self.changed();
+            return Ok(true);
+        }
+        let gone = st.entries[idx].observed.take();
+        st.forget_observation(node_id, gone);
         self.changed();
         Ok(true)
     }
@@ -553,7 +601,11 @@ impl NodeRegistry for StaticRegistry {
                 {
                     return None;
                 }
-                if self.status(e, o, now) != NodeStatus::Ready {
+                // A draining node still serves what it holds, artifacts included.
+                if !matches!(
+                    self.status(e, o, now),
+                    NodeStatus::Ready | NodeStatus::Draining
+                ) {
                     return None;
                 }
                 let p2p = o.p2p.as_ref()?;
@@ -581,9 +633,45 @@ impl NodeRegistry for StaticRegistry {
                 NodeStatus::Connecting => c.connecting += 1,
                 NodeStatus::Unhealthy => c.unhealthy += 1,
                 NodeStatus::Lingering => c.lingering += 1,
+                NodeStatus::Draining => c.draining += 1,
                 NodeStatus::Unspecified => c.unspecified += 1,
             }
         }
         c
+    }
+
+    fn apply_node_list(&self, nodes: Vec<Node>) -> NodeListChange {
+        let change = self.state.write().apply_node_list(nodes);
+        self.changed();
+        change
+    }
+
+    fn set_draining(&self, node_id: &str, draining: bool) -> Result<DrainState, RegistryError> {
+        let mut st = self.state.write();
+        let idx = *st
+            .index
+            .get(node_id)
+            .ok_or_else(|| RegistryError::NotFound(node_id.to_string()))?;
+        let was = std::mem::replace(&mut st.entries[idx].draining, draining);
+        // Bumped under the write lock: the next Schedule rebuilds its candidates.
+        self.changed();
+        let e = &st.entries[idx];
+        Ok(DrainState {
+            changed: was != draining,
+            node: e.observed.as_ref().map(|o| self.view(e, o, Instant::now())),
+        })
+    }
+
+    fn prune_removed(&self, now: Instant, grace: Duration) -> Vec<String> {
+        // Runs every few seconds: take the write lock only when there is work.
+        if !self.state.read().entries.iter().any(|e| e.removed) {
+            return Vec::new();
+        }
+        let mut st = self.state.write();
+        let pruned = st.prune_removed(now, grace);
+        if !pruned.is_empty() {
+            self.changed();
+        }
+        pruned
     }
 }

@@ -20,7 +20,7 @@ use crate::metrics::{RpcLabels, ScheduleLabels, SchedulerMetrics, StrategyLabel}
 use crate::placement::Placement;
 use crate::registry::{NodeRegistry, P2pQuery, RegistryError};
 
-const NOT_IN_NODE_LIST: &str = "node is not in scheduler node list";
+pub(crate) const NOT_IN_NODE_LIST: &str = "node is not in scheduler node list";
 const STORE_UNAVAILABLE: &str = "binding store unavailable";
 
 /// The scheduler's gRPC service. Cheap to clone; every clone shares state.
@@ -105,7 +105,10 @@ impl SchedulerService {
         &self.inner.metrics
     }
 
-    fn registry_or_unimplemented(&self, rpc: &str) -> Result<&Arc<dyn NodeRegistry>, Status> {
+    pub(crate) fn registry_or_unimplemented(
+        &self,
+        rpc: &str,
+    ) -> Result<&Arc<dyn NodeRegistry>, Status> {
         self.inner.registry.as_ref().ok_or_else(|| {
             Status::unimplemented(format!(
                 "{rpc} is not served by a query-only scheduler; send it to the primary"
@@ -113,7 +116,7 @@ impl SchedulerService {
         })
     }
 
-    fn record<T>(
+    pub(crate) fn record<T>(
         &self,
         rpc: &'static str,
         started: std::time::Instant,
@@ -218,6 +221,13 @@ impl SchedulerService {
             .reconcile_node(&outcome.node, &req.sandbox_ids, now)
             .await
             .map_err(store_unavailable)?;
+        if outcome.dropped {
+            tracing::info!(
+                node_id = %req.node_id,
+                "a node removed from the node list holds no more sandboxes; it has left the registry"
+            );
+            self.refresh_node_gauge();
+        }
         Ok(HeartbeatResponse {
             cpu_config_json: outcome.cpu_config_json,
             cpu_config_wanted: outcome.cpu_config_wanted,
@@ -368,6 +378,28 @@ impl SchedulerRpc for SchedulerService {
         let started = std::time::Instant::now();
         let result = self.unregister_inner(request.into_inner()).await;
         self.record("UnregisterNode", started, result)
+    }
+
+    async fn drain_node(
+        &self,
+        request: Request<DrainNodeRequest>,
+    ) -> Result<Response<DrainNodeResponse>, Status> {
+        let started = std::time::Instant::now();
+        let result = self
+            .set_draining("DrainNode", &request.get_ref().node_id, true)
+            .map(|node| DrainNodeResponse { node });
+        self.record("DrainNode", started, result)
+    }
+
+    async fn undrain_node(
+        &self,
+        request: Request<UndrainNodeRequest>,
+    ) -> Result<Response<UndrainNodeResponse>, Status> {
+        let started = std::time::Instant::now();
+        let result = self
+            .set_draining("UndrainNode", &request.get_ref().node_id, false)
+            .map(|node| UndrainNodeResponse { node });
+        self.record("UndrainNode", started, result)
     }
 
     async fn list_p2p_peers(

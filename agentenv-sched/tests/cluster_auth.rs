@@ -132,3 +132,36 @@ async fn open_lookups_answer_lookups_but_not_writes_without_the_credential() {
     assert_eq!(err.code(), Code::Unauthenticated);
     assert_eq!(lookup(&mut anyone).await.unwrap(), "node-a");
 }
+
+#[tokio::test]
+async fn drain_needs_the_credential_even_with_open_lookups() {
+    let addr = start(true).await;
+    let mut node = client(addr, Some(TOKEN)).await;
+    node.heartbeat(beat(&[])).await.unwrap();
+    let mut anyone = client(addr, None).await;
+    let drain = DrainNodeRequest {
+        node_id: "node-a".into(),
+    };
+    let err = anyone.drain_node(drain.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+    let err = anyone
+        .undrain_node(UndrainNodeRequest {
+            node_id: "node-a".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+    // Nothing changed: node-a still takes placements.
+    assert!(anyone.schedule(ScheduleRequest::default()).await.is_ok());
+
+    let r = node.drain_node(drain).await.unwrap().into_inner();
+    assert_eq!(
+        r.node.unwrap().snapshot.unwrap().status,
+        NodeStatus::Draining as i32
+    );
+    let err = anyone
+        .schedule(ScheduleRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+}

@@ -117,6 +117,28 @@ impl Proc {
         self
     }
 
+    /// Waits for a log line whose `message` starts with one of `prefixes`.
+    pub fn wait_for_prefix(&self, prefixes: &[&str], limit: Duration) -> serde_json::Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(v)
+                    if v["message"]
+                        .as_str()
+                        .is_some_and(|m| prefixes.iter().any(|p| m.starts_with(p))) =>
+                {
+                    return v;
+                }
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "{} did not log a message starting with {prefixes:?} within {limit:?}",
+                    self.name
+                ),
+            }
+        }
+    }
+
     /// Waits for a log line whose `message` is `msg`.
     pub fn wait_for(&self, msg: &str, limit: Duration) -> serde_json::Value {
         let deadline = Instant::now() + limit;
@@ -293,6 +315,12 @@ pub struct Cluster {
     pub scheduler_proc: Proc,
     /// The snapshot store every node of the cluster shares (`AENV_SNAPSHOT_STORE`).
     pub snapshot_store: PathBuf,
+    /// The scheduler's config file (see [`Cluster::reload_scheduler`]).
+    pub scheduler_config: PathBuf,
+    /// The config the scheduler started with.
+    pub scheduler_config_json: serde_json::Value,
+    /// Every node as it would be listed in `scheduler.nodes` (listed or not).
+    pub node_entries: Vec<serde_json::Value>,
     _dir: tempfile::TempDir,
 }
 
@@ -308,6 +336,18 @@ impl Cluster {
         first_idx: u8,
         extra: &dyn Fn(u8) -> Vec<(String, String)>,
     ) -> Cluster {
+        Self::start_listing(n, n, first_idx, extra)
+    }
+
+    /// [`Cluster::start_with`] where the scheduler's node list holds only the first
+    /// `listed` of the `n` nodes; the others run and are refused until a reload lists
+    /// them (see [`Cluster::reload_scheduler`]).
+    pub fn start_listing(
+        n: u8,
+        listed: u8,
+        first_idx: u8,
+        extra: &dyn Fn(u8) -> Vec<(String, String)>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let nodes: Vec<(String, SocketAddr)> = (0..n)
             .map(|i| {
@@ -317,10 +357,11 @@ impl Cluster {
                 )
             })
             .collect();
-        let node_list: Vec<serde_json::Value> = nodes
+        let node_entries: Vec<serde_json::Value> = nodes
             .iter()
             .map(|(id, a)| serde_json::json!({"id": id, "endpoint": format!("http://{a}")}))
             .collect();
+        let node_list = &node_entries[..usize::from(listed.min(n))];
         let config = serde_json::json!({
             "log_level": "info",
             "log_format": "json",
@@ -377,7 +418,11 @@ impl Cluster {
 
         wait_observed(
             &scheduler,
-            &nodes.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(),
+            &nodes
+                .iter()
+                .take(usize::from(listed))
+                .map(|(id, _)| id.clone())
+                .collect::<Vec<_>>(),
         );
 
         let mut gw_cfg = config.clone();
@@ -404,8 +449,32 @@ impl Cluster {
             gateway_proc,
             scheduler_proc,
             snapshot_store,
+            scheduler_config: sched_cfg,
+            scheduler_config_json: config,
+            node_entries,
             _dir: dir,
         }
+    }
+
+    /// Rewrites the scheduler's config file to `text`, sends the scheduler SIGHUP and
+    /// waits for its verdict: the log line of the applied node list or of the failed
+    /// reload (returned).
+    pub fn reload_scheduler_raw(&self, text: &str) -> serde_json::Value {
+        std::fs::write(&self.scheduler_config, text).expect("write config");
+        let pid = nix::unistd::Pid::from_raw(self.scheduler_proc.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("SIGHUP");
+        self.scheduler_proc.wait_for_prefix(
+            &["node list reloaded", "config reload failed"],
+            Duration::from_secs(30),
+        )
+    }
+
+    /// [`Cluster::reload_scheduler_raw`] with the config the scheduler started with as
+    /// `edit` leaves it.
+    pub fn reload_scheduler(&self, edit: impl FnOnce(&mut serde_json::Value)) -> serde_json::Value {
+        let mut config = self.scheduler_config_json.clone();
+        edit(&mut config);
+        self.reload_scheduler_raw(&config.to_string())
     }
 
     /// Waits until the gateway's `GET /nodes` lists `n` nodes.

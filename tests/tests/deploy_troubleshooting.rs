@@ -211,7 +211,7 @@ fn heartbeat_from_an_id_missing_from_the_static_list_is_rejected_and_the_node_lo
         "{m}"
     );
     assert!(
-        m.contains("restart the scheduler") && m.contains("set AENV_NODE_ID to a listed id"),
+        m.contains("reload the scheduler") && m.contains("set AENV_NODE_ID to a listed id"),
         "{m}"
     );
     assert_eq!(v["level"], "ERROR");

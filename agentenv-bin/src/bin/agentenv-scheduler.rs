@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use agentenv_core::config::{LoadOptions, Service, resolve_listen_addr};
-use agentenv_sched::Scheduler;
+use agentenv_core::config::{Config, LoadOptions, Service, resolve_listen_addr};
+use agentenv_sched::{Scheduler, SchedulerService};
 use anyhow::Context;
 use clap::Parser;
 
@@ -16,7 +16,7 @@ use clap::Parser;
 #[command(
     name = "agentenv-scheduler",
     version,
-    after_help = "Examples:\n  agentenv-scheduler -config /etc/agentenv/control-plane.json\n  SCHEDULER_STRATEGY=least_loaded agentenv-scheduler -config cp.json\n\nFlags may be written with one dash (-config) or two (--config)."
+    after_help = "Examples:\n  agentenv-scheduler -config /etc/agentenv/control-plane.json\n  SCHEDULER_STRATEGY=least_loaded agentenv-scheduler -config cp.json\n\nSIGHUP (systemctl reload agentenv-scheduler) re-reads the config file: a valid file's\nscheduler.nodes list is applied at once (removed nodes keep serving their sandboxes\nuntil those are gone); an invalid file changes nothing. Other keys need a restart.\n\nFlags may be written with one dash (-config) or two (--config)."
 )]
 struct Args {
     /// The control-plane JSON config (defaults apply when omitted).
@@ -38,14 +38,15 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let config = agentenv_bin::load_control_plane(
-        args.config.as_deref(),
-        LoadOptions {
-            service: Service::Scheduler,
-            query_only: args.query_only,
-        },
-    )?;
-    let s = config.scheduler;
+    let options = LoadOptions {
+        service: Service::Scheduler,
+        query_only: args.query_only,
+    };
+    let config = agentenv_bin::load_control_plane(args.config.as_deref(), options)?;
+    // Installed before anything is served, so an early SIGHUP is not fatal.
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("install SIGHUP handler")?;
+    let s = config.scheduler.clone();
     let grpc_addr = resolve_listen_addr(&s.grpc_listen_addr).map_err(anyhow::Error::msg)?;
     // Config loading refused an exposed scheduler without a credential unless the
     // operator chose so; say so once.
@@ -76,6 +77,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| {
             format!("cannot listen on scheduler.metrics_listen_addr {metrics_addr}")
         })?;
+    let reload_task = tokio::spawn(reload_on_hangup(
+        hangup,
+        args.config.clone(),
+        options,
+        config,
+        scheduler.service(),
+    ));
     let grpc_local = grpc.local_addr()?;
     let metrics_local = metrics.local_addr()?;
 
@@ -113,7 +121,41 @@ async fn run(args: Args) -> anyhow::Result<()> {
             tracing::warn!("in-flight calls did not finish within {DRAIN:?}; stopping anyway")
         }
     }
+    reload_task.abort();
     let _ = tokio::time::timeout(Duration::from_secs(5), metrics_task).await;
     tracing::info!("scheduler stopped");
     Ok(())
+}
+
+/// On every SIGHUP: loads and validates the whole config again (same file,
+/// same environment overrides) and applies its node list; a config that does
+/// not load changes nothing.
+async fn reload_on_hangup(
+    mut hangup: tokio::signal::unix::Signal,
+    path: Option<PathBuf>,
+    options: LoadOptions,
+    mut running: Config,
+    service: SchedulerService,
+) {
+    while hangup.recv().await.is_some() {
+        tracing::info!("SIGHUP received, reloading the config");
+        let loaded = match Config::load(path.as_deref(), options) {
+            Ok(l) => l,
+            Err(e) => {
+                service.reload_failed(&e);
+                continue;
+            }
+        };
+        for w in &loaded.warnings {
+            tracing::warn!("{w}");
+        }
+        let new = loaded.config;
+        if new.log_level != running.log_level || new.log_format != running.log_format {
+            tracing::warn!(
+                "config reload: log_level/log_format changed but only take effect after a restart of the scheduler"
+            );
+        }
+        service.reload_config(&running.scheduler, &new.scheduler);
+        running.scheduler.nodes = new.scheduler.nodes;
+    }
 }

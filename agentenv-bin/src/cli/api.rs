@@ -617,6 +617,8 @@ fn describe(path: &str) -> &'static str {
         "snapshots"
     } else if p.contains("templates") {
         "templates"
+    } else if p.starts_with("/nodes/") && p.ends_with("/drain") {
+        "draining nodes"
     } else {
         "this call"
     }

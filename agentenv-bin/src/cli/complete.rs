@@ -1,7 +1,8 @@
 //! Shell completion: the registration script `aenv completion <shell>` prints calls
 //! back into `aenv` (`COMPLETE=<shell> aenv -- …`), which completes commands and flags
 //! and offers live sandbox IDs (running ones for exec, pause, timeout, upload,
-//! download and snapshot create; paused ones for resume; all for connect and delete).
+//! download and snapshot create; paused ones for resume; all for connect and delete),
+//! and node IDs for `aenv node drain|undrain`.
 
 use std::io::Write;
 use std::time::Duration;
@@ -54,6 +55,36 @@ fn ids(state: Option<&'static str>) -> Vec<CompletionCandidate> {
             .filter(|s| state.is_none() || s.state.as_deref() == state)
             .map(|s| s.sandbox_id)
             .collect(),
+        _ => Vec::new(),
+    };
+    v.sort();
+    v.into_iter().map(CompletionCandidate::new).collect()
+}
+
+/// The IDs of the nodes `GET /nodes` lists, sorted; empty when the server cannot be
+/// asked within a second.
+pub fn nodes() -> Vec<CompletionCandidate> {
+    #[derive(serde::Deserialize)]
+    struct Node {
+        id: String,
+    }
+    let Ok(creds) = credentials::load() else {
+        return Vec::new();
+    };
+    let Ok(api) = Api::new(&creds) else {
+        return Vec::new();
+    };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return Vec::new();
+    };
+    let list = rt.block_on(async {
+        tokio::time::timeout(BUDGET, api.get_json::<Vec<Node>>("/nodes")).await
+    });
+    let mut v: Vec<String> = match list {
+        Ok(Ok(nodes)) => nodes.into_iter().map(|n| n.id).collect(),
         _ => Vec::new(),
     };
     v.sort();

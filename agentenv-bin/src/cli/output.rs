@@ -56,14 +56,14 @@ fn opt<T: ToString>(v: &Option<T>) -> String {
 }
 
 /// Pretty JSON on stdout, object keys sorted.
-fn write_json(v: &impl serde::Serialize) -> std::io::Result<()> {
+pub(crate) fn write_json(v: &impl serde::Serialize) -> std::io::Result<()> {
     let v = serde_json::to_value(v).map_err(std::io::Error::other)?;
     let mut s = serde_json::to_string_pretty(&v).map_err(std::io::Error::other)?;
     s.push('\n');
     write_stdout(&s)
 }
 
-fn write_stdout(s: &str) -> std::io::Result<()> {
+pub(crate) fn write_stdout(s: &str) -> std::io::Result<()> {
     let mut o = std::io::stdout().lock();
     match o.write_all(s.as_bytes()).and_then(|_| o.flush()) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),

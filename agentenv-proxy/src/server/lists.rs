@@ -38,6 +38,37 @@ impl Gateway {
         }
     }
 
+    /// `POST` / `DELETE /nodes/{id}/drain`: the scheduler stops (or resumes)
+    /// placing new sandboxes on the node; 204 when done.
+    pub(super) async fn node_drain(
+        &self,
+        node_id: &str,
+        drain: bool,
+        deadline: Instant,
+    ) -> Response<GatewayBody> {
+        let (rpc, verb) = if drain {
+            ("DrainNode", "drain")
+        } else {
+            ("UndrainNode", "undrain")
+        };
+        let call = self.inner.scheduler.set_draining(node_id, drain);
+        match self.rpc(rpc, deadline, call).await {
+            Ok(_) => {
+                let mut resp = Response::new(empty());
+                *resp.status_mut() = StatusCode::NO_CONTENT;
+                resp
+            }
+            Err(status) if status.code() == tonic::Code::Unimplemented => error_response(
+                StatusCode::NOT_IMPLEMENTED,
+                &format!(
+                    "the scheduler cannot {verb} nodes: {}; send it to a primary scheduler of this version",
+                    status.message()
+                ),
+            ),
+            Err(status) => scheduler_error(&status),
+        }
+    }
+
     /// `/nodes/{id}…`: proxied to that node, found by its heartbeats.
     pub(super) async fn node_detail(
         &self,

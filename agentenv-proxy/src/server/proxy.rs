@@ -254,6 +254,11 @@ impl Gateway {
                 return Box::pin(self.node_detail(req, remote, &node_id, deadline, long_lived))
                     .await;
             }
+            Decision::NodeDrain { node_id, drain } => {
+                rec.source = RouteSource::Gateway;
+                let node_id = node_id.to_string();
+                return Box::pin(self.node_drain(&node_id, drain, deadline)).await;
+            }
             Decision::NodeMove(node_id) => {
                 rec.source = RouteSource::Gateway;
                 let node_id = node_id.to_string();

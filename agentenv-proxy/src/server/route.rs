@@ -11,8 +11,8 @@ use subtle::ConstantTimeEq;
 use super::{GatewayError, GatewayOptions};
 use crate::host_route::{HostRoute, HostRouteError, HostRouter};
 use crate::routing::{
-    API_KEY_HEADER, RouteSource, is_control_plane, is_proxy_path, node_id_from_path,
-    node_move_from_path, path_sandbox_id, trim_trailing_slashes,
+    API_KEY_HEADER, RouteSource, is_control_plane, is_proxy_path, node_drain_from_path,
+    node_id_from_path, node_move_from_path, path_sandbox_id, trim_trailing_slashes,
 };
 
 /// What routing looks at, however the request was read.
@@ -40,6 +40,11 @@ pub(super) enum Decision<'a> {
     SandboxMetrics,
     NodeList,
     NodeDetail(&'a str),
+    /// `POST` (`drain: true`) or `DELETE /nodes/{id}/drain`: asked of the scheduler.
+    NodeDrain {
+        node_id: &'a str,
+        drain: bool,
+    },
     /// `POST /nodes/{id}/move`: the node's paused sandboxes move to other nodes.
     NodeMove(&'a str),
     /// Proxied to the sandbox's node (`id`) or a scheduled one (`None`).
@@ -152,6 +157,16 @@ impl Router {
                 return Decision::NodeDetail(node_id);
             }
         }
+        if host_route.is_none()
+            && !routing_headers
+            && (*f.method == Method::POST || *f.method == Method::DELETE)
+            && let Some(node_id) = node_drain_from_path(d)
+        {
+            return Decision::NodeDrain {
+                node_id,
+                drain: *f.method == Method::POST,
+            };
+        }
         let (id, source) = if let Some(r) = host_route {
             if routing_headers {
                 tracing::debug!(sandbox_id = %r.sandbox_id, "host route overrides routing headers");
@@ -240,6 +255,7 @@ mod tests {
             Decision::SandboxMetrics => "sandbox metrics".into(),
             Decision::NodeList => "node list".into(),
             Decision::NodeDetail(id) => format!("node {id}"),
+            Decision::NodeDrain { node_id, drain } => format!("drain {node_id} {drain}"),
             Decision::NodeMove(id) => format!("node move {id}"),
             Decision::Route { id, source } => format!("route {id:?} {}", source.label()),
         };
@@ -259,6 +275,19 @@ mod tests {
         assert_eq!(
             decide(Method::GET, "/nodes/n1", None, false),
             ("node n1".into(), true)
+        );
+        assert_eq!(
+            decide(Method::POST, "/nodes/n1/drain", None, false),
+            ("drain n1 true".into(), true)
+        );
+        assert_eq!(
+            decide(Method::DELETE, "/nodes/n1/drain/", None, false),
+            ("drain n1 false".into(), true)
+        );
+        // Only POST and DELETE drain; a GET goes on to the node as before.
+        assert_eq!(
+            decide(Method::GET, "/nodes/n1/drain", None, false),
+            ("route None schedule".into(), true)
         );
         assert_eq!(
             decide(Method::POST, "/nodes/n1/move", None, false),

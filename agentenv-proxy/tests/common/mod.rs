@@ -283,6 +283,14 @@ impl<C: SchedulerClient> SchedulerClient for Counting<C> {
         self.bump("GetNode");
         self.inner.get_node(node_id, cluster_id).await
     }
+    async fn set_draining(
+        &self,
+        node_id: &str,
+        draining: bool,
+    ) -> Result<Option<pb::ObservedNode>, tonic::Status> {
+        self.bump(if draining { "DrainNode" } else { "UndrainNode" });
+        self.inner.set_draining(node_id, draining).await
+    }
 }
 
 pub fn options() -> GatewayOptions {

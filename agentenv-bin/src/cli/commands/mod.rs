@@ -9,6 +9,7 @@ pub mod delete;
 pub mod download;
 pub mod exec;
 pub mod list;
+pub mod node;
 pub mod pause;
 pub mod pull;
 pub mod resume;
@@ -54,6 +55,13 @@ pub enum Command {
         after_help = "Examples:\n  aenv snapshot create <id> --name before-upgrade\n  aenv snapshot ls --sandbox-id <id>\nDelete a snapshot with `aenv template rm <snapshot>`."
     )]
     Snapshot(snapshot::SnapshotCmd),
+    /// Runtime nodes (list, drain, undrain).
+    #[command(
+        visible_alias = "nodes",
+        subcommand,
+        after_help = "Examples:\n  aenv node ls\n  aenv node drain node-b\n  aenv node undrain node-b"
+    )]
+    Node(node::NodeCmd),
     Completion(completion::CompletionArgs),
 }
 
@@ -78,6 +86,7 @@ pub async fn run(command: Command) -> Result<i32, CliError> {
         Command::Upload(a) => upload::run(&api, a).await,
         Command::Download(a) => download::run(&api, a).await,
         Command::Pull(a) => pull::run(&api, a).await,
+        Command::Node(c) => node::run(&api, c).await,
         Command::Build(a) => build::run(&api, a).await,
         Command::Template(c) => template::run(&api, c).await,
         Command::Snapshot(c) => snapshot::run(&api, c).await,
