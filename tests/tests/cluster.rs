@@ -203,8 +203,8 @@ fn node_binary_rejects_bad_config_with_one_line_and_stops_on_sigterm() {
     // A node without AENV_API_KEY generates one (0600), serves, and stops cleanly on
     // SIGTERM, pausing its running sandbox into a durable record.
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], agentenv_tests::free_port()));
-    // Index 11: no other test's node (cli_cluster's are 6 and 7).
-    let mut env = agentenv_tests::node_env(11, "node-solo", addr, home.path(), None);
+    // Index 29: no other test's node.
+    let mut env = agentenv_tests::node_env(29, "node-solo", addr, home.path(), None);
     env.retain(|(k, _)| k != "AENV_API_KEY");
     let mut cmd = Command::new(&bin);
     cmd.env_clear()
@@ -213,7 +213,7 @@ fn node_binary_rejects_bad_config_with_one_line_and_stops_on_sigterm() {
         cmd.env(k, v);
     }
     let mut node = agentenv_tests::Proc::spawn("node-solo", cmd).with_host_rules(
-        &agentenv_tests::node_iface_prefix(11),
+        &agentenv_tests::node_iface_prefix(29),
         std::path::Path::new(agentenv_tests::NODE_RUNTIME_DIR),
     );
     node.wait_for("node listening", Duration::from_secs(120));

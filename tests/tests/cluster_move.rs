@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use agentenv_tests::{API_KEY, Cluster, api, http, skip_reason};
+use std::process::{Command, Output};
+
+use agentenv_tests::{API_KEY, Cluster, api, binary, http, skip_reason};
 
 const FIRST_IDX: u8 = 24;
 
@@ -137,6 +139,63 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
     // The binding stays with the new node across heartbeats of both.
     std::thread::sleep(Duration::from_secs(6));
     assert_eq!(sh(&rt, gw, &paused, "cat /root/me"), paused);
+
+    // With the CLI: drain the first node, pause its last sandbox, move it.
+    let cfg = tempfile::tempdir().unwrap();
+    let aenv = |args: &[&str]| -> Output {
+        Command::new(binary("aenv").expect("aenv binary"))
+            .args(args)
+            .env("XDG_CONFIG_HOME", cfg.path())
+            .output()
+            .expect("run aenv")
+    };
+    let text = |o: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let url = format!("http://{gw}");
+    assert!(
+        aenv(&["auth", "--url", &url, "--api-key", API_KEY])
+            .status
+            .success()
+    );
+    let out = aenv(&["node", "drain", &names[0]]);
+    assert!(out.status.success(), "{}", text(&out));
+    let (st, v) = api(gw, "POST", &format!("/sandboxes/{running}/pause"), "");
+    assert_eq!(st, 204, "{v}");
+    // Nowhere to go when the only other node is named but does not exist.
+    let out = aenv(&["node", "move", &names[0], "--to", "no-such-node"]);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("not a ready node"), "{}", text(&out));
+    let out = aenv(&["node", "move", &names[0]]);
+    assert!(out.status.success(), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains(&format!("moved  {running} -> {}", names[1])),
+        "{said}"
+    );
+    assert!(said.contains("done: 1 moved, 0 failed"), "{said}");
+    assert_eq!(owner(&cluster, &running), 1);
+    // The drained node keeps nothing and takes nothing.
+    let out = aenv(&["node", "move", &names[0]]);
+    assert!(
+        text(&out).contains("has no paused sandbox to move"),
+        "{}",
+        text(&out)
+    );
+    let (st, v) = api(gw, "POST", &format!("/sandboxes/{running}/resume"), "");
+    assert_eq!(st, 201, "{v}");
+    assert_eq!(sh(&rt, gw, &running, "cat /root/me"), running);
+    // A node that cannot take them (draining): the move of the other way says so.
+    let (st, v) = api(gw, "POST", &format!("/sandboxes/{running}/pause"), "");
+    assert_eq!(st, 204, "{v}");
+    let out = aenv(&["node", "move", &names[1]]);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("no ready node"), "{}", text(&out));
+    assert_eq!(owner(&cluster, &running), 1);
     for id in on.iter().flatten() {
         let (st, v) = api(gw, "DELETE", &format!("/sandboxes/{id}"), "");
         assert_eq!(st, 204, "{id}: {v}");

@@ -367,7 +367,9 @@ impl Api {
                 })?;
             let Some(frame) = frame else { break };
             let frame = frame.map_err(|e| unreachable(format!("reading the response: {e}")))?;
-            let Ok(data) = frame.into_data() else { continue };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
             pending.extend_from_slice(&data);
             while let Some(i) = pending.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = pending.drain(..=i).collect();

@@ -10,6 +10,7 @@ pub mod download;
 pub mod exec;
 pub mod list;
 pub mod node;
+pub mod node_move;
 pub mod pause;
 pub mod pull;
 pub mod resume;

@@ -1,5 +1,6 @@
-//! `aenv node ls|drain|undrain`: the runtime nodes as the scheduler sees them, and
-//! taking one out of placement (and back) without touching its sandboxes.
+//! `aenv node ls|drain|undrain|move`: the runtime nodes as the scheduler sees them,
+//! taking one out of placement (and back) without touching its sandboxes, and moving its
+//! paused sandboxes to other nodes.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -44,6 +45,31 @@ pub enum NodeCmd {
         /// The node's ID (see `aenv node ls`).
         #[arg(add = ArgValueCandidates::new(complete::nodes))]
         node_id: String,
+    },
+    /// Move a node's paused sandboxes to other nodes.
+    ///
+    /// Each paused sandbox is published to the shared snapshot repository, taken over
+    /// by a ready node (the least loaded first; draining nodes take none) under the same
+    /// ID, and deleted from this node; the gateway routes it to its new node at once. A
+    /// moved sandbox starts afresh on its files when resumed. Running sandboxes stay:
+    /// pause them first. Progress is printed as each sandbox moves; the exit code is 1
+    /// when any could not be moved (it then stays where it was, paused).
+    #[command(
+        after_help = "Examples:\n  aenv node drain node-b && aenv node move node-b\n  aenv node move node-b --to node-c --sandbox <id>"
+    )]
+    Move {
+        /// The node's ID (see `aenv node ls`).
+        #[arg(add = ArgValueCandidates::new(complete::nodes))]
+        node_id: String,
+        /// Only to this node (default: the least loaded ready nodes, in turn).
+        #[arg(long, value_name = "NODE_ID", add = ArgValueCandidates::new(complete::nodes))]
+        to: Option<String>,
+        /// Only this sandbox (repeat for more; default: every paused sandbox of the node).
+        #[arg(long = "sandbox", value_name = "SANDBOX_ID")]
+        sandboxes: Vec<String>,
+        /// Print the progress as JSON lines, as the gateway sends them.
+        #[arg(long)]
+        json: bool,
     },
     /// Let a drained node take new sandboxes again.
     #[command(after_help = "Example:\n  aenv node undrain node-b")]
@@ -101,6 +127,12 @@ pub async fn run(api: &Api, cmd: NodeCmd) -> Result<i32, CliError> {
             println!("{}", drained_message(&node_id, node.as_ref()));
             Ok(0)
         }
+        NodeCmd::Move {
+            node_id,
+            to,
+            sandboxes,
+            json,
+        } => super::node_move::run(api, &node_id, to, sandboxes, json).await,
         NodeCmd::Undrain { node_id } => {
             set_draining(api, &node_id, false).await?;
             let node = find(api, &node_id).await?;
