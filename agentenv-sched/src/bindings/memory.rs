@@ -57,6 +57,18 @@ impl Inner {
     }
 
     fn bind(&mut self, id: &str, node: Arc<Node>, expires: Instant, pending: bool) {
+        // A refresh by the same node (every id of every roster): one lookup;
+        // the id is already in that node's set.
+        if let Some(b) = self.by_id.get_mut(id)
+            && b.node.node_id == node.node_id
+        {
+            *b = Binding {
+                node,
+                expires,
+                pending,
+            };
+            return;
+        }
         let key: Arc<str> = match self.by_id.get_key_value(id) {
             Some((k, _)) => k.clone(),
             None => Arc::from(id),
@@ -207,16 +219,8 @@ impl BindingStore for MemoryBindingStore {
         for id in &expired {
             inner.remove(id);
         }
-        let live: HashSet<&Node> = inner.by_id.values().map(|b| &*b.node).collect();
-        let unused: Vec<Node> = inner
-            .interned
-            .keys()
-            .filter(|n| !live.contains(n))
-            .cloned()
-            .collect();
-        for n in unused {
-            inner.interned.remove(&n);
-        }
+        // A node no binding holds any more is held by the intern table only.
+        inner.interned.retain(|_, n| Arc::strong_count(n) > 1);
         Ok(expired.len())
     }
 }
