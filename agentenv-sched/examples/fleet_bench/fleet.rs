@@ -27,7 +27,12 @@ pub fn node_id(i: usize) -> String {
 }
 
 pub fn endpoint(i: usize) -> String {
-    format!("http://10.{}.{}.{}:8000", 64 + i / 65536, (i / 256) % 256, i % 256)
+    format!(
+        "http://10.{}.{}.{}:8000",
+        64 + i / 65536,
+        (i / 256) % 256,
+        i % 256
+    )
 }
 
 fn node_index(node_id: &str) -> Option<usize> {
@@ -320,73 +325,88 @@ pub async fn measure(
             rec.schedule.clone(),
             rec.record.clone(),
         );
-        open_loop(traffic.creates_per_sec, stop.clone(), schedule.clone(), move |k| {
-            let mut client = SchedulerClient::new(gateway[k % gateway.len()].clone());
-            let (fleet, schedule, record) = (fleet.clone(), schedule.clone(), record.clone());
-            async move {
-                let hint = ScheduleRequestHint {
-                    kind: Some(schedule_request_hint::Kind::NewSandbox(NewSandboxHint {
-                        metadata: HashMap::from([("template".into(), "base".into())]),
-                    })),
-                };
-                let t = Instant::now();
-                let node = match client.schedule(ScheduleRequest { hint: Some(hint) }).await {
-                    Ok(r) => {
-                        schedule.lock().done(t, Ok(()));
-                        r.into_inner().node.unwrap_or_default()
+        open_loop(
+            traffic.creates_per_sec,
+            stop.clone(),
+            schedule.clone(),
+            move |k| {
+                let mut client = SchedulerClient::new(gateway[k % gateway.len()].clone());
+                let (fleet, schedule, record) = (fleet.clone(), schedule.clone(), record.clone());
+                async move {
+                    let hint = ScheduleRequestHint {
+                        kind: Some(schedule_request_hint::Kind::NewSandbox(NewSandboxHint {
+                            metadata: HashMap::from([("template".into(), "base".into())]),
+                        })),
+                    };
+                    let t = Instant::now();
+                    let node = match client.schedule(ScheduleRequest { hint: Some(hint) }).await {
+                        Ok(r) => {
+                            schedule.lock().done(t, Ok(()));
+                            r.into_inner().node.unwrap_or_default()
+                        }
+                        Err(s) => return schedule.lock().done(t, Err(s)),
+                    };
+                    let id = sandbox_id();
+                    let t = Instant::now();
+                    let r = client
+                        .record_assignment(RecordAssignmentRequest {
+                            sandbox_id: id.clone(),
+                            node: Some(node.clone()),
+                        })
+                        .await
+                        .map(|_| ());
+                    let ok = r.is_ok();
+                    record.lock().done(t, r);
+                    if ok {
+                        fleet.created(&node.node_id, id);
                     }
-                    Err(s) => return schedule.lock().done(t, Err(s)),
-                };
-                let id = sandbox_id();
-                let t = Instant::now();
-                let r = client
-                    .record_assignment(RecordAssignmentRequest {
-                        sandbox_id: id.clone(),
-                        node: Some(node.clone()),
-                    })
-                    .await
-                    .map(|_| ());
-                let ok = r.is_ok();
-                record.lock().done(t, r);
-                if ok {
-                    fleet.created(&node.node_id, id);
                 }
-            }
-        })
+            },
+        )
     };
     let lookups = {
         let (fleet, gateway, series) = (fleet.clone(), gateway.to_vec(), rec.lookup.clone());
-        open_loop(traffic.lookups_per_sec, stop.clone(), series.clone(), move |k| {
-            let mut client = SchedulerClient::new(gateway[k % gateway.len()].clone());
-            let (id, series) = (fleet.any_sandbox(), series.clone());
-            async move {
-                let Some(id) = id else { return };
-                let t = Instant::now();
-                let r = client
-                    .lookup_node(LookupNodeRequest { sandbox_id: id })
-                    .await
-                    .map(|_| ());
-                series.lock().done(t, r);
-            }
-        })
+        open_loop(
+            traffic.lookups_per_sec,
+            stop.clone(),
+            series.clone(),
+            move |k| {
+                let mut client = SchedulerClient::new(gateway[k % gateway.len()].clone());
+                let (id, series) = (fleet.any_sandbox(), series.clone());
+                async move {
+                    let Some(id) = id else { return };
+                    let t = Instant::now();
+                    let r = client
+                        .lookup_node(LookupNodeRequest { sandbox_id: id })
+                        .await
+                        .map(|_| ());
+                    series.lock().done(t, r);
+                }
+            },
+        )
     };
     // The reference: a do-nothing call on the same connections, at the create rate.
     let health = {
         let (gateway, series) = (gateway.to_vec(), rec.health.clone());
-        open_loop(traffic.creates_per_sec, stop.clone(), series.clone(), move |k| {
-            let mut client = HealthClient::new(gateway[k % gateway.len()].clone());
-            let series = series.clone();
-            async move {
-                let t = Instant::now();
-                let r = client
-                    .check(HealthCheckRequest {
-                        service: String::new(),
-                    })
-                    .await
-                    .map(|_| ());
-                series.lock().done(t, r);
-            }
-        })
+        open_loop(
+            traffic.creates_per_sec,
+            stop.clone(),
+            series.clone(),
+            move |k| {
+                let mut client = HealthClient::new(gateway[k % gateway.len()].clone());
+                let series = series.clone();
+                async move {
+                    let t = Instant::now();
+                    let r = client
+                        .check(HealthCheckRequest {
+                            service: String::new(),
+                        })
+                        .await
+                        .map(|_| ());
+                    series.lock().done(t, r);
+                }
+            },
+        )
     };
     tokio::time::sleep(duration).await;
     stop.store(true, Ordering::Relaxed);

@@ -31,7 +31,8 @@ const USAGE: &str = "\
 usage: fleet_bench [options]
   --nodes N               runtime nodes (10000)
   --sandboxes-per-node N  sandboxes each node lists (100)
-  --seconds N             length of the measured phase per store (20)
+  --seconds N             length of the measured phase per store (30: it
+                          includes one expired-binding sweep of the scheduler)
   --interval-secs N       heartbeat interval of every node (5, the node default)
   --creates-per-sec N     Schedule + RecordAssignment per second (200)
   --lookups-per-sec N     LookupNode per second, many in flight (5000)
@@ -66,7 +67,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         nodes: 10_000,
         per_node: 100,
-        seconds: 20,
+        seconds: 30,
         interval: Duration::from_secs(5),
         creates_per_sec: 200,
         lookups_per_sec: 5000,
@@ -212,6 +213,12 @@ async fn run_store(
         f.redis_cpu = a.cpu_secs - b.cpu_secs;
     }
     f.load_cpu = after.2.cpu_secs - before.2.cpu_secs;
+    f.load_avg = std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_string();
     f.bindings = count(&mut sched, kind, redis).await;
     f.recorded = Some(rec);
     sched.stop().await;

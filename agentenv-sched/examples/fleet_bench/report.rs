@@ -20,6 +20,8 @@ pub struct Figures {
     pub load_cpu: f64,
     pub bindings: Option<u64>,
     pub recorded: Option<Recorded>,
+    /// /proc/loadavg's 1-minute figure at the end of the measured phase.
+    pub load_avg: String,
 }
 
 const RSS_TARGET_KIB: u64 = 1024 * 1024;
@@ -36,7 +38,7 @@ fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
+        if i > 0 && (s.len() - i) % 3 == 0 {
             out.push(',');
         }
         out.push(c);
@@ -168,6 +170,10 @@ pub fn print(o: &Opts, results: &[(StoreKind, Result<Figures, String>)]) {
             }),
         ),
         (
+            "machine load average (1 min) at end",
+            Box::new(|f, _| f.load_avg.clone()),
+        ),
+        (
             "Redis RSS at end",
             Box::new(|f, _| f.redis.map_or("-".into(), |r| mib(r.rss_kib))),
         ),
@@ -181,10 +187,7 @@ pub fn print(o: &Opts, results: &[(StoreKind, Result<Figures, String>)]) {
         print!("{name:<38}");
         for (_, r) in results {
             let cell = match r {
-                Ok(f) => f
-                    .recorded
-                    .as_ref()
-                    .map_or("-".into(), |rec| value(f, rec)),
+                Ok(f) => f.recorded.as_ref().map_or("-".into(), |rec| value(f, rec)),
                 Err(_) => "n/a".into(),
             };
             print!(" {cell:>30}");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentenv_core::config::{NodeConfig, NodeResourceLimit, SchedulerConfig};
-use agentenv_sched::{BindingStore, MemoryBindingStore, Scheduler};
+use agentenv_sched::{MemoryBindingStore, Scheduler};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
@@ -51,17 +51,6 @@ pub fn config(nodes: usize) -> SchedulerConfig {
     }
 }
 
-/// Builds the Redis binding store of the server-mode scheduler.
-async fn redis_store(addr: &str, ttl: Duration) -> Result<Arc<dyn BindingStore>, String> {
-    // TODO(i19-redis): once `agentenv_sched::RedisBindingStore` is on this
-    // branch, replace this body with:
-    //   agentenv_sched::RedisBindingStore::connect(addr, ttl).await
-    //       .map(|s| Arc::new(s) as Arc<dyn BindingStore>)
-    //       .map_err(|e| e.to_string())
-    let _ = (addr, ttl);
-    Err("the Redis binding store is not in this build yet".into())
-}
-
 /// Server mode: serves a scheduler of `nodes` on a free loopback port,
 /// prints `LISTEN <addr>`, answers `count` on stdin with `COUNT <bindings>`
 /// (-1 when the store cannot count), and exits when stdin closes.
@@ -70,20 +59,21 @@ pub async fn serve(
     nodes: usize,
     redis: Option<&str>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let config = config(nodes);
+    let mut config = config(nodes);
     let mut memory = None;
-    let store: Arc<dyn BindingStore> = match kind {
+    let builder = match kind {
         StoreKind::Memory => {
             let m = Arc::new(MemoryBindingStore::new(config.binding_ttl));
             memory = Some(m.clone());
-            m
+            Scheduler::builder(config).binding_store(m)
         }
+        // As the scheduler daemon does: the store from `scheduler.redis_addr`.
         StoreKind::Redis => {
-            let addr = redis.ok_or("--serve redis needs --redis <addr>")?;
-            redis_store(addr, config.binding_ttl).await?
+            config.redis_addr = redis.ok_or("--serve redis needs --redis <addr>")?.into();
+            Scheduler::builder(config)
         }
     };
-    let scheduler = Scheduler::builder(config).binding_store(store).build()?;
+    let scheduler = builder.build_async().await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server =
@@ -113,11 +103,7 @@ pub struct SchedulerProc {
 }
 
 impl SchedulerProc {
-    pub async fn start(
-        kind: StoreKind,
-        nodes: usize,
-        redis: Option<&str>,
-    ) -> Result<Self, String> {
+    pub async fn start(kind: StoreKind, nodes: usize, redis: Option<&str>) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
         let mut cmd = tokio::process::Command::new(exe);
         cmd.arg(SERVE_FLAG)
@@ -159,7 +145,11 @@ impl SchedulerProc {
         stdin.write_all(b"count\n").await.ok()?;
         stdin.flush().await.ok()?;
         let line = self.stdout.next_line().await.ok()??;
-        line.strip_prefix("COUNT ")?.parse::<i64>().ok()?.try_into().ok()
+        line.strip_prefix("COUNT ")?
+            .parse::<i64>()
+            .ok()?
+            .try_into()
+            .ok()
     }
 
     pub async fn stop(mut self) {
