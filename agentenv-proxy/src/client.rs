@@ -8,6 +8,8 @@ use agentenv_core::proto::scheduler_v1 as pb;
 use agentenv_core::proto::scheduler_v1::scheduler_client::SchedulerClient as GrpcClient;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler;
 use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::time::{Duration, Instant};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
@@ -64,15 +66,76 @@ impl<T: SchedulerClient + ?Sized> SchedulerClient for Arc<T> {
 /// A scheduler connection that sends the cluster credential with every call.
 type Grpc = GrpcClient<InterceptedService<Channel, SendClusterToken>>;
 
-/// The scheduler over plaintext gRPC: a primary, plus an optional query-only
-/// replica used for `LookupNode` alone. Connections are made lazily, so a
+/// How long a lookup waits for the query-only replica before asking the
+/// primary instead.
+pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(3);
+/// While the replica is unreachable, lookups go to the primary and one of
+/// them tries the replica again this often.
+pub const REPLICA_RETRY: Duration = Duration::from_secs(5);
+
+/// The scheduler over gRPC: a primary, plus an optional query-only replica
+/// used for `LookupNode` alone. When the replica cannot be reached (or does
+/// not answer within [`REPLICA_TIMEOUT`]), lookups fall back to the primary
+/// until the replica answers again. Connections are made lazily, so a
 /// scheduler that is down at start-up only fails the requests that need it.
 #[derive(Clone)]
 pub struct GrpcSchedulerClient {
     primary: Grpc,
     primary_addr: String,
-    query: Option<(Grpc, String)>,
+    query: Option<Replica>,
 }
+
+/// The query-only replica and whether it was last reachable.
+#[derive(Clone)]
+struct Replica {
+    client: Grpc,
+    addr: String,
+    /// `Some(last try)` while the replica is unreachable.
+    down: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Replica {
+    /// Whether this lookup should go to the replica: always while it is up,
+    /// once per [`REPLICA_RETRY`] while it is down.
+    fn should_try(&self) -> bool {
+        let mut down = self.down.lock();
+        match *down {
+            None => true,
+            Some(last) if last.elapsed() >= REPLICA_RETRY => {
+                *down = Some(Instant::now());
+                true
+            }
+            Some(_) => false,
+        }
+    }
+
+    fn mark_up(&self) {
+        if self.down.lock().take().is_some() {
+            tracing::info!(query_only_scheduler_addr = %self.addr, "query-only scheduler reachable again; lookups go to it");
+        }
+    }
+
+    fn mark_down(&self, reason: &str) {
+        let was_up = self.down.lock().replace(Instant::now()).is_none();
+        if was_up {
+            tracing::warn!(
+                query_only_scheduler_addr = %self.addr,
+                error = %reason,
+                "query-only scheduler unreachable; lookups go to the primary scheduler until it answers again"
+            );
+        }
+    }
+}
+
+/// Whether a replica's status says the replica itself could not be reached
+/// (a transport failure), not an answer such as NOT_FOUND or the binding
+/// store being down, which the primary would give as well.
+fn replica_unreachable(status: &Status) -> bool {
+    status.code() == tonic::Code::Unavailable && status.message() != STORE_UNAVAILABLE
+}
+
+/// The message a scheduler sends when its binding store cannot answer.
+const STORE_UNAVAILABLE: &str = "binding store unavailable";
 
 impl GrpcSchedulerClient {
     /// `primary` and `query_only` are gRPC targets without a scheme
@@ -96,7 +159,11 @@ impl GrpcSchedulerClient {
         let primary = client(lazy_channel(primary, link)?);
         let query = match query_only.trim() {
             "" => None,
-            addr => Some((client(lazy_channel(addr, link)?), addr.to_string())),
+            addr => Some(Replica {
+                client: client(lazy_channel(addr, link)?),
+                addr: addr.to_string(),
+                down: Arc::new(Mutex::new(None)),
+            }),
         };
         Ok(Self {
             primary,
@@ -152,16 +219,28 @@ impl SchedulerClient for GrpcSchedulerClient {
     }
 
     async fn lookup_node(&self, sandbox_id: &str) -> Result<pb::Node, Status> {
-        let (mut client, addr) = match &self.query {
-            Some((c, addr)) => (c.clone(), addr.as_str()),
-            None => (self.primary.clone(), self.primary_addr.as_str()),
+        let req = pb::LookupNodeRequest {
+            sandbox_id: sandbox_id.to_string(),
         };
-        let resp = client
-            .lookup_node(pb::LookupNodeRequest {
-                sandbox_id: sandbox_id.to_string(),
-            })
+        if let Some(replica) = self.query.as_ref().filter(|r| r.should_try()) {
+            let mut client = replica.client.clone();
+            let asked = client.lookup_node(req.clone());
+            match tokio::time::timeout(REPLICA_TIMEOUT, asked).await {
+                Ok(Err(s)) if replica_unreachable(&s) => replica.mark_down(s.message()),
+                Ok(answer) => {
+                    replica.mark_up();
+                    let resp = answer?;
+                    return Ok(resp.into_inner().node.unwrap_or_default());
+                }
+                Err(_) => replica.mark_down(&format!("no answer within {REPLICA_TIMEOUT:?}")),
+            }
+        }
+        let resp = self
+            .primary
+            .clone()
+            .lookup_node(req)
             .await
-            .map_err(|s| unreachable_scheduler(addr, s))?;
+            .map_err(|s| unreachable_scheduler(&self.primary_addr, s))?;
         Ok(resp.into_inner().node.unwrap_or_default())
     }
 

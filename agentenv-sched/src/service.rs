@@ -77,8 +77,10 @@ fn unix_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// A store failure for the caller. The store logs when failures start and
+/// stop; each one is logged here at debug level only.
 fn store_unavailable(e: impl std::fmt::Display) -> Status {
-    tracing::warn!(error = %e, "binding store failed");
+    tracing::debug!(error = %e, "binding store failed");
     Status::unavailable(STORE_UNAVAILABLE)
 }
 

@@ -360,3 +360,50 @@ async fn operations_fail_while_redis_is_down_and_work_again_after_it_returns() {
         "the old server's data is gone"
     );
 }
+
+#[tokio::test]
+async fn the_password_and_database_of_a_url_are_used() {
+    let server = RedisServer::start_with_password("s3cret-pw");
+    let url = format!("redis://:s3cret-pw@127.0.0.1:{}/3", server.port());
+    let store = RedisBindingStore::connect(&url, TTL).await.unwrap();
+    store
+        .record("sbx", &node("a"), Instant::now())
+        .await
+        .unwrap();
+    assert_eq!(
+        server
+            .command_in_db(3, &["EXISTS", &format!("{SANDBOX}sbx")])
+            .unwrap(),
+        "1",
+        "written to database 3"
+    );
+    assert_eq!(
+        server.command(&["DBSIZE"]).unwrap(),
+        "0",
+        "not to database 0"
+    );
+    assert_eq!(
+        store.get("sbx", Instant::now()).await.unwrap(),
+        Some(node("a"))
+    );
+}
+
+#[tokio::test]
+async fn a_missing_or_wrong_password_fails_at_connect_without_printing_it() {
+    let server = RedisServer::start_with_password("s3cret-pw");
+    for addr in [
+        server.addr(),
+        format!("redis://:wrong-pw@127.0.0.1:{}/0", server.port()),
+    ] {
+        let err = RedisBindingStore::connect(&addr, TTL)
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(&format!("127.0.0.1:{}", server.port())),
+            "{err}"
+        );
+        assert!(!err.contains("wrong-pw"), "{err}");
+    }
+}

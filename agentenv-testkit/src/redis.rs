@@ -14,12 +14,23 @@ use crate::{Wait, free_port};
 pub struct RedisServer {
     port: u16,
     dir: PathBuf,
+    password: Option<String>,
     child: Option<Child>,
 }
 
 impl RedisServer {
     /// Starts a server on a free port and waits until it answers PING.
     pub fn start() -> RedisServer {
+        Self::start_inner(None)
+    }
+
+    /// [`RedisServer::start`] with `requirepass <password>`; [`RedisServer::command`]
+    /// authenticates first.
+    pub fn start_with_password(password: &str) -> RedisServer {
+        Self::start_inner(Some(password.to_string()))
+    }
+
+    fn start_inner(password: Option<String>) -> RedisServer {
         let port = free_port();
         let dir =
             std::env::temp_dir().join(format!("agentenv-redis-{}-{port}", std::process::id()));
@@ -27,6 +38,7 @@ impl RedisServer {
         let mut server = RedisServer {
             port,
             dir,
+            password,
             child: None,
         };
         server.restart();
@@ -74,7 +86,11 @@ impl RedisServer {
     /// waits until it answers PING.
     pub fn restart(&mut self) {
         self.kill();
-        let child = Command::new("redis-server")
+        let mut cmd = Command::new("redis-server");
+        if let Some(pw) = &self.password {
+            cmd.args(["--requirepass", pw]);
+        }
+        let child = cmd
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
@@ -101,14 +117,37 @@ impl RedisServer {
     /// bulk string (`(nil)` for none), an error as `ERR …`, or an array's elements one per
     /// line.
     pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
+        self.command_in_db(0, args)
+    }
+
+    /// [`RedisServer::command`] in database `db`.
+    pub fn command_in_db(&self, db: u32, args: &[&str]) -> std::io::Result<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut req = format!("*{}\r\n", args.len());
-        for a in args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        let mut req = String::new();
+        let mut preludes = 0;
+        if let Some(pw) = &self.password {
+            encode(&mut req, &["AUTH", pw]);
+            preludes += 1;
         }
+        if db != 0 {
+            encode(&mut req, &["SELECT", &db.to_string()]);
+            preludes += 1;
+        }
+        encode(&mut req, args);
         stream.write_all(req.as_bytes())?;
-        read_reply(&mut BufReader::new(stream))
+        let mut reader = BufReader::new(stream);
+        for _ in 0..preludes {
+            read_reply(&mut reader)?;
+        }
+        read_reply(&mut reader)
+    }
+}
+
+fn encode(out: &mut String, args: &[&str]) {
+    out.push_str(&format!("*{}\r\n", args.len()));
+    for a in args {
+        out.push_str(&format!("${}\r\n{a}\r\n", a.len()));
     }
 }
 

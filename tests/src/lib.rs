@@ -2,6 +2,8 @@
 //! and `agentenv-node` binaries started on loopback with static configuration, and the
 //! official E2B SDKs: Python in a virtual environment, JS installed with `npm ci`.
 
+pub mod control_plane;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -33,7 +33,9 @@ pub use self::redis::{
 #[error("binding store unavailable: {0}")]
 pub struct StoreError(pub String);
 
-/// Where bindings live.
+/// Where bindings live. A store that can fail logs when its failures start
+/// and end; the service answers each failed call with UNAVAILABLE
+/// `binding store unavailable` and logs it at debug level only.
 #[async_trait]
 pub trait BindingStore: Send + Sync + 'static {
     /// The node bound to `sandbox_id`, if the binding exists and has not expired.

@@ -22,6 +22,8 @@
 //! Redis comes back.
 
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use agentenv_core::proto::scheduler_v1::Node;
 use async_trait::async_trait;
@@ -104,13 +106,13 @@ for i = first, #ARGV do
   if not listed[id] then
     local old = owner(redis.call('GET', bkey))
     if old and old ~= node then redis.call('SREM', prefix .. ':node:' .. old, id) end
+    batch[#batch + 1] = id
+    if #batch == 1000 then
+      redis.call('SADD', skey, unpack(batch))
+      batch = {}
+    end
   end
   redis.call('SET', bkey, value, 'PX', ttl)
-  batch[#batch + 1] = id
-  if #batch == 1000 then
-    redis.call('SADD', skey, unpack(batch))
-    batch = {}
-  end
 end
 if #batch > 0 then redis.call('SADD', skey, unpack(batch)) end
 if #ARGV >= first or kept > 0 then
@@ -157,6 +159,9 @@ pub struct RedisBindingStore {
     ttl_ms: u64,
     record: redis::Script,
     reconcile: redis::Script,
+    /// Whether the last operation succeeded: failures are logged when they
+    /// start and end, not once per call.
+    healthy: Arc<AtomicBool>,
 }
 
 impl RedisBindingStore {
@@ -194,6 +199,7 @@ impl RedisBindingStore {
             ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1),
             record: redis::Script::new(&format!("{LUA_OWNER}{LUA_RECORD}")),
             reconcile: redis::Script::new(&format!("{LUA_OWNER}{LUA_RECONCILE}")),
+            healthy: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -207,14 +213,28 @@ impl RedisBindingStore {
         what: &str,
         op: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(OP_TIMEOUT, op).await {
+        let result = match tokio::time::timeout(OP_TIMEOUT, op).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(StoreError(format!("redis {what} at {}: {e}", self.addr))),
             Err(_) => Err(StoreError(format!(
                 "redis {what} at {}: no answer within {OP_TIMEOUT:?}",
                 self.addr
             ))),
+        };
+        let ok = result.is_ok();
+        if self.healthy.swap(ok, Ordering::Relaxed) != ok {
+            match &result {
+                Ok(_) => {
+                    tracing::info!(redis = %self.addr, "Redis answers again; bindings are served")
+                }
+                Err(e) => tracing::warn!(
+                    redis = %self.addr,
+                    error = %e.0,
+                    "Redis failed; binding lookups and records answer UNAVAILABLE until it answers again"
+                ),
+            }
         }
+        result
     }
 
     async fn run_reconcile(
