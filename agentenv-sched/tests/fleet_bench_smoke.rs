@@ -17,8 +17,12 @@ fn fleet_bench() -> PathBuf {
         .expect("target/<profile> directory");
     let bench = profile_dir.join("examples").join("fleet_bench");
     if !bench.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "agentenv-sched", "--example", "fleet_bench"])
+        let mut build = Command::new(env!("CARGO"));
+        build.args(["build", "-p", "agentenv-sched", "--example", "fleet_bench"]);
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo build --example fleet_bench");
