@@ -223,12 +223,12 @@ pub fn print(o: &Opts, results: &[(StoreKind, Result<Figures, String>)]) {
         if *kind == StoreKind::Memory {
             let peak = f.sched.hwm_kib;
             println!(
-                "  {} RSS < 1 GB with {} bindings, in-memory store: peak {}                 {}",
+                "  {} RSS < 1 GB with {} bindings, in-memory store: peak {}{}",
                 verdict(peak < RSS_TARGET_KIB),
                 thousands(bindings as u64),
                 mib(peak),
                 if bindings < 1_000_000 {
-                    "(fewer bindings than the target's)"
+                    " (fewer bindings than the target's 1,000,000)"
                 } else {
                     ""
                 }

@@ -283,15 +283,15 @@ pub fn redis_bindings(addr: &str) -> Option<u64> {
 }
 
 fn redis_cli(addr: &str, args: &[&str]) -> Option<String> {
-    let (host, port) = addr
-        .trim_start_matches("redis://")
-        .rsplit_once(':')
-        .unwrap_or((addr, "6379"));
-    let out = std::process::Command::new("redis-cli")
-        .args(["-h", host, "-p", port])
-        .args(args)
-        .output()
-        .ok()?;
+    let mut cmd = std::process::Command::new("redis-cli");
+    let addr = addr.trim();
+    if addr.contains("://") {
+        cmd.args(["-u", addr]);
+    } else {
+        let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "6379"));
+        cmd.args(["-h", host, "-p", port]);
+    }
+    let out = cmd.args(args).output().ok()?;
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
