@@ -11,6 +11,9 @@ use tokio::time::{Duration, Instant};
 
 use super::{BindingStore, StoreError};
 
+/// Nodes whose bindings the sweep checks per hold of the lock.
+const SWEEP_NODES_PER_LOCK: usize = 64;
+
 #[derive(Debug)]
 struct Binding {
     node: Arc<Node>,
@@ -57,6 +60,18 @@ impl Inner {
     }
 
     fn bind(&mut self, id: &str, node: Arc<Node>, expires: Instant, pending: bool) {
+        // A refresh by the same node (every id of every roster): one lookup;
+        // the id is already in that node's set.
+        if let Some(b) = self.by_id.get_mut(id)
+            && b.node.node_id == node.node_id
+        {
+            *b = Binding {
+                node,
+                expires,
+                pending,
+            };
+            return;
+        }
         let key: Arc<str> = match self.by_id.get_key_value(id) {
             Some((k, _)) => k.clone(),
             None => Arc::from(id),
@@ -197,27 +212,40 @@ impl BindingStore for MemoryBindingStore {
     }
 
     async fn sweep_expired(&self, now: Instant) -> Result<usize, StoreError> {
+        // Every binding is in its node's set: the sweep walks the nodes a few
+        // at a time, so a million bindings never hold up lookups and
+        // heartbeats for the whole walk.
+        let nodes: Vec<String> = self.inner.lock().by_node.keys().cloned().collect();
+        let mut swept = 0;
+        for chunk in nodes.chunks(SWEEP_NODES_PER_LOCK) {
+            {
+                let mut inner = self.inner.lock();
+                for node_id in chunk {
+                    let held = &*inner;
+                    let expired: Vec<Arc<str>> = held
+                        .by_node
+                        .get(node_id)
+                        .map(|set| {
+                            set.iter()
+                                .filter(|id| {
+                                    held.by_id.get(&***id).is_some_and(|b| b.expires <= now)
+                                })
+                                .cloned()
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    for id in &expired {
+                        inner.remove(id);
+                    }
+                    swept += expired.len();
+                }
+            }
+            tokio::task::yield_now().await;
+        }
         let mut inner = self.inner.lock();
-        let expired: Vec<Arc<str>> = inner
-            .by_id
-            .iter()
-            .filter(|(_, b)| b.expires <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for id in &expired {
-            inner.remove(id);
-        }
-        let live: HashSet<&Node> = inner.by_id.values().map(|b| &*b.node).collect();
-        let unused: Vec<Node> = inner
-            .interned
-            .keys()
-            .filter(|n| !live.contains(n))
-            .cloned()
-            .collect();
-        for n in unused {
-            inner.interned.remove(&n);
-        }
-        Ok(expired.len())
+        // A node no binding holds any more is held by the intern table only.
+        inner.interned.retain(|_, n| Arc::strong_count(n) > 1);
+        Ok(swept)
     }
 }
 
@@ -411,5 +439,40 @@ mod tests {
         assert_eq!(store.len(), 1);
         assert_eq!(store.inner.lock().interned.len(), 1);
         assert!(!store.inner.lock().by_node.contains_key("a"));
+    }
+
+    #[tokio::test]
+    async fn sweep_in_turns_reaches_every_node_and_drops_only_expired_bindings() {
+        let store = MemoryBindingStore::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        let nodes = 3 * SWEEP_NODES_PER_LOCK + 1;
+        for i in 0..nodes {
+            let n = node(&format!("n{i}"));
+            store
+                .reconcile_node(&n, &ids(&[&format!("old{i}")]), t0)
+                .await
+                .unwrap();
+            store
+                .record(&format!("new{i}"), &n, t0 + Duration::from_secs(20))
+                .await
+                .unwrap();
+        }
+        let swept = store
+            .sweep_expired(t0 + Duration::from_secs(31))
+            .await
+            .unwrap();
+        assert_eq!(swept, nodes, "every node's expired binding, none else");
+        assert_eq!(store.len(), nodes);
+        let later = t0 + Duration::from_secs(31);
+        for i in 0..nodes {
+            assert_eq!(store.get(&format!("old{i}"), later).await.unwrap(), None);
+            assert!(
+                store
+                    .get(&format!("new{i}"), later)
+                    .await
+                    .unwrap()
+                    .is_some()
+            );
+        }
     }
 }
