@@ -270,7 +270,73 @@ async fn a_big_roster_is_reconciled_in_one_call() {
         .await
         .unwrap();
     assert_eq!(cmd(&server, &["SCARD", &format!("{NODE}a")]), "10");
-    assert_eq!(cmd(&server, &["DBSIZE"]), "11");
+    // Ten bindings, the node's set, and when its bindings were last rewritten.
+    assert_eq!(cmd(&server, &["DBSIZE"]), "12");
+}
+
+#[tokio::test]
+async fn a_roster_soon_after_the_last_rewrites_only_new_ids_unless_the_node_changed() {
+    let (server, store) = setup().await;
+    let ids = |r: std::ops::Range<u32>| r.map(|i| format!("s{i}")).collect::<Vec<_>>();
+    store
+        .reconcile_node(&node("a"), &ids(0..3), Instant::now())
+        .await
+        .unwrap();
+    // Shorten one binding's TTL by hand: a rewrite would restore it.
+    cmd(&server, &["PEXPIRE", &format!("{SANDBOX}s0"), "5000"]);
+    store
+        .reconcile_node(&node("a"), &ids(0..4), Instant::now())
+        .await
+        .unwrap();
+    let pttl = |id: &str| -> i64 {
+        cmd(&server, &["PTTL", &format!("{SANDBOX}{id}")])
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        pttl("s0") <= 5000,
+        "listed again within a third of the TTL: not rewritten"
+    );
+    assert!(pttl("s3") > 25_000, "a new id is written at once");
+    // The node's endpoint changed: every binding is rewritten with it.
+    let moved = Node {
+        node_id: "a".into(),
+        endpoint: "http://a-new:8000".into(),
+    };
+    store
+        .reconcile_node(&moved, &ids(0..4), Instant::now())
+        .await
+        .unwrap();
+    assert!(pttl("s0") > 25_000);
+    assert_eq!(
+        store
+            .get("s0", Instant::now())
+            .await
+            .unwrap()
+            .map(|n| n.endpoint),
+        Some("http://a-new:8000".into())
+    );
+    // Once the mark is gone (a third of the TTL later), a roster rewrites them all.
+    cmd(&server, &["PEXPIRE", &format!("{SANDBOX}s1"), "5000"]);
+    cmd(&server, &["DEL", "agentenv:scheduler:pending:refreshed:a"]);
+    store
+        .reconcile_node(&moved, &ids(0..4), Instant::now())
+        .await
+        .unwrap();
+    assert!(pttl("s1") > 25_000);
+    let mark: i64 = cmd(&server, &["PTTL", "agentenv:scheduler:pending:refreshed:a"])
+        .parse()
+        .unwrap();
+    assert!(
+        mark > 0 && mark <= 10_000,
+        "the mark lives a third of the TTL: {mark}"
+    );
+    // An empty roster drops the mark with the bindings.
+    store
+        .reconcile_node(&moved, &[], Instant::now())
+        .await
+        .unwrap();
+    assert_eq!(cmd(&server, &["DBSIZE"]), "0");
 }
 
 #[tokio::test]

@@ -73,12 +73,20 @@ return 1
 
 /// ARGV: prefix, pending prefix, node id, record JSON, ttl ms, set ttl ms,
 /// force ("1": ignore pending ids), then the roster (trimmed, unique, non-blank).
+///
+/// The bindings a roster lists again are rewritten (their TTL restarted) only when the
+/// node's last such rewrite is a third of the TTL old, or the node's record changed: a
+/// binding then always has at least two thirds of its TTL left after its node's last
+/// heartbeat, and a heartbeat costs Redis a fraction of the writes (new and dropped ids
+/// are handled at every heartbeat).
 const LUA_RECONCILE: &str = r#"
 local prefix, pprefix, node, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local ttl, set_ttl, force = ARGV[5], ARGV[6], ARGV[7]
 local first = 8
 local skey = prefix .. ':node:' .. node
 local pkey = pprefix .. ':node:' .. node
+local rkey = pprefix .. ':refreshed:' .. node
+local fresh = force ~= '1' and #ARGV >= first and redis.call('GET', rkey) == value
 local roster = {}
 for i = first, #ARGV do roster[ARGV[i]] = true end
 local pending = {}
@@ -113,10 +121,17 @@ for i = first, #ARGV do
       redis.call('SADD', skey, unpack(batch))
       batch = {}
     end
+    redis.call('SET', bkey, value, 'PX', ttl)
+  elseif not fresh then
+    redis.call('SET', bkey, value, 'PX', ttl)
   end
-  redis.call('SET', bkey, value, 'PX', ttl)
 end
 if #batch > 0 then redis.call('SADD', skey, unpack(batch)) end
+if #ARGV >= first and not fresh then
+  redis.call('SET', rkey, value, 'PX', math.max(1, math.floor(tonumber(ttl) / 3)))
+elseif #ARGV < first then
+  redis.call('DEL', rkey)
+end
 if #ARGV >= first or kept > 0 then
   redis.call('PEXPIRE', skey, set_ttl)
 else
