@@ -23,6 +23,17 @@ mod status;
 pub use membership::{DrainState, NodeListChange, RemovedNode};
 pub use status::{P2pQuery, derive_status};
 
+/// How stale the load figures (counts, CPU, memory) of the candidates placement sees may
+/// be in a fleet of more than [`LARGE_FLEET`] nodes: heartbeats that change only those
+/// rebuild the candidates at most this often (a rebuild walks every node; 2,000
+/// heartbeats a second would otherwise make nearly every Schedule pay for one). Which
+/// nodes are candidates never lags: the node list, drains, a node's first heartbeat, a
+/// status change and a report going stale take effect at once.
+pub const LOAD_REFRESH: Duration = Duration::from_millis(100);
+
+/// Fleets up to this many nodes see every heartbeat's figures at once.
+pub const LARGE_FLEET: usize = 512;
+
 /// Why the registry refused a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
@@ -199,6 +210,11 @@ impl Entry {
 /// the limit differs, or the first candidate's heartbeat goes stale.
 struct CandidateCache {
     generation: u64,
+    /// [`StaticRegistry::load_generation`] when built, and when.
+    load_generation: u64,
+    built: Instant,
+    /// Built over more than [`LARGE_FLEET`] nodes.
+    large: bool,
     limit: Option<NodeResourceLimit>,
     valid_until: Option<Instant>,
     candidates: Arc<[Candidate]>,
@@ -279,8 +295,12 @@ fn cpu_config(view: &ObservedNode) -> &str {
 pub struct StaticRegistry {
     state: RwLock<State>,
     report_ttl: Duration,
-    /// Bumped by every change, under the state's write lock.
+    /// Bumped by every change of which nodes may be candidates (the node list, drains,
+    /// a node's first heartbeat or a change of its status), under the state's write lock.
     generation: AtomicU64,
+    /// Bumped by heartbeats that change only what nodes report (load, counts): the
+    /// candidates are rebuilt for those at most every [`LOAD_REFRESH`].
+    load_generation: AtomicU64,
     cache: RwLock<Option<CandidateCache>>,
 }
 
@@ -291,6 +311,7 @@ impl StaticRegistry {
             state: RwLock::new(State::default()),
             report_ttl,
             generation: AtomicU64::new(0),
+            load_generation: AtomicU64::new(0),
             cache: RwLock::new(None),
         };
         r.set(nodes, Vec::new());
@@ -328,20 +349,28 @@ impl StaticRegistry {
         self.generation.fetch_add(1, Ordering::Release);
     }
 
+    fn load_changed(&self) {
+        self.load_generation.fetch_add(1, Ordering::Release);
+    }
+
     /// The healthy candidates within `limit`, sorted by id. Rebuilt only when
     /// the registry changed or a candidate's heartbeat went stale.
     fn candidates(&self, now: Instant, limit: Option<&NodeResourceLimit>) -> Arc<[Candidate]> {
         let generation = self.generation.load(Ordering::Acquire);
+        let load_generation = self.load_generation.load(Ordering::Acquire);
         if let Some(c) = &*self.cache.read()
             && c.generation == generation
+            && (c.load_generation == load_generation || (c.large && now < c.built + LOAD_REFRESH))
             && c.limit.as_ref() == limit
             && c.valid_until.is_none_or(|v| now <= v)
         {
             return c.candidates.clone();
         }
         let st = self.state.read();
-        // Changes bump the generation under the write lock: stable here.
+        let large = st.entries.len() > LARGE_FLEET;
+        // Changes bump the generations under the write lock: stable here.
         let generation = self.generation.load(Ordering::Acquire);
+        let load_generation = self.load_generation.load(Ordering::Acquire);
         let mut valid_until: Option<Instant> = None;
         let list: Vec<Candidate> = st
             .entries
@@ -364,6 +393,9 @@ impl StaticRegistry {
         let candidates: Arc<[Candidate]> = list.into();
         *self.cache.write() = Some(CandidateCache {
             generation,
+            load_generation,
+            built: now,
+            large,
             limit: limit.cloned(),
             valid_until,
             candidates: candidates.clone(),
@@ -440,6 +472,9 @@ impl NodeRegistry for StaticRegistry {
         let node = (*entry.node).clone();
         let previous = entry.observed.as_ref();
         let is_new = previous.is_none();
+        // Whether the node may now be a candidate where it was not, or the reverse.
+        let previous_status =
+            previous.map(|o| (o.snapshot.status, now > o.last_seen + self.report_ttl));
         let previous_cluster = previous.map(|o| o.view.cluster_id.clone());
         let previous_cpu = previous
             .map(|o| cpu_config(&o.view).to_string())
@@ -482,7 +517,11 @@ impl NodeRegistry for StaticRegistry {
             p2p: req.p2p_endpoint.clone(),
             roster_len: req.sandbox_ids.len(),
         });
-        self.changed();
+        let status = st.entries[idx].observed.as_ref().map(|o| o.snapshot.status);
+        match previous_status {
+            Some((before, false)) if Some(before) == status => self.load_changed(),
+            _ => self.changed(),
+        }
         if st.entries[idx].removed && req.sandbox_ids.is_empty() {
             // Its last sandbox is gone: the node leaves the registry.
             st.drop_entry(idx);
