@@ -291,6 +291,7 @@ pub async fn measure(
     fleet: &Arc<Fleet>,
     node_channels: &[Channel],
     gateway: &[Channel],
+    gateway_rt: &tokio::runtime::Handle,
     traffic: Traffic,
     duration: Duration,
 ) -> Recorded {
@@ -326,6 +327,7 @@ pub async fn measure(
             rec.record.clone(),
         );
         open_loop(
+            gateway_rt,
             traffic.creates_per_sec,
             stop.clone(),
             schedule.clone(),
@@ -367,6 +369,7 @@ pub async fn measure(
     let lookups = {
         let (fleet, gateway, series) = (fleet.clone(), gateway.to_vec(), rec.lookup.clone());
         open_loop(
+            gateway_rt,
             traffic.lookups_per_sec,
             stop.clone(),
             series.clone(),
@@ -389,6 +392,7 @@ pub async fn measure(
     let health = {
         let (gateway, series) = (gateway.to_vec(), rec.health.clone());
         open_loop(
+            gateway_rt,
             traffic.creates_per_sec,
             stop.clone(),
             series.clone(),
@@ -420,8 +424,11 @@ pub async fn measure(
 }
 
 /// Starts `make(k)` `per_sec` times a second (k counts up) without waiting
-/// for earlier calls, until `stop`; waits for the calls in flight.
+/// for earlier calls, until `stop`; waits for the calls in flight. Runs on `rt`
+/// (the gateway's runtime, apart from the nodes' heartbeats, as a gateway is
+/// apart from the nodes).
 fn open_loop<F, Fut>(
+    rt: &tokio::runtime::Handle,
     per_sec: u64,
     stop: Arc<AtomicBool>,
     series: Shared,
@@ -431,7 +438,7 @@ where
     F: Fn(usize) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    tokio::spawn(async move {
+    rt.spawn(async move {
         if per_sec == 0 {
             return;
         }
