@@ -6,25 +6,12 @@ mod node_common;
 use std::time::Duration;
 
 use agentenv_testkit::eventually;
-use node_common::{Node, api, create, request, run};
+use node_common::{Node, api, create, request, sh_ok};
 
 async fn detail(addr: std::net::SocketAddr, id: &str) -> serde_json::Value {
     let r = api(addr, "GET", &format!("/sandboxes/{id}"), "").await;
     assert_eq!(r.status, 200, "{}", r.text());
     r.json()
-}
-
-async fn sh(addr: std::net::SocketAddr, id: &str, script: &str) -> String {
-    let out = run(addr, id, None, script)
-        .await
-        .unwrap_or_else(|e| panic!("{script}: {e}"));
-    assert_eq!(
-        out.end.as_ref().map(|e| e.exit_code),
-        Some(0),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,13 +25,13 @@ async fn forks_start_with_the_source_files_and_the_source_runs_on_unchanged() {
         r#"{"templateID":"base","timeout":300,"metadata":{"team":"a"},"envVars":{"FROM":"source"}}"#,
     )
     .await;
-    sh(
+    sh_ok(
         addr,
         &source,
         "echo one > /root/a.txt && head -c 8388608 /dev/urandom > /root/big && sha256sum /root/big | cut -c1-64 > /root/big.sum; (sleep 300 >/dev/null 2>&1 &)",
     )
     .await;
-    let sum = sh(addr, &source, "cat /root/big.sum").await;
+    let sum = sh_ok(addr, &source, "cat /root/big.sum").await;
     let before = detail(addr, &source).await;
 
     let r = api(
@@ -69,28 +56,31 @@ async fn forks_start_with_the_source_files_and_the_source_runs_on_unchanged() {
     assert_ne!(forks[0], forks[1]);
     for f in &forks {
         assert_ne!(f, &source);
-        assert_eq!(sh(addr, f, "cat /root/a.txt").await, "one");
-        assert_eq!(sh(addr, f, "sha256sum /root/big | cut -c1-64").await, sum);
+        assert_eq!(sh_ok(addr, f, "cat /root/a.txt").await, "one");
+        assert_eq!(
+            sh_ok(addr, f, "sha256sum /root/big | cut -c1-64").await,
+            sum
+        );
         // Files as root inside, in the fork's own id range; a fresh process tree.
-        assert_eq!(sh(addr, f, "stat -c %u /root/a.txt").await, "0");
-        assert_eq!(sh(addr, f, "pgrep -x sleep | wc -l").await, "0");
-        assert_eq!(sh(addr, f, "cat /etc/hostname").await, *f);
-        assert_eq!(sh(addr, f, "echo $FROM").await, "source");
+        assert_eq!(sh_ok(addr, f, "stat -c %u /root/a.txt").await, "0");
+        assert_eq!(sh_ok(addr, f, "pgrep -x sleep | wc -l").await, "0");
+        assert_eq!(sh_ok(addr, f, "cat /etc/hostname").await, *f);
+        assert_eq!(sh_ok(addr, f, "echo $FROM").await, "source");
         let d = detail(addr, f).await;
         assert_eq!(d["state"], "running");
         assert_eq!(d["metadata"]["team"], "a");
         assert_eq!(d["templateID"], before["templateID"]);
     }
     // Forks are their own: writes stay in each.
-    sh(addr, &forks[0], "echo fork0 > /root/a.txt").await;
-    assert_eq!(sh(addr, &forks[1], "cat /root/a.txt").await, "one");
-    assert_eq!(sh(addr, &source, "cat /root/a.txt").await, "one");
+    sh_ok(addr, &forks[0], "echo fork0 > /root/a.txt").await;
+    assert_eq!(sh_ok(addr, &forks[1], "cat /root/a.txt").await, "one");
+    assert_eq!(sh_ok(addr, &source, "cat /root/a.txt").await, "one");
     // The source runs on, its processes and timeout untouched.
     let after = detail(addr, &source).await;
     assert_eq!(after["state"], "running");
     assert_eq!(after["endAt"], before["endAt"]);
-    assert_eq!(sh(addr, &source, "pgrep -x sleep | wc -l").await, "1");
-    sh(addr, &source, "echo two >> /root/a.txt").await;
+    assert_eq!(sh_ok(addr, &source, "pgrep -x sleep | wc -l").await, "1");
+    sh_ok(addr, &source, "echo two >> /root/a.txt").await;
 
     // A paused sandbox is not forked; nothing else changes.
     let r = api(addr, "POST", &format!("/sandboxes/{source}/pause"), "").await;
@@ -124,7 +114,7 @@ async fn links_the_source_planted_never_make_the_node_write_outside_a_forks_laye
     std::fs::write(&victim, b"host file").unwrap();
     let victim_s = victim.display().to_string();
     let source = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
-    sh(
+    sh_ok(
         addr,
         &source,
         &format!(
@@ -140,9 +130,9 @@ async fn links_the_source_planted_never_make_the_node_write_outside_a_forks_laye
         .to_string();
     assert_eq!(std::fs::read(&victim).unwrap(), b"host file");
     // The node replaced the links with its own files, inside the fork.
-    assert_eq!(sh(addr, &fork, "cat /etc/hostname").await, fork);
+    assert_eq!(sh_ok(addr, &fork, "cat /etc/hostname").await, fork);
     assert_eq!(
-        sh(
+        sh_ok(
             addr,
             &fork,
             "test -L /etc/hostname || test -L /etc/hosts && echo link || echo file"
@@ -150,7 +140,7 @@ async fn links_the_source_planted_never_make_the_node_write_outside_a_forks_laye
         .await,
         "file"
     );
-    assert!(sh(addr, &fork, "cat /etc/hosts").await.contains(&fork));
+    assert!(sh_ok(addr, &fork, "cat /etc/hosts").await.contains(&fork));
     node.stop().await;
 }
 
@@ -161,7 +151,7 @@ async fn a_pause_without_memory_keeps_the_files_and_the_sandbox_starts_afresh() 
     let node = Node::start(node_common::config(home.path(), 57)).await;
     let addr = node.addr;
     let id = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
-    sh(
+    sh_ok(
         addr,
         &id,
         "echo kept > /root/f; (sleep 300 >/dev/null 2>&1 &)",
@@ -190,12 +180,12 @@ async fn a_pause_without_memory_keeps_the_files_and_the_sandbox_starts_afresh() 
     )
     .await;
     assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(sh(addr, &id, "cat /root/f").await, "kept");
-    assert_eq!(sh(addr, &id, "pgrep -x sleep | wc -l").await, "0");
+    assert_eq!(sh_ok(addr, &id, "cat /root/f").await, "kept");
+    assert_eq!(sh_ok(addr, &id, "pgrep -x sleep | wc -l").await, "0");
     assert!(detail(addr, &id).await.get("pauseMode").is_none());
 
     // A full pause keeps the processes; a resume with `memory: false` drops them.
-    sh(addr, &id, "(sleep 300 >/dev/null 2>&1 &)").await;
+    sh_ok(addr, &id, "(sleep 300 >/dev/null 2>&1 &)").await;
     let r = api(addr, "POST", &format!("/sandboxes/{id}/pause"), "{}").await;
     assert_eq!(r.status, 204, "{}", r.text());
     assert_eq!(detail(addr, &id).await["pauseMode"], "full");
@@ -207,8 +197,8 @@ async fn a_pause_without_memory_keeps_the_files_and_the_sandbox_starts_afresh() 
     )
     .await;
     assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(sh(addr, &id, "pgrep -x sleep | wc -l").await, "0");
-    assert_eq!(sh(addr, &id, "cat /root/f").await, "kept");
+    assert_eq!(sh_ok(addr, &id, "pgrep -x sleep | wc -l").await, "0");
+    assert_eq!(sh_ok(addr, &id, "cat /root/f").await, "kept");
 
     // On timeout with autoPauseMemory false: a filesystem pause, never resumed by traffic.
     let fs = create(

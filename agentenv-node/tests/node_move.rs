@@ -9,7 +9,7 @@ use std::path::Path;
 
 use agentenv_core::storage::StorageConfig;
 use agentenv_node::config::NodeConfig;
-use node_common::{Node, api, create, delete, run};
+use node_common::{Node, api, create, delete, sh_ok};
 
 fn config_on(home: &Path, slot: u8, store: &Path) -> NodeConfig {
     let mut c = node_common::config(home, slot);
@@ -17,19 +17,6 @@ fn config_on(home: &Path, slot: u8, store: &Path) -> NodeConfig {
         root: store.join("repository"),
     };
     c
-}
-
-async fn sh(addr: std::net::SocketAddr, id: &str, script: &str) -> String {
-    let out = run(addr, id, None, script)
-        .await
-        .unwrap_or_else(|e| panic!("{script}: {e}"));
-    assert_eq!(
-        out.end.as_ref().map(|e| e.exit_code),
-        Some(0),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,7 +31,7 @@ async fn a_paused_sandbox_moves_to_another_node_with_its_files_and_settings() {
         r#"{"templateID":"base","timeout":300,"metadata":{"team":"blue"},"envVars":{"FROM":"a"},"autoPause":true}"#,
     )
     .await;
-    sh(
+    sh_ok(
         a.addr,
         &id,
         "mkdir -p /srv && echo moved-data > /srv/data.txt && chown 1000:1000 /srv/data.txt && ln -s /etc/passwd /srv/link",
@@ -55,7 +42,7 @@ async fn a_paused_sandbox_moves_to_another_node_with_its_files_and_settings() {
     let r = api(a.addr, "POST", &format!("/sandboxes/{id}/export"), "").await;
     assert_eq!(r.status, 409, "{}", r.text());
     assert!(r.text().contains("needs it paused"), "{}", r.text());
-    assert_eq!(sh(a.addr, &id, "cat /srv/data.txt").await, "moved-data");
+    assert_eq!(sh_ok(a.addr, &id, "cat /srv/data.txt").await, "moved-data");
 
     let r = api(a.addr, "POST", &format!("/sandboxes/{id}/pause"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
@@ -130,11 +117,14 @@ async fn a_paused_sandbox_moves_to_another_node_with_its_files_and_settings() {
     assert_eq!(delete(a.addr, &id).await.status, 204);
     let r = api(b.addr, "POST", &format!("/sandboxes/{id}/resume"), "").await;
     assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(sh(b.addr, &id, "cat /srv/data.txt").await, "moved-data");
-    assert_eq!(sh(b.addr, &id, "stat -c %u /srv/data.txt").await, "1000");
-    assert_eq!(sh(b.addr, &id, "readlink /srv/link").await, "/etc/passwd");
-    assert_eq!(sh(b.addr, &id, "echo $FROM").await, "a");
-    assert_eq!(sh(b.addr, &id, "cat /etc/hostname").await, id);
+    assert_eq!(sh_ok(b.addr, &id, "cat /srv/data.txt").await, "moved-data");
+    assert_eq!(sh_ok(b.addr, &id, "stat -c %u /srv/data.txt").await, "1000");
+    assert_eq!(
+        sh_ok(b.addr, &id, "readlink /srv/link").await,
+        "/etc/passwd"
+    );
+    assert_eq!(sh_ok(b.addr, &id, "echo $FROM").await, "a");
+    assert_eq!(sh_ok(b.addr, &id, "cat /etc/hostname").await, id);
     let roster = agentenv_node::lifecycle::ReporterSource(b.orch.clone()).sandbox_ids();
     assert!(roster.contains(&id), "{roster:?}");
 
@@ -153,7 +143,7 @@ async fn a_cancelled_move_leaves_the_sandbox_where_it_was() {
     let home = tempfile::tempdir().unwrap();
     let a = Node::start(config_on(home.path(), 62, store.path())).await;
     let id = create(a.addr, r#"{"templateID":"base","timeout":300}"#).await;
-    sh(a.addr, &id, "echo stays > /root/f").await;
+    sh_ok(a.addr, &id, "echo stays > /root/f").await;
     let r = api(a.addr, "POST", &format!("/sandboxes/{id}/pause"), "").await;
     assert_eq!(r.status, 204, "{}", r.text());
     let r = api(a.addr, "POST", &format!("/sandboxes/{id}/export"), "").await;
@@ -168,7 +158,7 @@ async fn a_cancelled_move_leaves_the_sandbox_where_it_was() {
     assert!(roster.contains(&id), "{roster:?}");
     let r = api(a.addr, "POST", &format!("/sandboxes/{id}/resume"), "").await;
     assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(sh(a.addr, &id, "cat /root/f").await, "stays");
+    assert_eq!(sh_ok(a.addr, &id, "cat /root/f").await, "stays");
     assert_eq!(delete(a.addr, &id).await.status, 204);
     a.stop().await;
 }

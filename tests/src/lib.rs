@@ -357,29 +357,13 @@ impl Cluster {
                 )
             })
             .collect();
-        let node_entries: Vec<serde_json::Value> = nodes
-            .iter()
-            .map(|(id, a)| serde_json::json!({"id": id, "endpoint": format!("http://{a}")}))
-            .collect();
-        let node_list = &node_entries[..usize::from(listed.min(n))];
-        let config = serde_json::json!({
-            "log_level": "info",
-            "log_format": "json",
-            "scheduler": {
-                "grpc_listen_addr": "127.0.0.1:0",
-                "metrics_listen_addr": "127.0.0.1:0",
-                "strategy": "round_robin",
-                "report_ttl": "10s",
-                "binding_ttl": "10m",
-                "nodes": node_list,
-            },
-            "gateway": {
-                "http_listen_addr": "127.0.0.1:0",
-                "metrics_listen_addr": "127.0.0.1:0",
-                "scheduler_addr": "",
-                "request_timeout": "120s",
-            }
-        });
+        let mut config = control_plane::config(&nodes);
+        let node_entries = config["scheduler"]["nodes"]
+            .as_array()
+            .expect("node list")
+            .clone();
+        config["scheduler"]["nodes"] =
+            serde_json::json!(node_entries[..usize::from(listed.min(n))]);
         let sched_cfg = dir.path().join("scheduler.json");
         std::fs::write(&sched_cfg, config.to_string()).expect("write config");
         let mut cmd = Command::new(binary("agentenv-scheduler").expect("scheduler binary"));
@@ -475,6 +459,38 @@ impl Cluster {
         let mut config = self.scheduler_config_json.clone();
         edit(&mut config);
         self.reload_scheduler_raw(&config.to_string())
+    }
+
+    /// A client of sandbox `id`'s agent through the gateway (with its access token).
+    pub fn guest(&self, id: &str) -> agentenv_guest::client::GuestClient {
+        agentenv_guest::client::GuestClient::new(&format!("http://{}", self.gateway))
+            .unwrap()
+            .with_header("e2b-sandbox-id", id)
+            .unwrap()
+            .with_header("e2b-sandbox-port", "49983")
+            .unwrap()
+            .with_access_token(&envd_token(id))
+    }
+
+    /// What `script` prints on stdout in sandbox `id`, through the gateway (trimmed).
+    pub fn sh(&self, rt: &tokio::runtime::Runtime, id: &str, script: &str) -> String {
+        let out = rt
+            .block_on(self.guest(id).run("/bin/sh", &["-c", script]))
+            .unwrap_or_else(|e| panic!("running {script:?} in {id}: {e}"));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// The index of the one node that has sandbox `id` (each node asked directly).
+    pub fn owner(&self, id: &str) -> usize {
+        let owners: Vec<usize> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| api(n.addr, "GET", &format!("/sandboxes/{id}"), "").0 == 200)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(owners.len(), 1, "sandbox {id} on nodes {owners:?}");
+        owners[0]
     }
 
     /// Waits until the gateway's `GET /nodes` lists `n` nodes.

@@ -2,43 +2,12 @@
 //! reports progress line by line, the sandboxes keep their ids and files, the gateway
 //! routes them to their new node at once, and running sandboxes stay where they are.
 
-use std::time::Duration;
-
 use std::process::{Command, Output};
+use std::time::Duration;
 
 use agentenv_tests::{API_KEY, Cluster, api, binary, http, skip_reason};
 
 const FIRST_IDX: u8 = 24;
-
-fn guest(gw: std::net::SocketAddr, id: &str) -> agentenv_guest::client::GuestClient {
-    agentenv_guest::client::GuestClient::new(&format!("http://{gw}"))
-        .unwrap()
-        .with_header("e2b-sandbox-id", id)
-        .unwrap()
-        .with_header("e2b-sandbox-port", "49983")
-        .unwrap()
-        .with_access_token(&agentenv_tests::envd_token(id))
-}
-
-fn sh(rt: &tokio::runtime::Runtime, gw: std::net::SocketAddr, id: &str, script: &str) -> String {
-    let out = rt
-        .block_on(guest(gw, id).run("/bin/sh", &["-c", script]))
-        .unwrap_or_else(|e| panic!("running {script:?} in {id}: {e}"));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// The index of the node that has sandbox `id`.
-fn owner(cluster: &Cluster, id: &str) -> usize {
-    let owners: Vec<usize> = cluster
-        .nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| api(n.addr, "GET", &format!("/sandboxes/{id}"), "").0 == 200)
-        .map(|(i, _)| i)
-        .collect();
-    assert_eq!(owners.len(), 1, "sandbox {id} on nodes {owners:?}");
-    owners[0]
-}
 
 /// `POST /nodes/{node}/move` with `body`: status and the progress lines.
 fn move_node(gw: std::net::SocketAddr, node: &str, body: &str) -> (u16, Vec<serde_json::Value>) {
@@ -82,8 +51,8 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
         );
         assert_eq!(st, 201, "{v}");
         let id = v["sandboxID"].as_str().unwrap().to_string();
-        sh(&rt, gw, &id, &format!("echo {id} > /root/me"));
-        on[owner(&cluster, &id)].push(id);
+        cluster.sh(&rt, &id, &format!("echo {id} > /root/me"));
+        on[cluster.owner(&id)].push(id);
     }
     assert_eq!(on[0].len(), 2, "{on:?}");
     // The first node's sandboxes: one paused (moves), one running (stays).
@@ -115,20 +84,20 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
     );
 
     // It is on the second node only, and the gateway routes there at once.
-    assert_eq!(owner(&cluster, &paused), 1);
+    assert_eq!(cluster.owner(&paused), 1);
     let (st, v) = api(gw, "GET", &format!("/sandboxes/{paused}"), "");
     assert_eq!((st, v["state"].as_str()), (200, Some("paused")), "{v}");
     let (st, v) = api(gw, "POST", &format!("/sandboxes/{paused}/resume"), "");
     assert_eq!(st, 201, "{v}");
-    assert_eq!(sh(&rt, gw, &paused, "cat /root/me"), paused);
+    assert_eq!(cluster.sh(&rt, &paused, "cat /root/me"), paused);
     // Its carrier snapshot is gone.
     let (st, v) = api(gw, "GET", "/snapshots", "");
     assert_eq!(st, 200, "{v}");
     assert_eq!(v.as_array().map(|a| a.len()), Some(0), "{v}");
 
     // The running one stayed.
-    assert_eq!(owner(&cluster, &running), 0);
-    assert_eq!(sh(&rt, gw, &running, "cat /root/me"), running);
+    assert_eq!(cluster.owner(&running), 0);
+    assert_eq!(cluster.sh(&rt, &running, "cat /root/me"), running);
 
     // Nothing paused left: a move of nothing says so and succeeds.
     let (st, lines) = move_node(gw, &names[0], "{}");
@@ -138,7 +107,7 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
 
     // The binding stays with the new node across heartbeats of both.
     std::thread::sleep(Duration::from_secs(6));
-    assert_eq!(sh(&rt, gw, &paused, "cat /root/me"), paused);
+    assert_eq!(cluster.sh(&rt, &paused, "cat /root/me"), paused);
 
     // With the CLI: drain the first node, pause its last sandbox, move it.
     let cfg = tempfile::tempdir().unwrap();
@@ -178,7 +147,7 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
         "{said}"
     );
     assert!(said.contains("done: 1 moved, 0 failed"), "{said}");
-    assert_eq!(owner(&cluster, &running), 1);
+    assert_eq!(cluster.owner(&running), 1);
     // The drained node keeps nothing and takes nothing.
     let out = aenv(&["node", "move", &names[0]]);
     assert!(
@@ -188,14 +157,14 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
     );
     let (st, v) = api(gw, "POST", &format!("/sandboxes/{running}/resume"), "");
     assert_eq!(st, 201, "{v}");
-    assert_eq!(sh(&rt, gw, &running, "cat /root/me"), running);
+    assert_eq!(cluster.sh(&rt, &running, "cat /root/me"), running);
     // A node that cannot take them (draining): the move of the other way says so.
     let (st, v) = api(gw, "POST", &format!("/sandboxes/{running}/pause"), "");
     assert_eq!(st, 204, "{v}");
     let out = aenv(&["node", "move", &names[1]]);
     assert!(!out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("no ready node"), "{}", text(&out));
-    assert_eq!(owner(&cluster, &running), 1);
+    assert_eq!(cluster.owner(&running), 1);
     for id in on.iter().flatten() {
         let (st, v) = api(gw, "DELETE", &format!("/sandboxes/{id}"), "");
         assert_eq!(st, 204, "{id}: {v}");

@@ -6,36 +6,6 @@ use std::time::Duration;
 
 use agentenv_tests::{Cluster, api, skip_reason};
 
-fn guest(gw: std::net::SocketAddr, id: &str) -> agentenv_guest::client::GuestClient {
-    agentenv_guest::client::GuestClient::new(&format!("http://{gw}"))
-        .unwrap()
-        .with_header("e2b-sandbox-id", id)
-        .unwrap()
-        .with_header("e2b-sandbox-port", "49983")
-        .unwrap()
-        .with_access_token(&agentenv_tests::envd_token(id))
-}
-
-fn sh(rt: &tokio::runtime::Runtime, gw: std::net::SocketAddr, id: &str, script: &str) -> String {
-    let out = rt
-        .block_on(guest(gw, id).run("/bin/sh", &["-c", script]))
-        .unwrap_or_else(|e| panic!("running {script:?} in {id}: {e}"));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// The index of the node that runs sandbox `id`.
-fn owner(cluster: &Cluster, id: &str) -> usize {
-    let owners: Vec<usize> = cluster
-        .nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| api(n.addr, "GET", &format!("/sandboxes/{id}"), "").0 == 200)
-        .map(|(i, _)| i)
-        .collect();
-    assert_eq!(owners.len(), 1, "sandbox {id} on nodes {owners:?}");
-    owners[0]
-}
-
 #[test]
 fn a_snapshot_taken_on_one_node_starts_on_the_other_through_the_gateway() {
     if let Some(r) = skip_reason() {
@@ -66,8 +36,8 @@ fn a_snapshot_taken_on_one_node_starts_on_the_other_through_the_gateway() {
     );
     assert_eq!(st, 201, "{v}");
     let src = v["sandboxID"].as_str().unwrap().to_string();
-    let src_node = owner(&cluster, &src);
-    sh(&rt, gw, &src, "echo cross-node > /root/shared.txt");
+    let src_node = cluster.owner(&src);
+    cluster.sh(&rt, &src, "echo cross-node > /root/shared.txt");
 
     // Snapshot through the gateway: routed to the source's node, published to the store
     // both nodes read.
@@ -109,8 +79,8 @@ fn a_snapshot_taken_on_one_node_starts_on_the_other_through_the_gateway() {
         assert_eq!(st, 201, "create from {template}: {v}");
         assert_eq!(v["templateID"], snap.as_str());
         let id = v["sandboxID"].as_str().unwrap().to_string();
-        nodes_used.push(owner(&cluster, &id));
-        assert_eq!(sh(&rt, gw, &id, "cat /root/shared.txt"), "cross-node");
+        nodes_used.push(cluster.owner(&id));
+        assert_eq!(cluster.sh(&rt, &id, "cat /root/shared.txt"), "cross-node");
         let (st, _) = api(gw, "DELETE", &format!("/sandboxes/{id}"), "");
         assert_eq!(st, 204);
     }

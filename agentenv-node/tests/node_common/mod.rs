@@ -256,6 +256,20 @@ pub fn guest_client(addr: std::net::SocketAddr, id: &str) -> agentenv_guest::cli
         .with_access_token(&envd_token(id))
 }
 
+/// What `script` prints on stdout in sandbox `id` (trimmed); panics when it fails.
+pub async fn sh_ok(addr: std::net::SocketAddr, id: &str, script: &str) -> String {
+    let out = run(addr, id, None, script)
+        .await
+        .unwrap_or_else(|e| panic!("{script}: {e}"));
+    assert_eq!(
+        out.end.as_ref().map(|e| e.exit_code),
+        Some(0),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
 /// Runs a shell command in a sandbox through the node's data plane, with `token`
 /// (default: the sandbox's own).
 pub async fn run(
