@@ -26,10 +26,11 @@ pub use status::{P2pQuery, derive_status};
 /// How stale the load figures (counts, CPU, memory) of the candidates placement sees may
 /// be in a fleet of more than [`LARGE_FLEET`] nodes: heartbeats that change only those
 /// rebuild the candidates at most this often (a rebuild walks every node; 2,000
-/// heartbeats a second would otherwise make nearly every Schedule pay for one). Which
-/// nodes are candidates never lags: the node list, drains, a node's first heartbeat, a
-/// status change and a report going stale take effect at once.
-pub const LOAD_REFRESH: Duration = Duration::from_millis(100);
+/// heartbeats a second would otherwise make nearly every Schedule pay for one). The
+/// figures are a heartbeat interval (5 s) old anyway. Which nodes are candidates never
+/// lags: the node list, drains, a node's first heartbeat, a status change and a report
+/// going stale take effect at once.
+pub const LOAD_REFRESH: Duration = Duration::from_secs(1);
 
 /// Fleets up to this many nodes see every heartbeat's figures at once.
 pub const LARGE_FLEET: usize = 512;
