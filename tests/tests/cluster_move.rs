@@ -64,6 +64,16 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
     assert_eq!(st, 404, "{v:?}");
     let (st, v) = move_node(gw, &names[0], r#"{"bogus":1}"#);
     assert_eq!(st, 400, "{v:?}");
+    // Ids go into node paths: only plain ones pass.
+    let (st, _, text) = http(
+        gw,
+        "POST",
+        &format!("/nodes/{}/move", names[0]),
+        &[("x-api-key", API_KEY), ("content-type", "application/json")],
+        r#"{"sandboxIDs":["x/../../templates/base"]}"#,
+    );
+    assert_eq!(st, 400, "{text}");
+    assert!(text.contains("is not a sandbox ID"), "{text}");
 
     let (st, lines) = move_node(gw, &names[0], "{}");
     assert_eq!(st, 200, "{lines:?}");

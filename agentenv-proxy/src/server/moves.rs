@@ -91,6 +91,19 @@ impl Gateway {
                 }
             }
         };
+        if let Some(bad) = opts
+            .sandbox_ids
+            .iter()
+            .flatten()
+            .find(|id| !is_sandbox_id(id))
+        {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "sandboxIDs: {bad:?} is not a sandbox ID (letters, digits and '-', at most 64)"
+                ),
+            );
+        }
         let nodes = match self
             .rpc(
                 "ListObservedNodes",
@@ -143,6 +156,12 @@ impl Gateway {
         );
         resp
     }
+}
+
+/// Whether `id` can be a sandbox ID: it goes into node paths, so nothing else passes.
+fn is_sandbox_id(id: &str) -> bool {
+    let id = id.trim();
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 /// A node the scheduler sees ready (and not draining).
@@ -448,4 +467,26 @@ fn node_message(status: StatusCode, body: &[u8]) -> String {
         .and_then(|v| v["message"].as_str().map(str::to_string))
         .map(|m| format!("{} {m}", status.as_u16()))
         .unwrap_or_else(|| status.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_ids_reach_node_paths() {
+        assert!(is_sandbox_id("0b1e5c3a-1f2d-4c5b-9a8e-7d6c5b4a3f21"));
+        assert!(is_sandbox_id(" abc-1 "));
+        for bad in [
+            "",
+            "x/../../templates/t",
+            "a?b=c",
+            "a#b",
+            "a%2Fb",
+            "a b",
+            &"a".repeat(65),
+        ] {
+            assert!(!is_sandbox_id(bad), "{bad:?}");
+        }
+    }
 }
