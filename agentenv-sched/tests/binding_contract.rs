@@ -2,19 +2,14 @@
 //! and against a real `redis-server`. Each step moves a clock one second on,
 //! so the in-memory store sees the order of events the way Redis does.
 
-use agentenv_core::proto::scheduler_v1::Node;
+mod support;
+
 use agentenv_sched::{BindingStore, MemoryBindingStore, RedisBindingStore};
 use agentenv_testkit::redis::RedisServer;
+use support::node;
 use tokio::time::{Duration, Instant};
 
 const TTL: Duration = Duration::from_secs(30);
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
 
 fn ids(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()

@@ -4,18 +4,10 @@
 
 mod support;
 
-use agentenv_core::proto::scheduler_v1::Node;
 use agentenv_sched::placement::LeastLoaded;
 use agentenv_sched::registry::{LARGE_FLEET, LOAD_REFRESH, NodeRegistry, StaticRegistry};
-use support::beat;
+use support::{beat, node};
 use tokio::time::{Duration, Instant};
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
 
 fn pick(r: &StaticRegistry, now: Instant) -> Option<String> {
     r.pick(now, None, &LeastLoaded, None).map(|n| n.node_id)

@@ -4,33 +4,12 @@
 
 mod support;
 
-use agentenv_core::config::{NodeConfig, SchedulerConfig};
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
 use agentenv_core::proto::scheduler_v1::*;
 use agentenv_sched::{Scheduler, SchedulerService};
-use support::beat;
+use support::{beat, config};
 use tokio::time::{Duration, advance};
 use tonic::{Code, Request};
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
-
-fn config(ids: &[&str]) -> SchedulerConfig {
-    SchedulerConfig {
-        nodes: ids
-            .iter()
-            .map(|id| NodeConfig {
-                id: id.to_string(),
-                endpoint: node(id).endpoint,
-            })
-            .collect(),
-        ..SchedulerConfig::default()
-    }
-}
 
 fn scheduler(ids: &[&str]) -> Scheduler {
     Scheduler::builder(config(ids)).build().unwrap()

@@ -10,16 +10,9 @@ use agentenv_core::proto::scheduler_v1::*;
 use agentenv_sched::{BuildError, Scheduler, SchedulerService};
 use agentenv_testkit::eventually;
 use agentenv_testkit::redis::RedisServer;
-use support::beat;
+use support::{beat, node};
 use tokio::time::Duration;
 use tonic::{Code, Request};
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
 
 fn config(redis: &RedisServer) -> SchedulerConfig {
     SchedulerConfig {

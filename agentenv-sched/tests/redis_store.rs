@@ -2,22 +2,18 @@
 //! value format other schedulers share, read back with raw commands, what it
 //! leaves alone, and how it behaves when Redis goes away and comes back.
 
+mod support;
+
 use agentenv_core::proto::scheduler_v1::Node;
 use agentenv_sched::{BindingStore, RedisBindingStore};
 use agentenv_testkit::eventually;
 use agentenv_testkit::redis::RedisServer;
+use support::node;
 use tokio::time::{Duration, Instant};
 
 const TTL: Duration = Duration::from_secs(30);
 const SANDBOX: &str = "agentenv:scheduler:bindings:sandbox:";
 const NODE: &str = "agentenv:scheduler:bindings:node:";
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
 
 fn ids(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()

@@ -5,36 +5,16 @@ mod support;
 
 use std::sync::Arc;
 
-use agentenv_core::config::{NodeConfig, NodeResourceLimit, SchedulerConfig};
+use agentenv_core::config::NodeResourceLimit;
 use agentenv_core::proto::scheduler_v1::scheduler_server::Scheduler as _;
 use agentenv_core::proto::scheduler_v1::*;
 use agentenv_sched::{
     BindingStore, NodeRegistry, Scheduler, SchedulerService, StaticRegistry, StoreError,
 };
 use async_trait::async_trait;
-use support::beat;
+use support::{beat, config, node};
 use tokio::time::{Duration, Instant, advance};
 use tonic::{Code, Request};
-
-fn node(id: &str) -> Node {
-    Node {
-        node_id: id.into(),
-        endpoint: format!("http://{id}:8000"),
-    }
-}
-
-fn config(ids: &[&str]) -> SchedulerConfig {
-    SchedulerConfig {
-        nodes: ids
-            .iter()
-            .map(|id| NodeConfig {
-                id: id.to_string(),
-                endpoint: node(id).endpoint,
-            })
-            .collect(),
-        ..SchedulerConfig::default()
-    }
-}
 
 fn service(ids: &[&str]) -> SchedulerService {
     Scheduler::builder(config(ids)).build().unwrap().service()

@@ -1,6 +1,31 @@
 //! What the scheduler's integration tests share.
 
-use agentenv_core::proto::scheduler_v1::{HeartbeatRequest, NodeSnapshot, NodeStatus};
+#![allow(dead_code)]
+
+use agentenv_core::config::{NodeConfig, SchedulerConfig};
+use agentenv_core::proto::scheduler_v1::{HeartbeatRequest, Node, NodeSnapshot, NodeStatus};
+
+/// Node `id` at `http://<id>:8000`.
+pub fn node(id: &str) -> Node {
+    Node {
+        node_id: id.into(),
+        endpoint: format!("http://{id}:8000"),
+    }
+}
+
+/// A scheduler config listing nodes `ids` (see [`node`]), defaults otherwise.
+pub fn config(ids: &[&str]) -> SchedulerConfig {
+    SchedulerConfig {
+        nodes: ids
+            .iter()
+            .map(|id| NodeConfig {
+                id: id.to_string(),
+                endpoint: node(id).endpoint,
+            })
+            .collect(),
+        ..SchedulerConfig::default()
+    }
+}
 
 /// A ready node `id`'s heartbeat listing `sandboxes`.
 pub fn beat(id: &str, sandboxes: &[&str]) -> HeartbeatRequest {
