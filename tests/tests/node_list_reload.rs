@@ -128,29 +128,11 @@ fn node_list_reload_and_drain_change_placement_without_interrupting_routing() {
 
     // A malformed file, then an invalid one: each reload fails, says why, changes nothing.
     let v = cluster.reload_scheduler_raw("{\"scheduler\": {\"nodes\": [");
-    assert!(
-        v["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("config reload failed")
-    );
-    assert!(
-        v["reason"].as_str().unwrap().contains("not valid JSON"),
-        "{v}"
-    );
+    assert_reload_failed(&v, "not valid JSON");
     let v = cluster.reload_scheduler(|c| {
         c["scheduler"]["nodes"] = serde_json::json!([all_nodes[0], all_nodes[0]]);
     });
-    assert!(
-        v["message"]
-            .as_str()
-            .unwrap()
-            .starts_with("config reload failed")
-    );
-    assert!(
-        v["reason"].as_str().unwrap().contains("scheduler.nodes"),
-        "{v}"
-    );
+    assert_reload_failed(&v, "scheduler.nodes");
     let after_bad = create(&cluster, 4);
     assert_eq!(
         owners(&rt, &cluster, &after_bad),
@@ -300,4 +282,15 @@ fn node_list_reload_and_drain_change_placement_without_interrupting_routing() {
     );
     assert_eq!(listed(&cluster), ["node-11".to_string()].into());
     delete(&cluster, &after_removal);
+}
+
+/// The scheduler's log line `v` says a reload failed, for a reason naming `why`.
+fn assert_reload_failed(v: &serde_json::Value, why: &str) {
+    assert!(
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("config reload failed")),
+        "{v}"
+    );
+    assert!(v["reason"].as_str().is_some_and(|r| r.contains(why)), "{v}");
 }

@@ -258,6 +258,9 @@ mod tests {
         v.iter().map(|s| s.to_string()).collect()
     }
 
+    // What every store does (reconcile, moves, the pending rule, forget_node) is pinned
+    // for this store and Redis alike in tests/binding_contract.rs; here: time.
+
     #[tokio::test]
     async fn binding_is_dead_exactly_at_ttl_and_removed() {
         let store = MemoryBindingStore::new(Duration::from_secs(30));
@@ -312,114 +315,6 @@ mod tests {
                 .unwrap(),
             None
         );
-    }
-
-    #[tokio::test]
-    async fn reconcile_removes_missing_ids_dedups_and_ignores_blanks() {
-        let store = MemoryBindingStore::new(Duration::from_secs(30));
-        let t0 = Instant::now();
-        store
-            .reconcile_node(&node("a"), &ids(&["s1", "s2", "s3"]), t0)
-            .await
-            .unwrap();
-        store
-            .reconcile_node(&node("a"), &ids(&["s1", " s1 ", "", "  ", "s4"]), t0)
-            .await
-            .unwrap();
-        assert_eq!(store.len(), 2);
-        assert!(store.get("s1", t0).await.unwrap().is_some());
-        assert!(store.get("s4", t0).await.unwrap().is_some());
-        assert!(store.get("s2", t0).await.unwrap().is_none());
-        assert!(store.get("s3", t0).await.unwrap().is_none());
-        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
-        assert!(
-            store.is_empty(),
-            "an empty roster drops every binding of the node"
-        );
-    }
-
-    #[tokio::test]
-    async fn bindings_move_between_nodes_and_old_owner_cannot_delete_them() {
-        let store = MemoryBindingStore::new(Duration::from_secs(30));
-        let t0 = Instant::now();
-        store.record("s1", &node("a"), t0).await.unwrap();
-        store.record("s2", &node("a"), t0).await.unwrap();
-        store.record("s1", &node("b"), t0).await.unwrap();
-        store
-            .reconcile_node(&node("b"), &ids(&["s1", "s2"]), t0)
-            .await
-            .unwrap();
-        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
-        assert_eq!(store.get("s1", t0).await.unwrap(), Some(node("b")));
-        assert_eq!(store.get("s2", t0).await.unwrap(), Some(node("b")));
-        // Node a re-reporting s1 moves it back; b's later roster without it
-        // must not delete a's binding.
-        store
-            .reconcile_node(&node("a"), &ids(&["s1"]), t0)
-            .await
-            .unwrap();
-        store
-            .reconcile_node(&node("b"), &ids(&["s2"]), t0)
-            .await
-            .unwrap();
-        assert_eq!(store.get("s1", t0).await.unwrap(), Some(node("a")));
-    }
-
-    #[tokio::test]
-    async fn a_roster_sampled_before_a_create_does_not_drop_its_fresh_binding() {
-        let store = MemoryBindingStore::new(Duration::from_secs(30));
-        let t0 = Instant::now();
-        store
-            .reconcile_node(&node("a"), &ids(&["old"]), t0)
-            .await
-            .unwrap();
-        let t1 = t0 + Duration::from_secs(1);
-        store.record("new", &node("a"), t1).await.unwrap();
-        // Heartbeat sampled before "new" existed, processed after its record.
-        let t2 = t0 + Duration::from_secs(2);
-        store
-            .reconcile_node(&node("a"), &ids(&["old"]), t2)
-            .await
-            .unwrap();
-        assert_eq!(store.get("new", t2).await.unwrap(), Some(node("a")));
-        // The next roster still omits it: the sandbox is really gone.
-        let t3 = t0 + Duration::from_secs(7);
-        store
-            .reconcile_node(&node("a"), &ids(&["old"]), t3)
-            .await
-            .unwrap();
-        assert_eq!(store.get("new", t3).await.unwrap(), None);
-    }
-
-    #[tokio::test]
-    async fn a_listed_binding_is_confirmed_and_dropped_by_the_next_omission() {
-        let store = MemoryBindingStore::new(Duration::from_secs(30));
-        let t0 = Instant::now();
-        store.reconcile_node(&node("a"), &[], t0).await.unwrap();
-        let t1 = t0 + Duration::from_secs(1);
-        store.record("s", &node("a"), t1).await.unwrap();
-        store
-            .reconcile_node(&node("a"), &ids(&["s"]), t1)
-            .await
-            .unwrap();
-        store.reconcile_node(&node("a"), &[], t1).await.unwrap();
-        assert_eq!(store.get("s", t1).await.unwrap(), None);
-    }
-
-    #[tokio::test]
-    async fn forget_node_drops_every_binding_of_the_node() {
-        let store = MemoryBindingStore::new(Duration::from_secs(30));
-        let t0 = Instant::now();
-        store.record("s1", &node("a"), t0).await.unwrap();
-        store.record("s2", &node("b"), t0).await.unwrap();
-        store
-            .reconcile_node(&node("a"), &ids(&["s3"]), t0)
-            .await
-            .unwrap();
-        store.forget_node("a").await.unwrap();
-        assert_eq!(store.get("s1", t0).await.unwrap(), None, "pending ones too");
-        assert_eq!(store.get("s3", t0).await.unwrap(), None);
-        assert_eq!(store.get("s2", t0).await.unwrap(), Some(node("b")));
     }
 
     #[tokio::test]
