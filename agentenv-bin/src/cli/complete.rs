@@ -33,9 +33,14 @@ pub fn write_registration(
     s.write_registration(VAR, "aenv", "aenv", completer, out)
 }
 
-/// Live sandbox IDs in `state` (any state when `None`), sorted; empty when the server
-/// cannot be asked within a second (completion must never hang a shell).
-fn ids(state: Option<&'static str>) -> Vec<CompletionCandidate> {
+/// What `ask` finds on the saved server, sorted, as candidates; empty when there are no
+/// credentials or the server does not answer within [`BUDGET`] (completion must never
+/// hang a shell).
+fn candidates<F, Fut>(ask: F) -> Vec<CompletionCandidate>
+where
+    F: FnOnce(Api) -> Fut,
+    Fut: std::future::Future<Output = Option<Vec<String>>>,
+{
     let Ok(creds) = credentials::load() else {
         return Vec::new();
     };
@@ -48,47 +53,39 @@ fn ids(state: Option<&'static str>) -> Vec<CompletionCandidate> {
     else {
         return Vec::new();
     };
-    let list = rt.block_on(async { tokio::time::timeout(BUDGET, api.list_all(&[], 100)).await });
-    let mut v: Vec<String> = match list {
-        Ok(Ok(items)) => items
-            .into_iter()
-            .filter(|s| state.is_none() || s.state.as_deref() == state)
-            .map(|s| s.sandbox_id)
-            .collect(),
-        _ => Vec::new(),
-    };
+    let mut v = rt
+        .block_on(async { tokio::time::timeout(BUDGET, ask(api)).await })
+        .ok()
+        .flatten()
+        .unwrap_or_default();
     v.sort();
     v.into_iter().map(CompletionCandidate::new).collect()
 }
 
-/// The IDs of the nodes `GET /nodes` lists, sorted; empty when the server cannot be
-/// asked within a second.
+/// Live sandbox IDs in `state` (any state when `None`).
+fn ids(state: Option<&'static str>) -> Vec<CompletionCandidate> {
+    candidates(|api| async move {
+        let items = api.list_all(&[], 100).await.ok()?;
+        Some(
+            items
+                .into_iter()
+                .filter(|s| state.is_none() || s.state.as_deref() == state)
+                .map(|s| s.sandbox_id)
+                .collect(),
+        )
+    })
+}
+
+/// The IDs of the nodes `GET /nodes` lists.
 pub fn nodes() -> Vec<CompletionCandidate> {
     #[derive(serde::Deserialize)]
     struct Node {
         id: String,
     }
-    let Ok(creds) = credentials::load() else {
-        return Vec::new();
-    };
-    let Ok(api) = Api::new(&creds) else {
-        return Vec::new();
-    };
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    else {
-        return Vec::new();
-    };
-    let list = rt.block_on(async {
-        tokio::time::timeout(BUDGET, api.get_json::<Vec<Node>>("/nodes")).await
-    });
-    let mut v: Vec<String> = match list {
-        Ok(Ok(nodes)) => nodes.into_iter().map(|n| n.id).collect(),
-        _ => Vec::new(),
-    };
-    v.sort();
-    v.into_iter().map(CompletionCandidate::new).collect()
+    candidates(|api| async move {
+        let nodes = api.get_json::<Vec<Node>>("/nodes").await.ok()?;
+        Some(nodes.into_iter().map(|n| n.id).collect())
+    })
 }
 
 /// Running sandboxes.
