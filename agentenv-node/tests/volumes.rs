@@ -11,7 +11,7 @@ use std::path::Path;
 use agentenv_core::storage::{OpendalStorage, Storage, StorageConfig};
 use agentenv_node::config::NodeConfig;
 use agentenv_testkit::moto::Moto;
-use node_common::{Node, Resp, api, create, delete, request, run, snapshot};
+use node_common::{Node, Resp, api, create, delete, request, sh_ok, snapshot};
 
 /// A node on `slot` whose snapshot store (and so its volumes) is the shared `store`.
 fn config_on(home: &Path, slot: u8, store: &Path) -> NodeConfig {
@@ -21,18 +21,6 @@ fn config_on(home: &Path, slot: u8, store: &Path) -> NodeConfig {
     };
     assert_eq!(c.volume_path(), store.join("volumes"));
     c
-}
-
-/// What `script` prints in sandbox `id` (trimmed); panics when it fails.
-async fn read(addr: std::net::SocketAddr, id: &str, script: &str) -> String {
-    let out = run(addr, id, None, script).await.expect("run in sandbox");
-    assert_eq!(
-        out.end.as_ref().map(|e| e.exit_code),
-        Some(0),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A create body for template `base` mounting volume `name` at `path`.
@@ -94,7 +82,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
 
     // Sandbox A writes as root, and hands a directory to uid 1000.
     let sa = create(a, &mounting("base", "shared", "/mnt/v")).await;
-    let out = read(
+    let out = sh_ok(
         a,
         &sa,
         "echo from-a > /mnt/v/a.txt && mkdir /mnt/v/dir && chown 1000:1000 /mnt/v/dir && stat -c %u:%g /mnt/v/a.txt /mnt/v/dir && grep ' /mnt/v ' /proc/self/mounts",
@@ -119,7 +107,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     // Sandbox B on the other node, in another id range, sees the same files and owners.
     let sb = create(b, &mounting("base", "shared", "/data")).await;
     assert_eq!(
-        read(
+        sh_ok(
             b,
             &sb,
             "cat /data/a.txt && stat -c %u:%g /data/a.txt /data/dir && echo from-b > /data/dir/b.txt"
@@ -128,7 +116,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
         "from-a\n0:0\n1000:1000"
     );
     // posix_fs shares live: A sees B's write at once.
-    assert_eq!(read(a, &sa, "cat /mnt/v/dir/b.txt").await, "from-b");
+    assert_eq!(sh_ok(a, &sa, "cat /mnt/v/dir/b.txt").await, "from-b");
 
     // A mounted volume is not deleted, from either node; nothing changes.
     for node in [a, b] {
@@ -151,7 +139,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     // A third sandbox still sees both files.
     let sc = create(a, &mounting("base", "shared", "/mnt/v")).await;
     assert_eq!(
-        read(a, &sc, "cat /mnt/v/a.txt /mnt/v/dir/b.txt").await,
+        sh_ok(a, &sc, "cat /mnt/v/a.txt /mnt/v/dir/b.txt").await,
         "from-a\nfrom-b"
     );
     // Its mount survives a pause and a resume ...
@@ -159,7 +147,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     assert_eq!(r.status, 204, "{}", r.text());
     let r = api(a, "POST", &format!("/v2/sandboxes/{sc}/connect"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
-    read(a, &sc, "echo from-c > /mnt/v/c.txt").await;
+    sh_ok(a, &sc, "echo from-c > /mnt/v/c.txt").await;
     // ... and a node restart (the paused sandbox starts afresh from its record).
     let r = api(a, "POST", &format!("/sandboxes/{sc}/pause"), "{}").await;
     assert_eq!(r.status, 204, "{}", r.text());
@@ -169,7 +157,7 @@ async fn a_volume_is_shared_by_sandboxes_on_two_nodes_and_outlives_them() {
     let r = api(a, "POST", &format!("/v2/sandboxes/{sc}/connect"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
     assert_eq!(
-        read(a, &sc, "cat /mnt/v/a.txt /mnt/v/dir/b.txt /mnt/v/c.txt").await,
+        sh_ok(a, &sc, "cat /mnt/v/a.txt /mnt/v/dir/b.txt /mnt/v/c.txt").await,
         "from-a\nfrom-b\nfrom-c"
     );
     // Still mounted, so still not deletable (the restart kept its lease).
@@ -395,17 +383,17 @@ async fn volume_content_round_trips_with_the_token_and_bad_input_is_refused() {
     // A sandbox sees what the API wrote, with the same owner.
     let s = create(addr, &mounting("base", "data", "/mnt/data")).await;
     assert_eq!(
-        read(addr, &s, "cat '/mnt/data/docs/a b.txt' && stat -c %u:%g:%a '/mnt/data/docs/a b.txt' /mnt/data/docs/sub").await,
+        sh_ok(addr, &s, "cat '/mnt/data/docs/a b.txt' && stat -c %u:%g:%a '/mnt/data/docs/a b.txt' /mnt/data/docs/sub").await,
         "hello volume1000:1000:600\n0:0:700"
     );
-    read(addr, &s, "echo from-sandbox > /mnt/data/s.txt").await;
+    sh_ok(addr, &s, "echo from-sandbox > /mnt/data/s.txt").await;
     // A snapshot of the sandbox does not take the volume's files with it.
     let r = snapshot(addr, &s, "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
     let snap = r.json()["snapshotID"].as_str().unwrap().to_string();
     let from_snap = create(addr, &format!(r#"{{"templateID":"{snap}","timeout":300}}"#)).await;
     assert_eq!(
-        read(addr, &from_snap, "ls -A /mnt/data | wc -l").await,
+        sh_ok(addr, &from_snap, "ls -A /mnt/data | wc -l").await,
         "0",
         "only the empty mount point is in the snapshot"
     );
@@ -520,7 +508,7 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
 
     // Links at (and on the way to) the mount paths, kept in a snapshot of the sandbox.
     let src = create(addr, r#"{"templateID":"base","timeout":300}"#).await;
-    read(
+    sh_ok(
         addr,
         &src,
         &format!(
@@ -560,7 +548,7 @@ async fn a_tenants_links_never_make_the_node_touch_host_files() {
 
     // Links inside the volume, pointing at the host.
     let s = create(addr, &mounting("base", "links", "/mnt/v")).await;
-    read(
+    sh_ok(
         addr,
         &s,
         &format!("ln -s {v} /mnt/v/host-dir && ln -s {v}/keep /mnt/v/host-file && mkfifo /mnt/v/fifo && mkdir /mnt/v/d && ln -s {v} /mnt/v/d/deep"),
@@ -676,7 +664,7 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
     let objects = || async { bucket.list(&prefix).await.unwrap() };
 
     let s1 = create(addr, &mounting("base", "objects", "/mnt/o")).await;
-    read(addr, &s1, "mkdir -p /mnt/o/d && echo one > /mnt/o/d/a.txt && echo gone > /mnt/o/old.txt && ln -s /etc/passwd /mnt/o/link").await;
+    sh_ok(addr, &s1, "mkdir -p /mnt/o/d && echo one > /mnt/o/d/a.txt && echo gone > /mnt/o/old.txt && ln -s /etc/passwd /mnt/o/link").await;
     assert!(
         objects().await.is_empty(),
         "nothing is uploaded while it runs"
@@ -694,7 +682,7 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
     );
     let r = api(addr, "POST", &format!("/v2/sandboxes/{s1}/connect"), "{}").await;
     assert_eq!(r.status, 201, "{}", r.text());
-    read(
+    sh_ok(
         addr,
         &s1,
         "echo two > /mnt/o/d/a.txt && rm /mnt/o/old.txt && echo new > /mnt/o/b.txt",
@@ -720,7 +708,7 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
     // The next sandbox gets the bucket's files; the content API serves them too.
     let s2 = create(addr, &mounting("base", "objects", "/data")).await;
     assert_eq!(
-        read(addr, &s2, "cat /data/d/a.txt /data/b.txt; ls /data").await,
+        sh_ok(addr, &s2, "cat /data/d/a.txt /data/b.txt; ls /data").await,
         "two\nnew\nb.txt\nd"
     );
     let r = content(
@@ -742,7 +730,7 @@ async fn an_oss_volume_is_uploaded_at_pause_and_delete_and_served_to_the_next_sa
     .await;
     assert_eq!(r.status, 201, "{}", r.text());
     // The copy is shared on this node: the sandbox sees the API's write at once.
-    assert_eq!(read(addr, &s2, "cat /data/api.txt").await, "api");
+    assert_eq!(sh_ok(addr, &s2, "cat /data/api.txt").await, "api");
     assert_eq!(delete(addr, &s2).await.status, 204);
     assert!(objects().await.contains(&format!("{prefix}api.txt")));
     let r = api(addr, "DELETE", &format!("/volumes/{vid}"), "").await;

@@ -461,6 +461,13 @@ impl Cluster {
         self.reload_scheduler_raw(&config.to_string())
     }
 
+    /// Creates a sandbox through the gateway with `body` (a create's JSON); its id.
+    pub fn create(&self, body: &str) -> String {
+        let (st, v) = api(self.gateway, "POST", "/v2/sandboxes", body);
+        assert_eq!(st, 201, "create {body}: {v}");
+        v["sandboxID"].as_str().expect("sandboxID").to_string()
+    }
+
     /// A client of sandbox `id`'s agent through the gateway (with its access token).
     pub fn guest(&self, id: &str) -> agentenv_guest::client::GuestClient {
         agentenv_guest::client::GuestClient::new(&format!("http://{}", self.gateway))

@@ -43,14 +43,7 @@ fn a_nodes_paused_sandboxes_move_to_another_node_and_stay_reachable() {
     // Round robin: two sandboxes on each node.
     let mut on: [Vec<String>; 2] = [Vec::new(), Vec::new()];
     for _ in 0..4 {
-        let (st, v) = api(
-            gw,
-            "POST",
-            "/v2/sandboxes",
-            r#"{"templateID":"base","timeout":300}"#,
-        );
-        assert_eq!(st, 201, "{v}");
-        let id = v["sandboxID"].as_str().unwrap().to_string();
+        let id = cluster.create(r#"{"templateID":"base","timeout":300}"#);
         cluster.sh(&rt, &id, &format!("echo {id} > /root/me"));
         on[cluster.owner(&id)].push(id);
     }

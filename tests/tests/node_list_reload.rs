@@ -17,16 +17,7 @@ use agentenv_tests::{API_KEY, Cluster, api, binary, envd_token, http, skip_reaso
 /// Creates `n` sandboxes through the gateway; their ids.
 fn create(cluster: &Cluster, n: usize) -> Vec<String> {
     (0..n)
-        .map(|_| {
-            let (st, v) = api(
-                cluster.gateway,
-                "POST",
-                "/v2/sandboxes",
-                r#"{"templateID":"base"}"#,
-            );
-            assert_eq!(st, 201, "{v}");
-            v["sandboxID"].as_str().unwrap().to_string()
-        })
+        .map(|_| cluster.create(r#"{"templateID":"base"}"#))
         .collect()
 }
 

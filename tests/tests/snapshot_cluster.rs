@@ -28,14 +28,7 @@ fn a_snapshot_taken_on_one_node_starts_on_the_other_through_the_gateway() {
     }
     let rt = tokio::runtime::Runtime::new().unwrap();
 
-    let (st, v) = api(
-        gw,
-        "POST",
-        "/v2/sandboxes",
-        r#"{"templateID":"base","timeout":300}"#,
-    );
-    assert_eq!(st, 201, "{v}");
-    let src = v["sandboxID"].as_str().unwrap().to_string();
+    let src = cluster.create(r#"{"templateID":"base","timeout":300}"#);
     let src_node = cluster.owner(&src);
     cluster.sh(&rt, &src, "echo cross-node > /root/shared.txt");
 
