@@ -149,11 +149,18 @@ impl Replica {
 /// Whether a replica's status says the replica itself could not be reached:
 /// made here by the transport (it carries the transport's error as its source:
 /// connection refused, or a connection cut during the call), or UNAVAILABLE for
-/// another reason than the binding store. An answer such as NOT_FOUND, or the
-/// binding store being down, is what the primary would say as well.
+/// another reason than the binding store. An answer such as NOT_FOUND is what
+/// the primary would say as well.
 fn replica_unreachable(status: &Status) -> bool {
     std::error::Error::source(status).is_some()
-        || (status.code() == tonic::Code::Unavailable && status.message() != STORE_UNAVAILABLE)
+        || (status.code() == tonic::Code::Unavailable && !store_unavailable(status))
+}
+
+/// Whether a scheduler answered that its binding store is down. A replica
+/// saying so hands the lookup to the primary, which answers the bindings it
+/// wrote from memory.
+fn store_unavailable(status: &Status) -> bool {
+    status.code() == tonic::Code::Unavailable && status.message() == STORE_UNAVAILABLE
 }
 
 /// The message a scheduler sends when its binding store cannot answer.
@@ -249,6 +256,8 @@ impl SchedulerClient for GrpcSchedulerClient {
             let asked = client.lookup_node(req.clone());
             match tokio::time::timeout(REPLICA_TIMEOUT, asked).await {
                 Ok(Err(s)) if replica_unreachable(&s) => replica.mark_down(s.message()),
+                // Redis is down: the primary may still know from the bindings it wrote.
+                Ok(Err(s)) if store_unavailable(&s) => replica.mark_up(),
                 Ok(answer) => {
                     replica.mark_up();
                     let resp = answer?;

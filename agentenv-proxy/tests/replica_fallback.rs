@@ -139,7 +139,7 @@ async fn a_hanging_replica_gives_way_to_the_primary() {
 }
 
 #[tokio::test]
-async fn a_replica_whose_store_is_down_is_the_answer_not_a_reason_to_fall_back() {
+async fn a_replica_whose_store_is_down_hands_the_lookup_to_the_primary() {
     let mut redis = RedisServer::start();
     let primary = serve_on(scheduler(false, &["sbx"]).await, "127.0.0.1:0").await;
     let replica = Scheduler::builder(SchedulerConfig {
@@ -155,9 +155,10 @@ async fn a_replica_whose_store_is_down_is_the_answer_not_a_reason_to_fall_back()
     let client =
         GrpcSchedulerClient::connect_lazy(&primary.addr.to_string(), &replica.addr.to_string())
             .unwrap();
-    let err = client.lookup_node("sbx").await.unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
-    assert_eq!(err.message(), "binding store unavailable");
+    // The primary knows the binding it wrote; what it does not know is its answer too.
+    assert_eq!(found_by(&client, "sbx").await.as_deref(), Ok("node-a"));
+    let err = client.lookup_node("other").await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
     primary.stop().await;
     replica.stop().await;
 }

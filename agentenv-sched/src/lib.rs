@@ -22,7 +22,9 @@
 //!
 //! With `redis_addr` set, bindings live in Redis ([`RedisBindingStore`]),
 //! shared with query-only replicas and kept across restarts; build with
-//! [`SchedulerBuilder::build_async`], which connects first.
+//! [`SchedulerBuilder::build_async`], which connects first. The primary also
+//! keeps what it writes in memory and answers lookups from there
+//! ([`MirroredRedisStore`]).
 
 #![forbid(unsafe_code)]
 
@@ -56,7 +58,9 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
-pub use bindings::{BindingStore, MemoryBindingStore, RedisBindingStore, StoreError};
+pub use bindings::{
+    BindingStore, MemoryBindingStore, MirroredRedisStore, RedisBindingStore, StoreError,
+};
 pub use placement::{Candidate, Placement};
 pub use registry::{NodeListChange, NodeRegistry, P2pQuery, StaticRegistry};
 pub use service::SchedulerService;
@@ -136,14 +140,19 @@ impl SchedulerBuilder {
 
     /// Builds the scheduler, connecting to Redis first when
     /// `scheduler.redis_addr` is set and no store was passed: the Redis must
-    /// answer a PING within 2 s.
+    /// answer a PING within 2 s. A primary mirrors its writes in memory
+    /// ([`MirroredRedisStore`]); a query-only replica reads Redis.
     pub async fn build_async(mut self) -> Result<Scheduler, BuildError> {
         if self.store.is_none() && !self.config.redis_addr.trim().is_empty() {
             let store =
                 RedisBindingStore::connect(&self.config.redis_addr, self.config.binding_ttl)
                     .await
                     .map_err(|e| BuildError::Redis(e.0))?;
-            self.store = Some(Arc::new(store));
+            self.store = Some(if self.query_only {
+                Arc::new(store)
+            } else {
+                Arc::new(MirroredRedisStore::new(store, self.config.binding_ttl))
+            });
         }
         self.build()
     }

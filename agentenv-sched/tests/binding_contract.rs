@@ -1,10 +1,10 @@
-//! The behaviours both binding stores share, run against the in-memory store
-//! and against a real `redis-server`. Each step moves a clock one second on,
+//! The behaviours every binding store shares, run against the in-memory store,
+//! a real `redis-server`, and Redis with the primary's copy in memory. Each step moves a clock one second on,
 //! so the in-memory store sees the order of events the way Redis does.
 
 mod support;
 
-use agentenv_sched::{BindingStore, MemoryBindingStore, RedisBindingStore};
+use agentenv_sched::{BindingStore, MemoryBindingStore, MirroredRedisStore, RedisBindingStore};
 use agentenv_testkit::redis::RedisServer;
 use support::node;
 use tokio::time::{Duration, Instant};
@@ -55,16 +55,24 @@ fn memory() -> Subject {
     }
 }
 
-async fn redis() -> Subject {
+async fn on_redis(wrap: fn(RedisBindingStore) -> Box<dyn BindingStore>) -> Subject {
     let server = RedisServer::start();
     let store = RedisBindingStore::connect(&server.addr(), TTL)
         .await
         .unwrap();
     Subject {
-        store: Box::new(store),
+        store: wrap(store),
         now: Instant::now(),
         _redis: Some(server),
     }
+}
+
+async fn redis() -> Subject {
+    on_redis(|s| Box::new(s)).await
+}
+
+async fn mirrored() -> Subject {
+    on_redis(|s| Box::new(MirroredRedisStore::new(s, TTL))).await
 }
 
 async fn a_recorded_binding_is_found(mut s: Subject) {
@@ -161,7 +169,7 @@ async fn forget_node_drops_every_binding_of_the_node(mut s: Subject) {
     assert_eq!(s.get("s2").await.as_deref(), Some("b"));
 }
 
-macro_rules! both_stores {
+macro_rules! every_store {
     ($($name:ident),* $(,)?) => {
         mod memory_store {
             $(
@@ -179,10 +187,18 @@ macro_rules! both_stores {
                 }
             )*
         }
+        mod mirrored_redis_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(super::mirrored().await).await;
+                }
+            )*
+        }
     };
 }
 
-both_stores!(
+every_store!(
     a_recorded_binding_is_found,
     record_trims_the_id_and_ignores_a_blank_one,
     reconcile_removes_missing_ids_dedups_and_ignores_blanks,

@@ -281,7 +281,8 @@ fn with_two_replicas_a_dead_primary_keeps_routing_and_refuses_creates_with_503()
 }
 
 #[test]
-fn redis_killed_mid_run_gives_503_binding_store_unavailable_and_the_scheduler_recovers() {
+fn redis_killed_mid_run_gives_503_binding_store_unavailable_for_unknown_ids_and_the_scheduler_recovers()
+ {
     if let Some(r) = skip_reason() {
         eprintln!("SKIPPED: {r}");
         return;
@@ -292,12 +293,18 @@ fn redis_killed_mid_run_gives_503_binding_store_unavailable_and_the_scheduler_re
     assert_eq!(hostname(gw, &id), (200, id.clone()));
 
     ha.redis.kill();
-    for (st, body) in [hostname(gw, &id), info(gw, &id)] {
+    // The primary routes the sandboxes it bound from its copy in memory ...
+    assert_eq!(hostname(gw, &id), (200, id.clone()));
+    // ... and cannot tell whether any other id exists.
+    let unknown = "i0000000000000000000";
+    for (st, body) in [hostname(gw, unknown), info(gw, unknown)] {
         assert_eq!(st, 503, "{body}");
         assert_eq!(message(&body), "binding store unavailable");
     }
-    // Placement does not need Redis: the create succeeds, its binding is not recorded.
+    // Placement does not need Redis: the create succeeds; its binding reaches the
+    // primary's memory, not Redis.
     let during = create_ok(gw);
+    assert_eq!(hostname(gw, &during), (200, during.clone()));
 
     // An empty Redis on the same port: the same scheduler process reconnects, and the
     // node's next roster binds the sandbox again.

@@ -14,9 +14,11 @@
 //! Two stores: [`MemoryBindingStore`] (one scheduler, bindings lost on
 //! restart) and [`RedisBindingStore`] (shared by a primary and its query-only
 //! replicas, surviving restarts, in the key layout other AgentENV schedulers
-//! use).
+//! use). A primary on Redis uses [`MirroredRedisStore`]: Redis plus a copy in
+//! memory of what it wrote, which answers its lookups.
 
 mod memory;
+mod mirrored;
 mod redis;
 
 use agentenv_core::proto::scheduler_v1::Node;
@@ -24,6 +26,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 pub use self::memory::MemoryBindingStore;
+pub use self::mirrored::MirroredRedisStore;
 pub use self::redis::{
     BINDINGS_PREFIX, NODE_SET_TTL, OP_TIMEOUT, PENDING_PREFIX, RedisBindingStore,
 };

@@ -73,6 +73,7 @@ return 1
 
 /// ARGV: prefix, pending prefix, node id, record JSON, ttl ms, set ttl ms,
 /// force ("1": ignore pending ids), then the roster (trimmed, unique, non-blank).
+/// Returns 1 when it restarted the TTL of every binding the roster lists, else 0.
 ///
 /// The bindings a roster lists again are rewritten (their TTL restarted) only when the
 /// node's last such rewrite is a third of the TTL old, or the node's record changed: a
@@ -137,7 +138,8 @@ if #ARGV >= first or kept > 0 then
 else
   redis.call('DEL', skey)
 end
-return #ARGV - first + 1
+if #ARGV >= first and not fresh then return 1 end
+return 0
 "#;
 
 /// A binding's value, fields in the order other schedulers write them.
@@ -254,12 +256,36 @@ impl RedisBindingStore {
         result
     }
 
+    /// Makes `sandbox_ids` the node's roster (see [`BindingStore::reconcile_node`]);
+    /// whether the TTL of every binding it lists was restarted (at most once a
+    /// third of the TTL per node, and whenever the node's record changes).
+    pub async fn reconcile_roster(
+        &self,
+        node: &Node,
+        sandbox_ids: &[String],
+    ) -> Result<bool, StoreError> {
+        if node.node_id.trim().is_empty() {
+            return Ok(false);
+        }
+        let mut seen = std::collections::HashSet::with_capacity(sandbox_ids.len());
+        let ids: Vec<&str> = sandbox_ids
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty() && seen.insert(*s))
+            .collect();
+        // No binding without an address to route to.
+        if !ids.is_empty() && node.endpoint.trim().is_empty() {
+            return Ok(false);
+        }
+        self.run_reconcile(node, &ids, false).await
+    }
+
     async fn run_reconcile(
         &self,
         node: &Node,
         ids: &[&str],
         force: bool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let node_id = node.node_id.trim();
         let mut inv = self.reconcile.prepare_invoke();
         inv.arg(BINDINGS_PREFIX)
@@ -275,7 +301,7 @@ impl RedisBindingStore {
         let mut conn = self.conn.clone();
         self.timed("reconcile", inv.invoke_async::<i64>(&mut conn))
             .await
-            .map(drop)
+            .map(|refreshed| refreshed == 1)
     }
 }
 
@@ -332,20 +358,7 @@ impl BindingStore for RedisBindingStore {
         sandbox_ids: &[String],
         _now: Instant,
     ) -> Result<(), StoreError> {
-        if node.node_id.trim().is_empty() {
-            return Ok(());
-        }
-        let mut seen = std::collections::HashSet::with_capacity(sandbox_ids.len());
-        let ids: Vec<&str> = sandbox_ids
-            .iter()
-            .map(|s| s.trim())
-            .filter(|s| !s.is_empty() && seen.insert(*s))
-            .collect();
-        // No binding without an address to route to.
-        if !ids.is_empty() && node.endpoint.trim().is_empty() {
-            return Ok(());
-        }
-        self.run_reconcile(node, &ids, false).await
+        self.reconcile_roster(node, sandbox_ids).await.map(drop)
     }
 
     async fn forget_node(&self, node_id: &str) -> Result<(), StoreError> {
@@ -356,7 +369,7 @@ impl BindingStore for RedisBindingStore {
             node_id: node_id.to_string(),
             endpoint: String::new(),
         };
-        self.run_reconcile(&node, &[], true).await
+        self.run_reconcile(&node, &[], true).await.map(drop)
     }
 }
 
