@@ -168,6 +168,10 @@ pub struct ListedSandbox {
         skip_serializing_if = "Option::is_none"
     )]
     pub envd_unresponsive_at_pause: Option<bool>,
+    /// The node that listed it: set by the gateway (whatever a node sends),
+    /// not a field of a node's own list.
+    #[serde(rename = "nodeID", default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
 }
 
 fn is_blank(alias: &Option<String>) -> bool {

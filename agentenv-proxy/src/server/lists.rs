@@ -226,7 +226,10 @@ impl Gateway {
         while let Some((i, listed)) = pending.next().await {
             let node = &nodes[i];
             let why = match listed {
-                Ok(Ok(list)) => {
+                Ok(Ok(mut list)) => {
+                    for item in &mut list.items {
+                        item.node_id = Some(node.node_id.clone());
+                    }
                     lists.push(list);
                     continue;
                 }
