@@ -210,7 +210,7 @@ export async function openCreate(templateID = '') {
     }
     if (!names.length) {
       sel.replaceChildren(h('option', { value: '' }, 'No ready templates'));
-      document.getElementById('create-error').textContent = 'No template is ready: build one (aenv template build) or check the nodes.';
+      document.getElementById('create-error').textContent = 'No template is ready: build one with aenv build (docs/templates.md), or check that the nodes are up.';
       return;
     }
     sel.replaceChildren(...names.map((n) => h('option', { value: n.value }, n.label)));
@@ -288,7 +288,7 @@ export function templatesView(root) {
     if (templates.status === 'rejected') {
       tBody.replaceChildren(notice('error', `Cannot list templates: ${templates.reason.message}`));
     } else if (!templates.value || templates.value.length === 0) {
-      tBody.replaceChildren(notice('empty', 'No templates: build one with aenv template build (see docs/templates.md).'));
+      tBody.replaceChildren(notice('empty', 'No templates: build one with aenv build or Template.build in the SDKs (see docs/templates.md).'));
     } else {
       const rows = templates.value.map((t) => h('tr', { dataset: { templateId: t.templateID } },
         td('Template', h('span', { class: 'mono' }, t.templateID)),
