@@ -29,15 +29,14 @@ function signedOut(reason) {
 
 async function errorOf(res) {
   let message = `${res.status} ${res.statusText}`.trim();
+  const type = res.headers.get('content-type') || '';
   try {
     const text = await res.text();
-    if (text) {
-      try {
-        const j = JSON.parse(text);
-        message = j.message || j.error || text;
-      } catch {
-        message = text.slice(0, 500);
-      }
+    if (text && type.includes('json')) {
+      const j = JSON.parse(text);
+      message = j.message || j.error || message;
+    } else if (text && type.startsWith('text/plain')) {
+      message = text.slice(0, 500);
     }
   } catch {
     // keep the status line

@@ -2,7 +2,6 @@
 // by the events WebSocket (the only source of live updates).
 
 import { onSignedOut, resumeSession, signIn, signOut, wsUrl } from './api.js';
-import { toast } from './ui.js';
 import { nodesView, sandboxesView, templatesView, setupCreateDialog } from './views.js';
 import { sandboxView } from './sandbox.js';
 
@@ -218,7 +217,6 @@ setupCreateDialog(store);
     if (await resumeSession()) showApp();
     else showSignIn('');
   } catch (e) {
-    showSignIn(`The gateway did not answer: ${e.message}`);
-    toast(e.message, 'error');
+    showSignIn(`Cannot check the session: ${e.message}`);
   }
 })();

@@ -34,12 +34,17 @@ export function sandboxView(root, store, id) {
         h('button', { type: 'button', class: 'btn btn-small', onclick: () => loadLogs() }, 'Refresh')), logsBox)));
 
   /** The live list's item when there is one, else what GET /sandboxes/{id} said. */
+  let seenLive = false;
   const current = () => {
     const live = (store.sandboxes || []).find((s) => s.sandboxID === id);
-    if (live) return { ...(detail || {}), ...live };
+    if (live) {
+      seenLive = true;
+      return { ...(detail || {}), ...live };
+    }
     return detail;
   };
-  const gone = () => store.sandboxes && !store.sandboxes.some((s) => s.sandboxID === id) && (detail === null || detailError);
+  // Gone: the live list had it and no longer has it (a fresh sandbox may not be listed yet).
+  const gone = () => store.sandboxes && seenLive && !store.sandboxes.some((s) => s.sandboxID === id);
 
   const renderInfo = () => {
     const s = current();
@@ -50,6 +55,7 @@ export function sandboxView(root, store, id) {
           : `Cannot read ${id}: ${detailError.message}`)
         : notice('info', `Loading ${id}…`));
       head.querySelector('#sandbox-actions').replaceChildren();
+      if (detailError) syncPanels(null);
       return;
     }
     if (gone()) {
@@ -63,7 +69,7 @@ export function sandboxView(root, store, id) {
     const dl = (k, v) => [h('dt', null, k), h('dd', null, v)];
     info.replaceChildren(h('dl', { class: 'details' },
       dl('State', h('span', { class: `badge state-${s.state}` }, s.state)),
-      dl('Template', s.alias ? `${s.alias} (${s.templateID})` : s.templateID || '—'),
+      dl('Template', s.alias && s.alias !== s.templateID ? `${s.alias} (${s.templateID})` : s.templateID || s.alias || '—'),
       dl('Node', h('span', { class: 'mono' }, nodeOf(s) || '—')),
       dl('Started', [localTime(started), ' ', h('span', { class: 'muted rel', dataset: { ms: started } }, `(${ago(started)})`)]),
       dl(s.state === 'paused' ? 'Paused' : 'Expires', [localTime(end), ' ',

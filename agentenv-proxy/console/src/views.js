@@ -192,6 +192,18 @@ export function sandboxesView(root, store) {
 
 let createPreset = '';
 
+/**
+ * `GET /templates` lists the templates built through the API; `base` is built into
+ * every node and listed only by `/default-templates`: add it when missing.
+ */
+export async function listTemplates() {
+  const list = (await rest.get('templates')) || [];
+  if (!list.some((t) => t.templateID === 'base' || (t.aliases || []).includes('base'))) {
+    list.unshift({ templateID: 'base', aliases: ['base'], names: ['base'], buildStatus: 'ready', builtIn: true });
+  }
+  return list;
+}
+
 /** Opens the create dialog, the template list read fresh from the gateway. */
 export async function openCreate(templateID = '') {
   createPreset = templateID;
@@ -201,16 +213,16 @@ export async function openCreate(templateID = '') {
   sel.replaceChildren(h('option', { value: '' }, 'Loading templates…'));
   dlg.showModal();
   try {
-    const templates = await rest.get('templates');
+    const templates = await listTemplates();
     const names = [];
-    for (const t of templates || []) {
+    for (const t of templates) {
       if (t.buildStatus && t.buildStatus !== 'ready') continue;
       const alias = (t.aliases || t.names || [])[0];
       names.push({ value: alias || t.templateID, label: alias && alias !== t.templateID ? `${alias} (${t.templateID})` : t.templateID });
     }
     if (!names.length) {
       sel.replaceChildren(h('option', { value: '' }, 'No ready templates'));
-      document.getElementById('create-error').textContent = 'No template is ready: build one (aenv template build) or check the nodes.';
+      document.getElementById('create-error').textContent = 'No template is ready: build one with aenv build (docs/templates.md), or check that the nodes are up.';
       return;
     }
     sel.replaceChildren(...names.map((n) => h('option', { value: n.value }, n.label)));
@@ -283,20 +295,20 @@ export function templatesView(root) {
 
   const load = async () => {
     refresh.disabled = true;
-    const [templates, snapshots] = await Promise.allSettled([rest.get('templates'), rest.get('snapshots')]);
+    const [templates, snapshots] = await Promise.allSettled([listTemplates(), rest.get('snapshots')]);
     refresh.disabled = false;
     if (templates.status === 'rejected') {
       tBody.replaceChildren(notice('error', `Cannot list templates: ${templates.reason.message}`));
     } else if (!templates.value || templates.value.length === 0) {
-      tBody.replaceChildren(notice('empty', 'No templates: build one with aenv template build (see docs/templates.md).'));
+      tBody.replaceChildren(notice('empty', 'No templates: build one with aenv build or Template.build in the SDKs (see docs/templates.md).'));
     } else {
       const rows = templates.value.map((t) => h('tr', { dataset: { templateId: t.templateID } },
         td('Template', h('span', { class: 'mono' }, t.templateID)),
         td('Names', (t.aliases || t.names || []).join(', ') || '—'),
         td('Status', h('span', { class: `badge build-${t.buildStatus}` }, t.buildStatus || '—')),
-        td('CPU', `${t.cpuCount ?? '?'} vCPU`),
-        td('Memory', `${t.memoryMB ?? '?'} MiB`),
-        td('Updated', parseTime(t.updatedAt) ? ago(parseTime(t.updatedAt)) : '—'),
+        td('CPU', t.builtIn ? 'node default' : `${t.cpuCount ?? '?'} vCPU`),
+        td('Memory', t.builtIn ? 'node default' : `${t.memoryMB ?? '?'} MiB`),
+        td('Updated', t.builtIn ? 'built into every node' : parseTime(t.updatedAt) ? ago(parseTime(t.updatedAt)) : '—'),
         td('', h('button', {
           type: 'button', class: 'btn', disabled: t.buildStatus && t.buildStatus !== 'ready',
           onclick: () => openCreate((t.aliases || [])[0] || t.templateID),
