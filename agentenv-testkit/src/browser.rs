@@ -202,7 +202,54 @@ impl Browser {
             .connect(&url)
             .await
             .map_err(|e| format!("opening a Chromium session through chromedriver: {e}"))?;
-        Ok(Browser { client, driver })
+        let browser = Browser { client, driver };
+        browser.set_viewport_size(width, height).await?;
+        Ok(browser)
+    }
+
+    /// Resizes the window so that the page's viewport (`innerWidth` x `innerHeight`, what a
+    /// screenshot shows) is `width` x `height`.
+    pub async fn set_viewport_size(&self, width: u32, height: u32) -> Result<(), String> {
+        let inner = |v: serde_json::Value| -> Option<(i64, i64)> {
+            Some((v.get(0)?.as_i64()?, v.get(1)?.as_i64()?))
+        };
+        let viewport = || async {
+            self.client
+                .execute("return [window.innerWidth, window.innerHeight];", vec![])
+                .await
+                .ok()
+                .and_then(inner)
+        };
+        let mut target = (i64::from(width), i64::from(height));
+        // Two rounds: the first learns the window's frame, the second corrects a window
+        // the screen clamped.
+        for _ in 0..2 {
+            let Some((w, h)) = viewport().await else {
+                return Err("reading the viewport size".into());
+            };
+            if (w, h) == (i64::from(width), i64::from(height)) {
+                return Ok(());
+            }
+            let (ow, oh) = self
+                .client
+                .get_window_size()
+                .await
+                .map_err(|e| format!("reading the window size: {e}"))?;
+            target = (
+                ow as i64 + i64::from(width) - w,
+                oh as i64 + i64::from(height) - h,
+            );
+            self.client
+                .set_window_size(target.0.max(1) as u32, target.1.max(1) as u32)
+                .await
+                .map_err(|e| format!("resizing the window to {target:?}: {e}"))?;
+        }
+        match viewport().await {
+            Some(v) if v == (i64::from(width), i64::from(height)) => Ok(()),
+            v => Err(format!(
+                "the viewport is {v:?}, not {width}x{height}, with a {target:?} window"
+            )),
+        }
     }
 
     /// The WebDriver client of the session.

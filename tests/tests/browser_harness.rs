@@ -104,11 +104,15 @@ async fn chromium_runs_a_loopback_page_takes_input_and_is_gone_after_close() {
     })
     .await;
 
-    let width = browser
-        .execute("return window.innerWidth", vec![])
+    let size = browser
+        .execute("return [window.innerWidth, window.innerHeight]", vec![])
         .await
         .expect("running a script");
-    assert_eq!(width, serde_json::json!(1280), "the laptop-sized viewport");
+    assert_eq!(
+        size,
+        serde_json::json!([1280, 860]),
+        "the laptop-sized viewport"
+    );
 
     let shot = tempfile::tempdir().expect("temp dir");
     let png = shot.path().join("harness.png");

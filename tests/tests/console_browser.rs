@@ -111,7 +111,13 @@ impl Page {
     /// A screenshot of the viewport as `<name>.png`.
     async fn shot(&mut self, name: &str) {
         assert!(SHOTS.contains(&name), "{name} is listed in SHOTS");
-        // Fonts and layout settle before the picture is taken.
+        // Passing notices would cover the view; fonts and layout settle before the picture
+        // is taken.
+        self.js(
+            "document.getElementById('toasts')?.replaceChildren(); return true;",
+            vec![],
+        )
+        .await;
         self.browser
             .execute_async(
                 "const done = arguments[arguments.length - 1];\
@@ -362,7 +368,8 @@ async fn drive(cluster: &Cluster) {
         .expect("downloading the upload");
     assert_eq!(content, json!("uploaded from the console\n"));
     page.js(
-        "document.getElementById('files-h').scrollIntoView({block: 'start'}); return true;",
+        "document.querySelector('[data-testid=files-list] tr[data-path$=\"/console-upload.txt\"]')\
+         .scrollIntoView({block: 'center'}); return true;",
         vec![],
     )
     .await;
@@ -381,20 +388,20 @@ async fn drive(cluster: &Cluster) {
     // A phone-sized window renders the sandbox list.
     page.open("#/sandboxes").await;
     page.browser
-        .set_window_size(390, 844)
+        .set_viewport_size(390, 844)
         .await
-        .expect("resizing the window");
+        .expect("a phone-sized viewport");
     page.wait_js(
-        "a phone-sized viewport with the sandbox's row",
-        "return window.innerWidth <= 390 && !!document.querySelector(arguments[0]);",
+        "the sandbox's row on the phone",
+        "return !!document.querySelector(arguments[0]);",
         vec![json!(row)],
     )
     .await;
     page.shot("phone").await;
     page.browser
-        .set_window_size(1280, 860)
+        .set_viewport_size(1280, 860)
         .await
-        .expect("resizing the window back");
+        .expect("the laptop-sized viewport again");
 
     // Killing it from the list: the row goes without a reload of the page.
     page.js("window.__sameConsolePage = true; return true;", vec![])
