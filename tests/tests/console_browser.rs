@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use agentenv_testkit::browser::{Browser, Locator};
 use agentenv_testkit::{Wait, target_dir, workspace_root};
-use agentenv_tests::{API_KEY, Cluster, http, skip_reason};
+use agentenv_tests::{API_KEY, Cluster, api, http, skip_reason};
 use serde_json::{Value, json};
 
 /// The screenshots the browser test takes, each shown in docs/console.md.
@@ -59,9 +59,10 @@ impl Page {
             .await
     }
 
-    /// Waits for the element `css` to be shown, and clicks it.
+    /// Waits for the element `css` to be shown, and clicks it (found again when the page
+    /// replaced it in between, as a live list does).
     async fn click(&self, css: &str) {
-        let el = Wait::new(format_args!("{css} to be shown"), STEP)
+        Wait::new(format_args!("{css} to be shown and clicked"), STEP)
             .every(Duration::from_millis(50))
             .until(|| async {
                 let el = self
@@ -70,15 +71,12 @@ impl Page {
                     .await
                     .map_err(|e| e.to_string())?;
                 match el.is_displayed().await {
-                    Ok(true) => Ok(el),
+                    Ok(true) => el.click().await.map_err(|e| e.to_string()),
                     Ok(false) => Err("hidden".to_string()),
                     Err(e) => Err(e.to_string()),
                 }
             })
             .await;
-        el.click()
-            .await
-            .unwrap_or_else(|e| panic!("clicking {css}: {e}"));
     }
 
     /// Types `keys` into the element `css`.
@@ -252,7 +250,6 @@ async fn drive(cluster: &Cluster) {
         !stored.as_str().unwrap_or_default().contains(API_KEY),
         "the API key is kept in no storage and the field is cleared: {stored}"
     );
-    page.shot("nodes").await;
 
     // A sandbox created from the console appears in the live list.
     page.open("#/sandboxes").await;
@@ -293,7 +290,33 @@ async fn drive(cluster: &Cluster) {
         vec![json!(row)],
     )
     .await;
+
+    // A sandbox created elsewhere (the API, as an SDK would) is pushed into the open list.
+    page.js("window.__sameConsolePage = true; return true;", vec![])
+        .await;
+    let other = tokio::task::block_in_place(|| {
+        cluster.create(r#"{"templateID":"base","timeout":300,"metadata":{"via":"sdk"}}"#)
+    });
+    let other_row = format!("[data-testid=sandboxes-table] tr[data-sandbox-id=\"{other}\"]");
+    page.wait_js(
+        "the sandbox created through the API in the open list",
+        "return !!document.querySelector(arguments[0]);",
+        vec![json!(other_row)],
+    )
+    .await;
     page.shot("sandboxes").await;
+
+    // The nodes view counts them, pushed as the nodes' heartbeats report them.
+    page.open("#/nodes").await;
+    page.wait_js(
+        "the nodes view to count both sandboxes",
+        "const rows = [...document.querySelectorAll('[data-testid=nodes-table] tr[data-node-id]')];\
+         return rows.reduce((n, r) => n + parseInt(r.children[2].textContent, 10), 0) === 2;",
+        vec![],
+    )
+    .await;
+    page.shot("nodes").await;
+    page.open("#/sandboxes").await;
 
     // Its terminal: a shell in the sandbox answers a command typed into xterm.js.
     page.click(&format!("{row} a[href^='#/sandboxes/']")).await;
@@ -403,9 +426,8 @@ async fn drive(cluster: &Cluster) {
         .await
         .expect("the laptop-sized viewport again");
 
-    // Killing it from the list: the row goes without a reload of the page.
-    page.js("window.__sameConsolePage = true; return true;", vec![])
-        .await;
+    // Killing one from the list and the other through the API: both rows go, without a
+    // reload of the page.
     page.click(&format!("{row} [data-testid=sandbox-kill]"))
         .await;
     page.click("[data-testid=confirm-yes]").await;
@@ -413,6 +435,21 @@ async fn drive(cluster: &Cluster) {
         "the killed sandbox's row to go",
         "return !document.querySelector(arguments[0]);",
         vec![json!(row)],
+    )
+    .await;
+    let (st, v) = tokio::task::block_in_place(|| {
+        api(
+            cluster.gateway,
+            "DELETE",
+            &format!("/sandboxes/{other}"),
+            "",
+        )
+    });
+    assert_eq!(st, 204, "killing {other} through the API: {v}");
+    page.wait_js(
+        "the row of the sandbox killed through the API to go",
+        "return !document.querySelector(arguments[0]);",
+        vec![json!(other_row)],
     )
     .await;
     assert_eq!(
