@@ -1,7 +1,7 @@
 //! The web console in a real browser (headless Chromium over WebDriver) against a real
 //! two-node cluster on loopback: sign in, the nodes, a sandbox created from the console,
-//! its terminal, an upload, the list updating live when it is killed, sign-out; a
-//! screenshot of every view (`target/console-screenshots/`, and `docs/images/console/`
+//! its terminal (and its reconnection to the same shell after a dropped socket), an upload,
+//! the list updating live as sandboxes come and go, sign-out; a screenshot of every view (`target/console-screenshots/`, and `docs/images/console/`
 //! with `AGENTENV_UPDATE_SCREENSHOTS=1`).
 
 use std::path::PathBuf;
@@ -318,7 +318,20 @@ async fn drive(cluster: &Cluster) {
     page.shot("nodes").await;
     page.open("#/sandboxes").await;
 
-    // Its terminal: a shell in the sandbox answers a command typed into xterm.js.
+    // Its terminal: a shell in the sandbox answers a command typed into xterm.js. The
+    // page's WebSockets are kept track of, so that the terminal's can be dropped later.
+    page.js(
+        "if (!window.__sockets) {\
+           window.__sockets = [];\
+           const Plain = window.WebSocket;\
+           window.WebSocket = class extends Plain {\
+             constructor(...args) { super(...args); window.__sockets.push(this); }\
+           };\
+         }\
+         return true;",
+        vec![],
+    )
+    .await;
     page.click(&format!("{row} a[href^='#/sandboxes/']")).await;
     let term_text = "const rows = document.querySelector('[data-testid=terminal] .xterm-rows');\
                      return rows ? rows.innerText.replace(/\\u00a0/g, ' ') : null;";
@@ -352,6 +365,54 @@ async fn drive(cluster: &Cluster) {
         "the typed command is echoed: {shown}"
     );
     page.shot("sandbox-terminal").await;
+
+    // A dropped terminal socket (a network blip) reconnects to the same shell: what the
+    // shell was told before is still there.
+    page.type_into(
+        "[data-testid=terminal] textarea.xterm-helper-textarea",
+        "KEPT=kept-$((2*21))\u{e007}",
+    )
+    .await;
+    page.wait_js(
+        "the shell to take the assignment (a new prompt after it)",
+        &format!(
+            "const t = (() => {{ {term_text} }})(); \
+             return !!t && /KEPT=kept-\\$\\(\\(2\\*21\\)\\)\\s*\\n.*[#$]$/.test(t.trimEnd());"
+        ),
+        vec![],
+    )
+    .await;
+    let dropped = page
+        .js(
+            "const open = window.__sockets.filter(s => s.url.includes('/terminal') \
+               && s.readyState === WebSocket.OPEN);\
+             open.forEach(s => s.close());\
+             return open.length;",
+            vec![],
+        )
+        .await;
+    assert_eq!(dropped, json!(1), "one open terminal socket to drop");
+    page.wait_js(
+        "the terminal to reconnect to the same shell",
+        "const s = document.getElementById('terminal-status');\
+         return !!s && s.textContent.includes('connected again');",
+        vec![],
+    )
+    .await;
+    page.type_into(
+        "[data-testid=terminal] textarea.xterm-helper-textarea",
+        "echo $KEPT\u{e007}",
+    )
+    .await;
+    page.wait_js(
+        "the shell's variable read back after the reconnect",
+        &format!(
+            "const t = (() => {{ {term_text} }})(); \
+             return !!t && /^kept-42\\s*$/m.test(t);"
+        ),
+        vec![],
+    )
+    .await;
 
     // Files: an upload through the file input shows in the list and reads back.
     let upload_dir = tempfile::tempdir().expect("temp dir");
