@@ -209,6 +209,22 @@ fn console_drives_a_two_node_cluster() {
         assert_eq!(started(&mut t).await, pid);
         keys(&mut t, "echo mark=$CONSOLE_MARK\r").await;
         output_until(&mut t, "mark=kept-42").await;
+        // The shell exits: the page is told its code, then the socket closes.
+        keys(&mut t, "exit 3\r").await;
+        let exit = loop {
+            match next(&mut t).await {
+                Message::Binary(_) => continue,
+                Message::Text(m) => {
+                    break serde_json::from_str::<serde_json::Value>(m.as_str()).unwrap();
+                }
+                other => panic!("no exit message: {other:?}"),
+            }
+        };
+        assert_eq!(exit, serde_json::json!({"type": "exit", "code": 3}));
+        match next(&mut t).await {
+            Message::Close(Some(f)) => assert_eq!(u16::from(f.code), 1000),
+            other => panic!("no close after the exit: {other:?}"),
+        }
     });
 
     // A file uploaded, listed and read back.
@@ -259,6 +275,29 @@ fn console_drives_a_two_node_cluster() {
         "",
     );
     assert_eq!(st, 400);
+
+    // Paused: its files and terminal say to resume it first.
+    let (st, _, b) = page.call(
+        "POST",
+        &format!("/console/api/rest/sandboxes/{id}/pause"),
+        "",
+    );
+    assert!(st == 204 || st == 200, "pause: {st} {b}");
+    rt.block_on(sandboxes_until(&mut events, |items| {
+        items
+            .iter()
+            .any(|s| s["sandboxID"] == id.as_str() && s["state"] == "paused")
+    }));
+    let (st, v) = page.json(
+        "GET",
+        &format!("/console/api/sandboxes/{id}/dir?path=/"),
+        "",
+    );
+    assert_eq!(st, 409, "{v}");
+    assert_eq!(
+        v["message"],
+        format!("sandbox {id} is paused: resume it first")
+    );
 
     // Killed through the pass-through: the events socket shows it gone.
     let (st, _, b) = page.call("DELETE", &format!("/console/api/rest/sandboxes/{id}"), "");
