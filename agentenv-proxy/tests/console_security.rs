@@ -689,3 +689,35 @@ async fn the_events_socket_says_when_no_node_reports() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_hundred_pages_share_one_poller() {
+    let (c, _node, _) = gateway().await;
+    let (cookie, _, _) = sign_in(&c).await;
+    let mut pages = Vec::new();
+    for _ in 0..100 {
+        pages.push(
+            ws(
+                c.addr,
+                "/console/api/events",
+                Some(&cookie),
+                Some(&origin(c.addr)),
+            )
+            .await
+            .expect("upgraded"),
+        );
+    }
+    for s in &mut pages {
+        loop {
+            let Some(Ok(Message::Text(t))) = s.next().await else {
+                panic!("an events socket ended")
+            };
+            if t.as_str().contains(r#""type":"nodes""#) {
+                break;
+            }
+        }
+    }
+    // A poller per page would have asked for the nodes at least once per page.
+    let asked = c.count("ListObservedNodes");
+    assert!((1..50).contains(&asked), "{asked} node lists for 100 pages");
+}
