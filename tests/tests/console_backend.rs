@@ -2,7 +2,8 @@
 //! two nodes with the jail backend): sign in, both nodes through the REST pass-through,
 //! a sandbox created through it, the events socket showing the sandbox and then its
 //! removal, a terminal socket running a shell that survives a dropped socket, resize,
-//! and a file uploaded, listed and read back.
+//! a file uploaded, listed and read back, and a hundred open pages costing the gateway
+//! under 50 MB.
 
 use std::time::Duration;
 
@@ -275,6 +276,42 @@ fn console_drives_a_two_node_cluster() {
         "",
     );
     assert_eq!(st, 400);
+
+    // A hundred open pages cost the gateway little memory.
+    let rss = || {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", cluster.gateway_proc.pid()))
+                .unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS");
+        kib * 1024
+    };
+    let before = rss();
+    let pages = rt.block_on(async {
+        let mut pages = Vec::new();
+        for _ in 0..100 {
+            let mut p = page.socket("/console/api/events").await;
+            sandboxes_until(&mut p, |items| {
+                items.iter().any(|s| s["sandboxID"] == id.as_str())
+            })
+            .await;
+            pages.push(p);
+        }
+        pages
+    });
+    let grown = rss().saturating_sub(before);
+    assert!(
+        grown < 50 * 1024 * 1024,
+        "100 pages grew the gateway by {grown} bytes"
+    );
+    eprintln!(
+        "100 open console pages: the gateway grew by {} KiB",
+        grown / 1024
+    );
+    drop(pages);
 
     // Paused: its files and terminal say to resume it first.
     let (st, _, b) = page.call(
