@@ -4,7 +4,8 @@
 import { call, enc } from './api.js';
 import { bytes, h, localTime, notice, table, td, toast } from './ui.js';
 
-const HOME = '/home/user';
+/** Where the browser opens: the first of these that lists. */
+const STARTS = ['/home/user', '/root', '/'];
 
 function parentOf(path) {
   if (path === '/') return null;
@@ -19,7 +20,7 @@ function join(dir, name) {
 
 /** Mounts the browser into `box` for sandbox `id`. Returns { dispose }. */
 export function mountFiles(box, id) {
-  let path = HOME;
+  let path = STARTS[0];
   let firstLoad = true;
   let gen = 0;
 
@@ -46,9 +47,9 @@ export function mountFiles(box, id) {
       render(res.entries || []);
     } catch (e) {
       if (mine !== gen) return;
-      if (firstLoad && e.status === 404 && dir === HOME) {
-        firstLoad = false;
-        load('/');
+      const next = STARTS[STARTS.indexOf(dir) + 1];
+      if (firstLoad && e.status === 404 && STARTS.includes(dir) && next) {
+        load(next);
         return;
       }
       status.textContent = '';
@@ -65,10 +66,12 @@ export function mountFiles(box, id) {
   function render(entries) {
     const rows = entries.map((e) => {
       const isDir = e.type === 'dir';
-      const name = isDir
-        ? h('button', { type: 'button', class: 'link', onclick: () => load(e.path) }, `${e.name}/`)
-        : h('span', { class: 'mono' }, e.name + (e.type === 'symlink' ? ' →' : ''));
-      const dl = e.type === 'file'
+      // A symlink may lead to a folder: opening it lists the target (or says it is not one).
+      const name = isDir || e.type === 'symlink'
+        ? h('button', { type: 'button', class: 'link', onclick: () => load(e.path), title: isDir ? null : 'symbolic link: open it as a folder' },
+          isDir ? `${e.name}/` : `${e.name} →`)
+        : h('span', { class: 'mono' }, e.name);
+      const dl = e.type !== 'dir'
         ? h('a', { class: 'btn btn-small', href: `/console/api/sandboxes/${enc(id)}/file?path=${enc(e.path)}`, download: e.name, 'aria-label': `Download ${e.name}` }, 'Download')
         : null;
       return h('tr', { dataset: { path: e.path, type: e.type } },
@@ -82,7 +85,7 @@ export function mountFiles(box, id) {
         table('files-list', ['Name', 'Size', 'Modified', ''], [], `Files in ${path}`));
       return;
     }
-    list.replaceChildren(table('files-list', ['Name', 'Size', 'Modified', ''], rows, `Files in ${path}`));
+    list.replaceChildren(h('div', { class: 'files-scroll' }, table('files-list', ['Name', 'Size', 'Modified', ''], rows, `Files in ${path}`)));
   }
 
   upload.addEventListener('change', async () => {

@@ -36,6 +36,8 @@ export function sandboxView(root, store, id) {
   /** The live list's item when there is one, else what GET /sandboxes/{id} said. */
   let seenLive = false;
   const current = () => {
+    // A 404 from the gateway is fresher than the live list (which lags by up to a second).
+    if (detailError && detailError.status === 404) return null;
     const live = (store.sandboxes || []).find((s) => s.sandboxID === id);
     if (live) {
       seenLive = true;
@@ -70,7 +72,7 @@ export function sandboxView(root, store, id) {
     info.replaceChildren(h('dl', { class: 'details' },
       dl('State', h('span', { class: `badge state-${s.state}` }, s.state)),
       dl('Template', s.alias && s.alias !== s.templateID ? `${s.alias} (${s.templateID})` : s.templateID || s.alias || '—'),
-      dl('Node', h('span', { class: 'mono' }, nodeOf(s) || '—')),
+      nodeOf(s) ? dl('Node', h('span', { class: 'mono' }, nodeOf(s))) : null,
       dl('Started', [localTime(started), ' ', h('span', { class: 'muted rel', dataset: { ms: started } }, `(${ago(started)})`)]),
       dl(s.state === 'paused' ? 'Paused' : 'Expires', [localTime(end), ' ',
         h('span', { class: 'muted' }, `(${s.state === 'paused' ? ago(end) : until(end)})`)]),
@@ -95,6 +97,7 @@ export function sandboxView(root, store, id) {
     termBox.replaceChildren();
     filesBox.replaceChildren();
     termStatus.replaceChildren();
+    delete termStatus.dataset.state;
     if (state === 'running') {
       term = mountTerminal(termBox, termStatus, id);
       files = mountFiles(filesBox, id);

@@ -3,7 +3,7 @@
 
 import { enc, rest } from './api.js';
 import {
-  ago, bytes, confirmDialog, h, meter, notice, numberDialog, parseTime, table, td, toast, until,
+  ago, bytes, confirmDialog, duration, h, meter, notice, numberDialog, parseTime, table, td, toast, until,
 } from './ui.js';
 
 const TROUBLESHOOTING = 'docs/troubleshooting.md';
@@ -121,7 +121,7 @@ export async function extend(id) {
   const secs = await numberDialog(`Extend ${id}`, 'New timeout from now (seconds)', 600, 1, 86400);
   if (secs === null || !Number.isFinite(secs)) return;
   await rest.post(`sandboxes/${enc(id)}/timeout`, { timeout: Math.round(secs) });
-  toast(`${id} now ends in ${Math.round(secs)} s`);
+  toast(`${id} now ends in ${duration(Math.round(secs))}`);
 }
 
 export async function kill(id) {
@@ -166,11 +166,13 @@ export function sandboxesView(root, store) {
     }
     if (list.length) {
       list.sort((a, b) => parseTime(b.startedAt) - parseTime(a.startedAt) || String(a.sandboxID).localeCompare(String(b.sandboxID)));
+      // The nodes' lists do not name the node (clientID is empty): the column shows when one does.
+      const withNode = list.some((s) => nodeOf(s));
       const rows = list.map((s) => h('tr', { dataset: { sandboxId: s.sandboxID, state: s.state } },
         td('Sandbox', h('a', { href: `#/sandboxes/${enc(s.sandboxID)}`, class: 'mono' }, s.sandboxID)),
         td('State', h('span', { class: `badge state-${s.state}` }, s.state)),
         td('Template', s.alias || s.templateID || '—'),
-        td('Node', h('span', { class: 'mono' }, nodeOf(s) || '—')),
+        withNode ? td('Node', h('span', { class: 'mono' }, nodeOf(s) || '—')) : null,
         td('Age', h('span', { class: 'rel', dataset: { ms: parseTime(s.startedAt) } }, ago(parseTime(s.startedAt)))),
         td(s.state === 'paused' ? 'Paused' : 'Expires',
           s.state === 'paused'
@@ -178,7 +180,8 @@ export function sandboxesView(root, store) {
             : h('span', { class: 'until', dataset: { ms: parseTime(s.endAt) } }, until(parseTime(s.endAt)))),
         td('Metadata', h('span', { class: 'meta' }, Object.entries(s.metadata || {}).map(([k, v]) => h('span', { class: 'tag' }, `${k}=${v}`)))),
         td('Actions', sandboxActions(s))));
-      parts.push(table('sandboxes-table', ['Sandbox', 'State', 'Template', 'Node', 'Age', 'Expires', 'Metadata', 'Actions'], rows, 'Sandboxes of the cluster'));
+      const cols = ['Sandbox', 'State', 'Template', withNode ? 'Node' : null, 'Age', 'Expires', 'Metadata', 'Actions'].filter(Boolean);
+      parts.push(table('sandboxes-table', cols, rows, 'Sandboxes of the cluster'));
     }
     body.replaceChildren(...parts);
   };
