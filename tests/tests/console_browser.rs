@@ -452,7 +452,7 @@ async fn drive(cluster: &Cluster) {
         .expect("downloading the upload");
     assert_eq!(content, json!("uploaded from the console\n"));
     page.js(
-        "document.querySelector('[data-testid=files-list] tr[data-path$=\"/console-upload.txt\"]')\
+        "document.getElementById('files-h').closest('section')\
          .scrollIntoView({block: 'center'}); return true;",
         vec![],
     )
