@@ -201,17 +201,37 @@ fn console_in_a_browser_signs_in_runs_a_terminal_uploads_kills_live_and_signs_ou
         .enable_all()
         .build()
         .expect("runtime");
-    rt.block_on(drive(&cluster));
+    rt.block_on(async {
+        let browser = Browser::start().await.expect("starting the browser");
+        let mut page = Page {
+            browser,
+            base: format!("http://{}/console/", cluster.gateway),
+            shots: Vec::new(),
+        };
+        let run = std::panic::AssertUnwindSafe(drive(&cluster, &mut page));
+        if let Err(panic) = futures::FutureExt::catch_unwind(run).await {
+            // What the page showed when a step failed, for whoever reads the failure.
+            let path = target_dir().join("console-screenshots/failure.png");
+            if page.browser.save_screenshot(&path).await.is_ok() {
+                eprintln!("the page at the failure: {}", path.display());
+            }
+            if let Ok(text) = page
+                .browser
+                .execute("return document.body.innerText;", vec![])
+                .await
+            {
+                eprintln!(
+                    "the page's text at the failure:\n{}",
+                    text.as_str().unwrap_or_default()
+                );
+            }
+            std::panic::resume_unwind(panic);
+        }
+        page.browser.close().await;
+    });
 }
 
-async fn drive(cluster: &Cluster) {
-    let browser = Browser::start().await.expect("starting the browser");
-    let base = format!("http://{}/console/", cluster.gateway);
-    let mut page = Page {
-        browser,
-        base,
-        shots: Vec::new(),
-    };
+async fn drive(cluster: &Cluster, page: &mut Page) {
     page.browser
         .goto(&page.base)
         .await
@@ -542,7 +562,7 @@ async fn drive(cluster: &Cluster) {
         vec![],
     )
     .await;
-    assert_eq!(session_status_from_page(&page).await, json!(401));
+    assert_eq!(session_status_from_page(page).await, json!(401));
     assert_eq!(
         session_status_with_cookie(cluster.gateway, cookie).await,
         401,
@@ -552,5 +572,4 @@ async fn drive(cluster: &Cluster) {
     for shot in &page.shots {
         eprintln!("screenshot: {}", shot.display());
     }
-    page.browser.close().await;
 }
