@@ -625,6 +625,26 @@ async fn under_tls_the_cookie_is_secure_and_the_origin_is_https() {
 }
 
 #[tokio::test]
+async fn behind_a_tls_proxy_the_forwarded_scheme_counts() {
+    let (c, _node, _) = gateway().await;
+    let body = format!(r#"{{"apiKey":"{API_KEY}"}}"#);
+    let signin = |o: String| {
+        Request::post(c.url("/console/api/session"))
+            .header("origin", o)
+            .header("x-forwarded-proto", "https")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.clone())))
+            .unwrap()
+    };
+    let (st, _, _) = send(signin(format!("http://{}", c.addr))).await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    let (st, h, _) = send(signin(format!("https://{}", c.addr))).await;
+    assert_eq!(st, StatusCode::OK);
+    let set = h["set-cookie"].to_str().unwrap();
+    assert!(set.split(';').any(|f| f.trim() == "Secure"), "{set}");
+}
+
+#[tokio::test]
 async fn an_unused_session_expires_after_its_ttl() {
     let mut opts = options();
     opts.console.session_ttl = std::time::Duration::from_millis(1500);

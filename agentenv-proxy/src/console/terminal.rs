@@ -132,9 +132,37 @@ async fn attach(agent: &Agent, pid: u32) -> Result<(u32, Envelopes), String> {
     Ok((pid, out))
 }
 
-/// Forwards the page's input in order, one call at a time.
+/// Keystrokes sent in one call at most.
+const INPUT_BATCH: usize = 64 * 1024;
+
+/// Forwards the page's input in order, one call at a time; keystrokes that
+/// queued up while a call was out go together in the next.
 async fn forward_input(agent: Agent, pid: u32, mut rx: mpsc::Receiver<Input>) {
-    while let Some(input) = rx.recv().await {
+    let mut pending: Option<Input> = None;
+    loop {
+        let input = match pending.take() {
+            Some(i) => i,
+            None => match rx.recv().await {
+                Some(i) => i,
+                None => return,
+            },
+        };
+        let input = match input {
+            Input::Keys(mut keys) => {
+                while keys.len() < INPUT_BATCH {
+                    match rx.try_recv() {
+                        Ok(Input::Keys(more)) => keys.extend_from_slice(&more),
+                        Ok(other) => {
+                            pending = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                Input::Keys(keys)
+            }
+            other => other,
+        };
         let (procedure, msg) = match input {
             Input::Keys(b) => (
                 "/process.Process/SendInput",
