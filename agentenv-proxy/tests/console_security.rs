@@ -623,3 +623,121 @@ async fn under_tls_the_cookie_is_secure_and_the_origin_is_https() {
     let set = h["set-cookie"].to_str().unwrap();
     assert!(set.split(';').any(|f| f.trim() == "Secure"), "{set}");
 }
+
+#[tokio::test]
+async fn behind_a_tls_proxy_the_forwarded_scheme_counts() {
+    let (c, _node, _) = gateway().await;
+    let body = format!(r#"{{"apiKey":"{API_KEY}"}}"#);
+    let signin = |o: String| {
+        Request::post(c.url("/console/api/session"))
+            .header("origin", o)
+            .header("x-forwarded-proto", "https")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.clone())))
+            .unwrap()
+    };
+    let (st, _, _) = send(signin(format!("http://{}", c.addr))).await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    let (st, h, _) = send(signin(format!("https://{}", c.addr))).await;
+    assert_eq!(st, StatusCode::OK);
+    let set = h["set-cookie"].to_str().unwrap();
+    assert!(set.split(';').any(|f| f.trim() == "Secure"), "{set}");
+}
+
+#[tokio::test]
+async fn an_unused_session_expires_after_its_ttl() {
+    let mut opts = options();
+    opts.console.session_ttl = std::time::Duration::from_millis(1500);
+    let (c, _node, _) = gateway_with(opts).await;
+    let (cookie, _, set) = sign_in(&c).await;
+    assert!(set.contains("Max-Age=2"), "{set}");
+    let (st, _, _) = send(console_req(
+        &c,
+        Method::GET,
+        "/console/api/rest/nodes",
+        Some(&cookie),
+        None,
+        "",
+    ))
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    for path in ["/console/api/session", "/console/api/rest/nodes"] {
+        let (st, _, _) = send(console_req(&c, Method::GET, path, Some(&cookie), None, "")).await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED, "{path}");
+    }
+}
+
+#[tokio::test]
+async fn the_events_socket_says_when_no_node_reports() {
+    // Listed in the scheduler's config, but no heartbeat yet.
+    let c = Cluster::start(&[("node-a", "http://127.0.0.1:9")], options()).await;
+    let (cookie, _, _) = sign_in(&c).await;
+    let mut s = ws(
+        c.addr,
+        "/console/api/events",
+        Some(&cookie),
+        Some(&origin(c.addr)),
+    )
+    .await
+    .expect("upgraded");
+    let error = loop {
+        let Some(Ok(Message::Text(t))) = s.next().await else {
+            panic!("the events socket ended")
+        };
+        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        if v["type"] == "error" {
+            break v;
+        }
+    };
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("no nodes are reporting: check the scheduler (docs/troubleshooting.md)"),
+        "{error}"
+    );
+    // A node reports: its data follows.
+    c.heartbeat("node-a", &[]).await;
+    loop {
+        let Some(Ok(Message::Text(t))) = s.next().await else {
+            panic!("the events socket ended")
+        };
+        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        if v["type"] == "nodes" && v["items"][0]["id"] == "node-a" {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_hundred_pages_share_one_poller() {
+    let (c, _node, _) = gateway().await;
+    let (cookie, _, _) = sign_in(&c).await;
+    let mut pages = Vec::new();
+    for _ in 0..100 {
+        pages.push(
+            ws(
+                c.addr,
+                "/console/api/events",
+                Some(&cookie),
+                Some(&origin(c.addr)),
+            )
+            .await
+            .expect("upgraded"),
+        );
+    }
+    for s in &mut pages {
+        loop {
+            let Some(Ok(Message::Text(t))) = s.next().await else {
+                panic!("an events socket ended")
+            };
+            if t.as_str().contains(r#""type":"nodes""#) {
+                break;
+            }
+        }
+    }
+    // A poller per page would have asked for the nodes at least once per page.
+    let asked = c.count("ListObservedNodes");
+    assert!((1..50).contains(&asked), "{asked} node lists for 100 pages");
+}

@@ -52,7 +52,7 @@ pub(crate) struct Ctx {
     gateway: Gateway,
     console: Arc<Console>,
     remote: SocketAddr,
-    /// The client connection is TLS.
+    /// The browser reaches the gateway over TLS (its own, or a proxy's).
     tls: bool,
 }
 
@@ -71,7 +71,14 @@ pub(crate) fn handle(
     remote: SocketAddr,
 ) -> BoxFuture<'static, Response<GatewayBody>> {
     Box::pin(async move {
-        let tls = req.extensions().get::<ClientTls>().is_some();
+        // Behind a TLS proxy (`gateway.allow_plain_http`), the proxy's
+        // `X-Forwarded-Proto: https` says what the browser sees. A page cannot
+        // set it on a cross-site request or a WebSocket handshake.
+        let forwarded_https = req
+            .headers()
+            .get("x-forwarded-proto")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"));
+        let tls = req.extensions().get::<ClientTls>().is_some() || forwarded_https;
         let ctx = Ctx {
             gateway,
             console,

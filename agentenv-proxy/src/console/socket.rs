@@ -12,15 +12,27 @@ use hyper_util::rt::TokioIo;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
 use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
 use super::{Console, Refusal, err};
 use crate::body::{GatewayBody, empty};
 
 /// An accepted WebSocket over the client's connection.
 pub(crate) type Socket = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
+
+/// The largest message or frame a page may send (a paste into the terminal).
+const MAX_MESSAGE: usize = 1024 * 1024;
+
+/// Small buffers: a hundred open pages must stay cheap.
+fn config() -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(8 * 1024)
+        .write_buffer_size(8 * 1024)
+        .max_message_size(Some(MAX_MESSAGE))
+        .max_frame_size(Some(MAX_MESSAGE))
+}
 
 /// How often a socket checks that its session still lives.
 const SESSION_CHECK: Duration = Duration::from_secs(5);
@@ -68,9 +80,9 @@ pub(crate) fn accept(
 /// The socket once the client's connection is upgraded.
 pub(crate) async fn upgraded(on: hyper::upgrade::OnUpgrade) -> Option<Socket> {
     match on.await {
-        Ok(io) => {
-            Some(WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, None).await)
-        }
+        Ok(io) => Some(
+            WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, Some(config())).await,
+        ),
         Err(e) => {
             tracing::debug!(error = %e, "console WebSocket upgrade failed");
             None

@@ -199,7 +199,7 @@ async fn bridge(
     {
         return;
     }
-    let (tx, rx) = mpsc::channel(256);
+    let (tx, rx) = mpsc::channel(64);
     if reattached {
         // The page that re-attaches may have another size.
         let _ = tx.try_send(Input::Resize(cols, rows));
