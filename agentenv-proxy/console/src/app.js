@@ -83,6 +83,7 @@ function setLive(state, text) {
   const el = $('live-status');
   el.dataset.state = state;
   el.textContent = text;
+  store.emit();
 }
 
 function startEvents() {
