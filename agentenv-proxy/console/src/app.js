@@ -83,6 +83,7 @@ function setLive(state, text) {
   const el = $('live-status');
   el.dataset.state = state;
   el.textContent = text;
+  store.emit();
 }
 
 function startEvents() {
@@ -203,7 +204,12 @@ function route() {
   }
 }
 
-window.addEventListener('hashchange', route);
+window.addEventListener('hashchange', () => {
+  route();
+  // A new view: start reading at its top (a terminal that opens takes the focus itself).
+  window.scrollTo(0, 0);
+  if (!document.activeElement || document.activeElement === document.body) $('main').focus({ preventScroll: true });
+});
 store.listeners.add(() => current && current.update && current.update());
 // Relative times ("3 s ago") move on without asking the gateway anything.
 setInterval(() => current && current.tick && current.tick(), 1000);

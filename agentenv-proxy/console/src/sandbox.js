@@ -194,5 +194,9 @@ function chart(title, samples, pick, max, fmt) {
     svg('svg', { viewBox: `0 0 ${W} ${H}`, role: 'img', 'aria-label': label, preserveAspectRatio: 'none' },
       svg('rect', { x: 0, y: 0, width: W, height: H, class: 'chart-bg' }),
       svg('polyline', { points: `${pad},${H - pad} ${pts.join(' ')} ${W - pad},${H - pad}`, class: 'chart-area' }),
-      svg('polyline', { points: pts.join(' '), class: 'chart-line' })));
+      svg('polyline', { points: pts.join(' '), class: 'chart-line' })),
+    h('div', { class: 'chart-axis', 'aria-hidden': 'true' },
+      h('span', null, new Date(t0 * 1000).toLocaleTimeString()),
+      h('span', null, `scale 0 – ${fmt(max)}`),
+      h('span', null, new Date(t1 * 1000).toLocaleTimeString())));
 }

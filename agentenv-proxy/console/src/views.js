@@ -12,6 +12,13 @@ function heading(title, ...tools) {
   return h('div', { class: 'view-head' }, h('h1', null, title), h('div', { class: 'tools' }, ...tools));
 }
 
+/** Says so when the shown state is the last one a dropped socket sent. */
+function staleNote(store) {
+  return store.live === 'reconnecting'
+    ? notice('info', 'The live connection to the gateway dropped: this is the last state it sent. Reconnecting…')
+    : null;
+}
+
 /** The error or "waiting" block shared by views that read the events socket. */
 function liveGap(store, what) {
   if (store.error) {
@@ -34,11 +41,11 @@ export function nodesView(root, store) {
       body.replaceChildren(liveGap(store, 'nodes'));
       return;
     }
-    const parts = [];
+    const parts = [staleNote(store)];
     if (store.error) parts.push(notice('error', store.error));
     if (nodes.length === 0) {
       parts.push(notice('empty', `No nodes are reporting: check the scheduler (see ${TROUBLESHOOTING}).`));
-      body.replaceChildren(...parts);
+      body.replaceChildren(...parts.filter(Boolean));
       return;
     }
     const sorted = [...nodes].sort((a, b) => String(a.id).localeCompare(String(b.id)));
@@ -56,7 +63,7 @@ export function nodesView(root, store) {
           ago(n.lastHeartbeatUnixMs))));
     });
     parts.push(table('nodes-table', ['Node', 'Status', 'Sandboxes', 'CPU allocated', 'Memory allocated', 'Last heartbeat'], rows, 'Nodes of the cluster'));
-    body.replaceChildren(...parts);
+    body.replaceChildren(...parts.filter(Boolean));
   };
   render();
   return { update: render, tick: () => tickRelative(root) };
@@ -151,7 +158,7 @@ export function sandboxesView(root, store) {
       body.replaceChildren(liveGap(store, 'sandboxes'));
       return;
     }
-    const parts = [];
+    const parts = [staleNote(store)];
     if (store.error) parts.push(notice('error', store.error));
     if (store.truncated) parts.push(notice('info', `Showing the first ${all.length} sandboxes: filter by state or search to narrow the list.`));
     const q = search.value.trim().toLowerCase();
@@ -183,7 +190,7 @@ export function sandboxesView(root, store) {
       const cols = ['Sandbox', 'State', 'Template', withNode ? 'Node' : null, 'Age', 'Expires', 'Metadata', 'Actions'].filter(Boolean);
       parts.push(table('sandboxes-table', cols, rows, 'Sandboxes of the cluster'));
     }
-    body.replaceChildren(...parts);
+    body.replaceChildren(...parts.filter(Boolean));
   };
   stateSel.addEventListener('change', render);
   search.addEventListener('input', render);
