@@ -32,3 +32,12 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   log "installing cargo-nextest"
   cargo install --locked cargo-nextest
 fi
+
+# The web console embeds npm packages (xterm.js) pinned by its lockfile; install
+# them once here so builds need no registry. The stamp skips an unchanged lockfile.
+console=agentenv-proxy/console
+if ! cmp -s "$console/package-lock.json" "$console/node_modules/.agentenv-lock" 2>/dev/null; then
+  log "installing the console's npm packages (npm ci --prefix $console)"
+  npm ci --prefix "$console" --ignore-scripts --no-audit --no-fund >/dev/null
+  cp "$console/package-lock.json" "$console/node_modules/.agentenv-lock"
+fi

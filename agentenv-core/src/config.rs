@@ -228,6 +228,32 @@ pub struct GatewayConfig {
     pub scheduler_tls: TlsConnect,
     /// Serve plain HTTP on an address other hosts reach (a TLS proxy in front).
     pub allow_plain_http: bool,
+    /// The web console at `/console`.
+    pub console: ConsoleConfig,
+}
+
+/// The gateway's web console (`gateway.console`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct ConsoleConfig {
+    /// Serve `/console`; off: its paths answer 404.
+    pub enabled: bool,
+    /// How long a console session lives unused; each use extends it, up to
+    /// [`CONSOLE_SESSION_CAP`] after sign-in.
+    #[serde(deserialize_with = "de_duration")]
+    pub session_ttl: Duration,
+}
+
+/// A console session ends this long after sign-in however often it is used.
+pub const CONSOLE_SESSION_CAP: Duration = Duration::from_secs(7 * 24 * 3600);
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            session_ttl: Duration::from_secs(12 * 3600),
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -249,6 +275,7 @@ impl Default for GatewayConfig {
             node_tls: TlsConnect::default(),
             scheduler_tls: TlsConnect::default(),
             allow_plain_http: false,
+            console: ConsoleConfig::default(),
         }
     }
 }
@@ -452,6 +479,12 @@ impl Config {
                 if let Some(v) = get("GATEWAY_ALLOW_PLAIN_HTTP") {
                     g.allow_plain_http = env_bool("GATEWAY_ALLOW_PLAIN_HTTP", &v)?;
                 }
+                if let Some(v) = get("GATEWAY_CONSOLE_ENABLED") {
+                    g.console.enabled = env_bool("GATEWAY_CONSOLE_ENABLED", &v)?;
+                }
+                if let Some(v) = get("GATEWAY_CONSOLE_SESSION_TTL") {
+                    g.console.session_ttl = env_duration("GATEWAY_CONSOLE_SESSION_TTL", &v)?;
+                }
             }
         }
         Ok(())
@@ -576,6 +609,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "gateway.client_header_timeout",
                 "must be greater than zero (such as \"30s\"): it ends idle and slow client connections",
+            ));
+        }
+        if g.console.session_ttl.is_zero() || g.console.session_ttl > CONSOLE_SESSION_CAP {
+            return Err(ConfigError::invalid(
+                "gateway.console.session_ttl",
+                "must be greater than zero and at most 168h (such as \"12h\"): it is how long an unused console session lives",
             ));
         }
         for (key, v) in [

@@ -596,3 +596,41 @@ fn listeners_other_hosts_reach_need_tls_or_an_explicit_choice() {
     )
     .unwrap();
 }
+
+#[test]
+fn the_console_is_on_with_a_twelve_hour_session_and_can_be_turned_off() {
+    let g = load("{}", GATEWAY, &[]).unwrap().config.gateway;
+    assert!(g.console.enabled);
+    assert_eq!(g.console.session_ttl, Duration::from_secs(12 * 3600));
+    let g = load(
+        r#"{"gateway":{"console":{"enabled":false,"session_ttl":"30m"}}}"#,
+        GATEWAY,
+        &[],
+    )
+    .unwrap()
+    .config
+    .gateway;
+    assert!(!g.console.enabled);
+    assert_eq!(g.console.session_ttl, Duration::from_secs(1800));
+    let g = load(
+        "{}",
+        GATEWAY,
+        &[
+            ("GATEWAY_CONSOLE_ENABLED", "false"),
+            ("GATEWAY_CONSOLE_SESSION_TTL", "2h"),
+        ],
+    )
+    .unwrap()
+    .config
+    .gateway;
+    assert!(!g.console.enabled);
+    assert_eq!(g.console.session_ttl, Duration::from_secs(7200));
+    for ttl in ["0s", "169h"] {
+        let e = err(
+            &format!(r#"{{"gateway":{{"console":{{"session_ttl":"{ttl}"}}}}}}"#),
+            GATEWAY,
+            &[],
+        );
+        assert!(e.contains("gateway.console.session_ttl"), "{e}");
+    }
+}

@@ -557,6 +557,7 @@ async fn start_gateway(upstream: SocketAddr, tls: Option<&Certs>) -> SocketAddr 
             sandbox_proxy_domains: Vec::new(),
             debug_mode: false,
             limits: Default::default(),
+            console: Default::default(),
         },
     )
     .expect("gateway");

@@ -12,6 +12,7 @@
 pub mod body;
 pub mod client;
 pub mod cluster_list;
+mod console;
 pub mod forward;
 pub mod hint;
 pub mod host_route;

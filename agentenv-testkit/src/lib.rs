@@ -3,6 +3,7 @@
 //! * [`eventually`] and [`eventually_blocking`] (and [`Wait`] for other intervals or a
 //!   result instead of a panic): poll a check until it passes or a deadline passes;
 //! * [`bins`]: the workspace's binaries, static builds included;
+//! * `browser` (feature `browser`): headless Chromium driven over WebDriver;
 //! * `moto` (feature `s3`): a real S3-compatible server on loopback;
 //! * `internet` (feature `internet`): a fake internet in a network namespace, with web
 //!   servers and a DNS server, for egress tests;
@@ -15,6 +16,8 @@
 //!   install, the shared template cache, a log subscriber, the root check.
 
 pub mod bins;
+#[cfg(feature = "browser")]
+pub mod browser;
 #[cfg(feature = "node")]
 pub mod host_rules;
 #[cfg(feature = "internet")]

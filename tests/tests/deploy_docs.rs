@@ -32,6 +32,7 @@ fn control_plane_keys() -> BTreeSet<String> {
             "TlsListen" => &["scheduler.tls.", "gateway.tls."],
             "TlsConnect" => &["gateway.node_tls.", "gateway.scheduler_tls."],
             "NodeResourceLimit" => &["scheduler.node_resource_limit."],
+            "ConsoleConfig" => &["gateway.console."],
             _ => return None,
         })
     };

@@ -24,7 +24,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_core::config::GatewayConfig;
+use agentenv_core::config::{ConsoleConfig, GatewayConfig};
 use agentenv_core::metrics::grpc_status_label;
 use agentenv_core::proto::scheduler_v1 as pb;
 use bytes::Bytes;
@@ -37,6 +37,7 @@ use tonic::{Code, Status};
 pub use self::admission::ClientLimits;
 pub use self::proxy::extract_sandbox_ids;
 use self::route::Router;
+pub(crate) use self::route::decode_path;
 pub use self::serve::ServeHandle;
 use crate::body::{BoxError, GatewayBody, error_response};
 use crate::client::SchedulerClient;
@@ -78,6 +79,8 @@ pub struct GatewayOptions {
     pub debug_mode: bool,
     /// Limits on client connections of [`Gateway::serve`].
     pub limits: ClientLimits,
+    /// The web console at `/console`.
+    pub console: ConsoleConfig,
 }
 
 impl GatewayOptions {
@@ -94,6 +97,7 @@ impl GatewayOptions {
                 max_connections: cfg.max_connections,
                 max_connections_per_client: cfg.max_connections_per_client,
             },
+            console: cfg.console.clone(),
         }
     }
 }
@@ -116,6 +120,7 @@ struct Inner {
     opts: GatewayOptions,
     router: Router,
     metrics: GatewayMetrics,
+    console: Arc<crate::console::Console>,
 }
 
 impl Gateway {
@@ -135,6 +140,7 @@ impl Gateway {
     ) -> Result<Self, GatewayError> {
         let router = Router::new(&opts)?;
         let pool = upstream_pool(opts.request_timeout);
+        let console = Arc::new(crate::console::Console::new(&opts.console));
         Ok(Self {
             inner: Arc::new(Inner {
                 admission: self::admission::Admission::new(opts.limits),
@@ -142,6 +148,7 @@ impl Gateway {
                 opts,
                 router,
                 metrics,
+                console,
             }),
             pool,
             tls: None,
@@ -205,6 +212,27 @@ impl Gateway {
             remote,
             tls: true,
         }
+    }
+
+    /// Runs a request the gateway makes itself (for the console) through
+    /// [`Gateway::handle`], as if a client had sent it.
+    pub(crate) fn internal(
+        &self,
+        req: Request<GatewayBody>,
+        remote: SocketAddr,
+    ) -> BoxFuture<'static, Response<GatewayBody>> {
+        let gateway = self.clone();
+        Box::pin(async move { gateway.handle(req, remote).await })
+    }
+
+    /// The key clients send in `X-API-Key`.
+    pub(crate) fn api_key(&self) -> &str {
+        &self.inner.opts.api_key
+    }
+
+    /// Whether `given` is the API key (in constant time).
+    pub(crate) fn key_matches(&self, given: &[u8]) -> bool {
+        self.inner.router.key_matches(given)
     }
 
     /// What the fast lane may use of this gateway.

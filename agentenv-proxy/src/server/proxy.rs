@@ -206,6 +206,10 @@ impl Gateway {
         let router = &self.inner.router;
         let host_route =
             router.host_route(host.as_ref().and_then(|h| h.to_str().ok()).unwrap_or(""));
+        if matches!(host_route, Ok(None)) && crate::console::is_console_path(&decoded) {
+            let console = self.inner.console.clone();
+            return crate::console::handle(self.clone(), console, req, remote).await;
+        }
         let headers = req.headers();
         let facts = RoutingFacts {
             method: req.method(),

@@ -188,7 +188,7 @@ impl Router {
 /// The decoded path (bytes that are not UTF-8 become U+FFFD; the raw path
 /// is what gets forwarded), or `None` when a `%` is not followed by two hex
 /// digits.
-pub(super) fn decode_path(raw: &str) -> Option<Cow<'_, str>> {
+pub(crate) fn decode_path(raw: &str) -> Option<Cow<'_, str>> {
     let b = raw.as_bytes();
     let mut i = 0;
     while i < b.len() {
@@ -223,6 +223,7 @@ mod tests {
             sandbox_proxy_domains: domains.iter().map(|d| d.to_string()).collect(),
             debug_mode: false,
             limits: Default::default(),
+            console: Default::default(),
         })
         .unwrap()
     }
@@ -358,6 +359,7 @@ mod tests {
             sandbox_proxy_domains: vec![domain.into()],
             debug_mode: false,
             limits: Default::default(),
+            console: Default::default(),
         };
         assert!(matches!(
             Router::new(&opts("", "example.com")),

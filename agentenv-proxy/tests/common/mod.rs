@@ -301,6 +301,7 @@ pub fn options() -> GatewayOptions {
         sandbox_proxy_domains: vec![DOMAIN.into()],
         debug_mode: true,
         limits: Default::default(),
+        console: Default::default(),
     }
 }
 

@@ -375,6 +375,10 @@ pub(super) fn analyze(router: &Router, buf: &[u8], out: &mut Vec<u8>, peer: &Pee
         return Analysis::Handover;
     };
     let host_route = router.host_route(f.host.and_then(text).unwrap_or(""));
+    // The console is hyper's: its answers are the gateway's own.
+    if matches!(host_route, Ok(None)) && crate::console::is_console_path(&decoded) {
+        return Analysis::Handover;
+    }
     let facts = RoutingFacts {
         method: &method,
         decoded: &decoded,
@@ -780,6 +784,7 @@ mod tests {
                 sandbox_proxy_domains: vec!["sb.example.com".into()],
                 debug_mode: false,
                 limits: ClientLimits::default(),
+                console: Default::default(),
             })
             .unwrap()
         }
