@@ -175,7 +175,12 @@ function unmount() {
 
 function parseRoute() {
   const hash = location.hash.replace(/^#\/?/, '');
-  const parts = hash.split('/').filter(Boolean).map(decodeURIComponent);
+  let parts;
+  try {
+    parts = hash.split('/').filter(Boolean).map(decodeURIComponent);
+  } catch {
+    return null; // malformed percent-encoding: back to the default view
+  }
   if (parts[0] === 'sandboxes' && parts[1]) return { name: 'sandbox', id: parts[1] };
   if (['nodes', 'sandboxes', 'templates'].includes(parts[0])) return { name: parts[0] };
   return null;
