@@ -2,7 +2,8 @@
 // by the events WebSocket (the only source of live updates).
 
 import { onSignedOut, resumeSession, signIn, signOut, wsUrl } from './api.js';
-import { nodesView, sandboxesView, templatesView, setupCreateDialog } from './views.js';
+import { nodesView, sandboxesView, setupCreateDialog } from './views.js';
+import { templatesView } from './templates.js';
 import { sandboxView } from './sandbox.js';
 
 /** What the events socket last said; views read it and re-render on change. */
