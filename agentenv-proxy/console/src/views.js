@@ -21,8 +21,9 @@ function staleNote(store) {
 
 /** The error or "waiting" block shared by views that read the events socket. */
 function liveGap(store, what) {
-  if (store.error) {
-    return notice('error', store.error,
+  const error = store.errors[what];
+  if (error) {
+    return notice('error', error,
       h('p', { class: 'small' }, `The view shows ${what} again as soon as the gateway can read them (see ${TROUBLESHOOTING}).`));
   }
   return notice('info', `Waiting for the gateway to send the ${what}…`);
@@ -42,7 +43,9 @@ export function nodesView(root, store) {
       return;
     }
     const parts = [staleNote(store)];
-    if (store.error) parts.push(notice('error', store.error));
+    // With no node at all, the empty state below says what the error would.
+    const err = store.errors.nodes;
+    if (err && !(nodes.length === 0 && /^no nodes are reporting/i.test(err))) parts.push(notice('error', err));
     if (nodes.length === 0) {
       parts.push(notice('empty', `No nodes are reporting: check the scheduler (see ${TROUBLESHOOTING}).`));
       body.replaceChildren(...parts.filter(Boolean));
@@ -159,7 +162,7 @@ export function sandboxesView(root, store) {
       return;
     }
     const parts = [staleNote(store)];
-    if (store.error) parts.push(notice('error', store.error));
+    if (store.errors.sandboxes) parts.push(notice('error', `${store.errors.sandboxes} (the list below may be out of date)`));
     if (store.truncated) parts.push(notice('info', `Showing the first ${all.length} sandboxes: filter by state or search to narrow the list.`));
     const q = search.value.trim().toLowerCase();
     const st = stateSel.value;
