@@ -2,7 +2,8 @@
 // by the events WebSocket (the only source of live updates).
 
 import { onSignedOut, resumeSession, signIn, signOut, wsUrl } from './api.js';
-import { nodesView, sandboxesView, templatesView, setupCreateDialog } from './views.js';
+import { nodesView, sandboxesView, setupCreateDialog } from './views.js';
+import { templatesView } from './templates.js';
 import { sandboxView } from './sandbox.js';
 
 /** What the events socket last said; views read it and re-render on change. */
@@ -10,7 +11,8 @@ export const store = {
   nodes: null,
   sandboxes: null,
   truncated: false,
-  error: null,
+  /** What the gateway said it cannot read, per list (null: nothing wrong). */
+  errors: { nodes: null, sandboxes: null },
   live: 'connecting',
   listeners: new Set(),
   emit() {
@@ -108,15 +110,21 @@ function startEvents() {
       } catch {
         return;
       }
+      // An error comes before the data still known and is not repeated; the list
+      // that failed is sent again when it can be read, so that ends its error.
       if (msg.type === 'nodes') {
         store.nodes = Array.isArray(msg.items) ? msg.items : [];
-        store.error = null;
+        if (store.nodes.length) store.errors.nodes = null;
       } else if (msg.type === 'sandboxes') {
         store.sandboxes = Array.isArray(msg.items) ? msg.items : [];
         store.truncated = !!msg.truncated;
-        store.error = null;
+        store.errors.sandboxes = null;
       } else if (msg.type === 'error') {
-        store.error = String(msg.message || 'the gateway cannot read the cluster state');
+        const text = String(msg.message || 'the gateway cannot read the cluster state');
+        const sandboxes = text.includes('/v2/sandboxes');
+        const nodes = text.includes('/nodes') || text.includes('no nodes are reporting');
+        if (nodes || !sandboxes) store.errors.nodes = text;
+        if (sandboxes || !nodes) store.errors.sandboxes = text;
       } else {
         return;
       }
@@ -161,7 +169,7 @@ function stopEvents() {
   events = null;
   store.nodes = null;
   store.sandboxes = null;
-  store.error = null;
+  store.errors = { nodes: null, sandboxes: null };
   setLive('offline', 'offline');
 }
 
@@ -175,7 +183,12 @@ function unmount() {
 
 function parseRoute() {
   const hash = location.hash.replace(/^#\/?/, '');
-  const parts = hash.split('/').filter(Boolean).map(decodeURIComponent);
+  let parts;
+  try {
+    parts = hash.split('/').filter(Boolean).map(decodeURIComponent);
+  } catch {
+    return null; // malformed percent-encoding: back to the default view
+  }
   if (parts[0] === 'sandboxes' && parts[1]) return { name: 'sandbox', id: parts[1] };
   if (['nodes', 'sandboxes', 'templates'].includes(parts[0])) return { name: parts[0] };
   return null;

@@ -8,7 +8,7 @@ import {
 
 const TROUBLESHOOTING = 'docs/troubleshooting.md';
 
-function heading(title, ...tools) {
+export function heading(title, ...tools) {
   return h('div', { class: 'view-head' }, h('h1', null, title), h('div', { class: 'tools' }, ...tools));
 }
 
@@ -21,8 +21,9 @@ function staleNote(store) {
 
 /** The error or "waiting" block shared by views that read the events socket. */
 function liveGap(store, what) {
-  if (store.error) {
-    return notice('error', store.error,
+  const error = store.errors[what];
+  if (error) {
+    return notice('error', error,
       h('p', { class: 'small' }, `The view shows ${what} again as soon as the gateway can read them (see ${TROUBLESHOOTING}).`));
   }
   return notice('info', `Waiting for the gateway to send the ${what}…`);
@@ -42,7 +43,9 @@ export function nodesView(root, store) {
       return;
     }
     const parts = [staleNote(store)];
-    if (store.error) parts.push(notice('error', store.error));
+    // With no node at all, the empty state below says what the error would.
+    const err = store.errors.nodes;
+    if (err && !(nodes.length === 0 && /^no nodes are reporting/i.test(err))) parts.push(notice('error', err));
     if (nodes.length === 0) {
       parts.push(notice('empty', `No nodes are reporting: check the scheduler (see ${TROUBLESHOOTING}).`));
       body.replaceChildren(...parts.filter(Boolean));
@@ -159,7 +162,7 @@ export function sandboxesView(root, store) {
       return;
     }
     const parts = [staleNote(store)];
-    if (store.error) parts.push(notice('error', store.error));
+    if (store.errors.sandboxes) parts.push(notice('error', `${store.errors.sandboxes} (the list below may be out of date)`));
     if (store.truncated) parts.push(notice('info', `Showing the first ${all.length} sandboxes: filter by state or search to narrow the list.`));
     const q = search.value.trim().toLowerCase();
     const st = stateSel.value;
@@ -292,57 +295,4 @@ export function setupCreateDialog() {
       submit.textContent = 'Create';
     }
   });
-}
-
-// ---- templates and snapshots --------------------------------------------------
-
-export function templatesView(root) {
-  document.title = 'Templates · AgentENV console';
-  const tBody = h('div', null, notice('info', 'Loading templates…'));
-  const sBody = h('div', null, notice('info', 'Loading snapshots…'));
-  const refresh = h('button', { type: 'button', class: 'btn', onclick: () => load() }, 'Refresh');
-  root.append(heading('Templates', refresh), tBody, h('h2', null, 'Snapshots'), sBody);
-
-  const load = async () => {
-    refresh.disabled = true;
-    const [templates, snapshots] = await Promise.allSettled([listTemplates(), rest.get('snapshots')]);
-    refresh.disabled = false;
-    if (templates.status === 'rejected') {
-      tBody.replaceChildren(notice('error', `Cannot list templates: ${templates.reason.message}`));
-    } else if (!templates.value || templates.value.length === 0) {
-      tBody.replaceChildren(notice('empty', 'No templates: build one with aenv build or Template.build in the SDKs (see docs/templates.md).'));
-    } else {
-      const rows = templates.value.map((t) => h('tr', { dataset: { templateId: t.templateID } },
-        td('Template', h('span', { class: 'mono' }, t.templateID)),
-        td('Names', (t.aliases || t.names || []).join(', ') || '—'),
-        td('Status', h('span', { class: `badge build-${t.buildStatus}` }, t.buildStatus || '—')),
-        td('CPU', t.builtIn ? 'node default' : `${t.cpuCount ?? '?'} vCPU`),
-        td('Memory', t.builtIn ? 'node default' : `${t.memoryMB ?? '?'} MiB`),
-        td('Updated', t.builtIn ? 'built into every node' : parseTime(t.updatedAt) ? ago(parseTime(t.updatedAt)) : '—'),
-        td('', h('button', {
-          type: 'button', class: 'btn', disabled: t.buildStatus && t.buildStatus !== 'ready',
-          onclick: () => openCreate((t.aliases || [])[0] || t.templateID),
-        }, 'Create sandbox'))));
-      tBody.replaceChildren(table('templates-table', ['Template', 'Names', 'Build', 'CPU', 'Memory', 'Updated', ''], rows, 'Templates'));
-    }
-    if (snapshots.status === 'rejected') {
-      sBody.replaceChildren(notice('error', `Cannot list snapshots: ${snapshots.reason.message}`));
-      return;
-    }
-    const items = Array.isArray(snapshots.value) ? snapshots.value : (snapshots.value && snapshots.value.items) || [];
-    if (items.length === 0) {
-      sBody.replaceChildren(notice('empty', 'No snapshots: take one from a running sandbox (POST /sandboxes/{id}/snapshots, see docs/sandbox-api.md).'));
-      return;
-    }
-    const rows = items.map((s) => h('tr', { dataset: { snapshotId: s.snapshotID } },
-      td('Snapshot', h('span', { class: 'mono' }, s.snapshotID)),
-      td('Names', (s.names || []).join(', ') || '—'),
-      td('CPU', `${s.cpuCount ?? '?'} vCPU`),
-      td('Memory', `${s.memoryMB ?? '?'} MiB`),
-      td('Disk', s.diskSizeMB ? `${s.diskSizeMB} MiB` : '—'),
-      td('Created', parseTime(s.createdAt) ? ago(parseTime(s.createdAt)) : '—')));
-    sBody.replaceChildren(table('snapshots-table', ['Snapshot', 'Names', 'CPU', 'Memory', 'Disk', 'Created'], rows, 'Snapshots'));
-  };
-  load();
-  return {};
 }
