@@ -2,8 +2,8 @@
 //! two nodes with the jail backend): sign in, both nodes through the REST pass-through,
 //! a sandbox created through it, the events socket showing the sandbox and then its
 //! removal, a terminal socket running a shell that survives a dropped socket, resize,
-//! a file uploaded, listed and read back, and a hundred open pages costing the gateway
-//! under 50 MB.
+//! a file uploaded, listed and read back, and a hundred open pages each given the live
+//! list.
 
 use std::time::Duration;
 
@@ -277,19 +277,8 @@ fn console_drives_a_two_node_cluster() {
     );
     assert_eq!(st, 400);
 
-    // A hundred open pages cost the gateway little memory.
-    let rss = || {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", cluster.gateway_proc.pid()))
-                .unwrap();
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS");
-        kib * 1024
-    };
-    let before = rss();
+    // A hundred open pages each get the live list (what they cost the gateway is
+    // measured by `agentenv-proxy/examples/console_bench.rs`).
     let pages = rt.block_on(async {
         let mut pages = Vec::new();
         for _ in 0..100 {
@@ -302,15 +291,6 @@ fn console_drives_a_two_node_cluster() {
         }
         pages
     });
-    let grown = rss().saturating_sub(before);
-    assert!(
-        grown < 50 * 1024 * 1024,
-        "100 pages grew the gateway by {grown} bytes"
-    );
-    eprintln!(
-        "100 open console pages: the gateway grew by {} KiB",
-        grown / 1024
-    );
     drop(pages);
 
     // Paused: its files and terminal say to resume it first.
