@@ -212,7 +212,10 @@ async fn sandbox_list_fans_out_merges_newest_first_and_forwards_query_and_host()
         .map(|i| i["nodeID"].as_str().unwrap())
         .collect();
     assert_eq!(nodes, ["node-a", "node-b", "node-b", "node-a"]);
-    assert_eq!(v[0]["clientID"], "c", "clientID passes through as the node sent it");
+    assert_eq!(
+        v[0]["clientID"], "c",
+        "clientID passes through as the node sent it"
+    );
     for log in [&log_a, &log_b] {
         let seen = log.lock()[0].clone();
         assert_eq!(seen.uri, "/sandboxes?metadata=team%3Dalpha");
