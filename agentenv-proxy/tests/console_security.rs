@@ -741,3 +741,49 @@ async fn a_hundred_pages_share_one_poller() {
     let asked = c.count("ListObservedNodes");
     assert!((1..50).contains(&asked), "{asked} node lists for 100 pages");
 }
+
+#[tokio::test]
+async fn a_hung_node_holds_up_only_the_sandbox_list_which_reports_it() {
+    // A node that takes connections and never answers.
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", hung.local_addr().unwrap());
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = hung.accept().await {
+            held.push(conn);
+        }
+    });
+    let c = Cluster::ready(&[("node-a", &endpoint)], options()).await;
+    let (cookie, _, _) = sign_in(&c).await;
+    let mut s = ws(
+        c.addr,
+        "/console/api/events",
+        Some(&cookie),
+        Some(&origin(c.addr)),
+    )
+    .await
+    .expect("upgraded");
+    let mut nodes_before_error = 0;
+    let error = loop {
+        let Some(Ok(Message::Text(t))) = s.next().await else {
+            panic!("the events socket ended")
+        };
+        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        match v["type"].as_str() {
+            Some("nodes") => nodes_before_error += 1,
+            Some("error") => break v,
+            Some("sandboxes") => panic!("a list from a node that never answers: {v}"),
+            _ => {}
+        }
+    };
+    assert_eq!(nodes_before_error, 1, "the nodes came at once");
+    // The list gives up on the node (the request timeout) or the poller on the
+    // list (10 s), whichever comes first: either way the page is told.
+    assert_eq!(error["list"], "sandboxes", "{error}");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("a node may be hung") || message.contains("cluster list unavailable"),
+        "{error}"
+    );
+    holder.abort();
+}

@@ -110,8 +110,8 @@ function startEvents() {
       } catch {
         return;
       }
-      // An error comes before the data still known and is not repeated; the list
-      // that failed is sent again when it can be read, so that ends its error.
+      // An error names its list ("list": nodes or sandboxes) and is not repeated;
+      // the list is sent again when it can be read, which ends its error.
       if (msg.type === 'nodes') {
         store.nodes = Array.isArray(msg.items) ? msg.items : [];
         if (store.nodes.length) store.errors.nodes = null;
@@ -121,8 +121,8 @@ function startEvents() {
         store.errors.sandboxes = null;
       } else if (msg.type === 'error') {
         const text = String(msg.message || 'the gateway cannot read the cluster state');
-        const sandboxes = text.includes('/v2/sandboxes');
-        const nodes = text.includes('/nodes') || text.includes('no nodes are reporting');
+        const sandboxes = msg.list === 'sandboxes';
+        const nodes = msg.list === 'nodes';
         if (nodes || !sandboxes) store.errors.nodes = text;
         if (sandboxes || !nodes) store.errors.sandboxes = text;
       } else {

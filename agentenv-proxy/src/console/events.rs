@@ -1,8 +1,8 @@
 //! `GET /console/api/events`: live nodes and sandboxes over a WebSocket.
 //!
 //! One poller per gateway builds a snapshot every second (`GET /nodes`,
-//! `GET /v2/sandboxes` page by page, through the gateway's own dispatch)
-//! while at least one page listens, and publishes it in a
+//! `GET /v2/sandboxes` page by page, each on its own, through the gateway's
+//! own dispatch) while at least one page listens, and publishes it in a
 //! `tokio::sync::watch`: every page gets the latest snapshot, never a
 //! backlog. Pages get a message only for the parts that changed.
 
@@ -29,13 +29,22 @@ const PING_EVERY: Duration = Duration::from_secs(20);
 const MAX_SANDBOXES: usize = 2_000;
 /// What a page is told when no node reports.
 const NO_NODES: &str = "no nodes are reporting: check the scheduler (docs/troubleshooting.md)";
+/// How long one read of the nodes may take.
+const NODES_WITHIN: Duration = Duration::from_secs(5);
+/// How long one read of every sandbox may take.
+const SANDBOXES_WITHIN: Duration = Duration::from_secs(10);
+const NODES_LATE: &str =
+    "the scheduler did not list the nodes within 5 s: check it (docs/troubleshooting.md)";
+const SANDBOXES_LATE: &str = "the sandbox list took longer than 10 s: a node may be hung; its status in the nodes view says which (docs/troubleshooting.md)";
 
-/// The messages of one snapshot, serialized; `None` until known.
-#[derive(Default, PartialEq, Eq)]
+/// The messages of one snapshot, serialized; `None` until known. Each list
+/// has its own error, replaced by the list when it is read again.
+#[derive(Default, Clone, PartialEq, Eq)]
 pub(crate) struct Snapshot {
     nodes: Option<Arc<str>>,
     sandboxes: Option<Arc<str>>,
-    error: Option<Arc<str>>,
+    nodes_error: Option<Arc<str>>,
+    sandboxes_error: Option<Arc<str>>,
 }
 
 /// The poller's channel, while one runs.
@@ -58,25 +67,72 @@ impl Hub {
     }
 }
 
-/// Refreshes the snapshot while anyone listens.
+/// Refreshes the snapshot while anyone listens: the nodes and the sandboxes
+/// each on their own, so a hung node (which holds a sandbox list up to the
+/// request timeout) does not hold up the nodes view, and each read gives up
+/// after [`NODES_WITHIN`] or [`SANDBOXES_WITHIN`] with an error for its list.
 async fn poll(console: Arc<Console>, gateway: Gateway, tx: watch::Sender<Arc<Snapshot>>) {
     let remote = SocketAddr::from(([127, 0, 0, 1], 0));
-    loop {
-        let snap = build(&gateway, remote).await;
+    let publish = |update: &dyn Fn(&mut Snapshot)| {
         tx.send_if_modified(|cur| {
-            if **cur == snap {
+            let mut next = Snapshot::clone(cur);
+            update(&mut next);
+            if **cur == next {
                 return false;
             }
-            *cur = Arc::new(snap);
+            *cur = Arc::new(next);
             true
         });
-        tokio::time::sleep(EVERY).await;
+    };
+    // Whether the poller should stop (no page listens); clears the hub's slot once.
+    let done = || {
         let mut slot = console.events.tx.lock();
         if tx.receiver_count() == 0 {
             *slot = None;
-            return;
+            return true;
         }
+        false
+    };
+    let nodes = async {
+        loop {
+            let read = tokio::time::timeout(NODES_WITHIN, nodes_part(&gateway, remote)).await;
+            let read = read.unwrap_or_else(|_| Err(error("nodes", NODES_LATE)));
+            publish(&|s| match &read {
+                Ok(m) => (s.nodes, s.nodes_error) = (Some(m.0.clone()), m.1.clone()),
+                Err(e) => s.nodes_error = Some(e.clone()),
+            });
+            tokio::time::sleep(EVERY).await;
+            if done() {
+                return;
+            }
+        }
+    };
+    let sandboxes = async {
+        loop {
+            let read =
+                tokio::time::timeout(SANDBOXES_WITHIN, sandboxes_part(&gateway, remote)).await;
+            let read = read.unwrap_or_else(|_| Err(error("sandboxes", SANDBOXES_LATE)));
+            publish(&|s| match &read {
+                Ok(m) => (s.sandboxes, s.sandboxes_error) = (Some(m.clone()), None),
+                Err(e) => s.sandboxes_error = Some(e.clone()),
+            });
+            tokio::time::sleep(EVERY).await;
+            if done() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = nodes => {}
+        () = sandboxes => {}
     }
+}
+
+/// An error message for the page about one list.
+fn error(list: &str, message: &str) -> Arc<str> {
+    serde_json::json!({"type": "error", "list": list, "message": message})
+        .to_string()
+        .into()
 }
 
 /// A JSON array the gateway answered for `path`, or what went wrong.
@@ -119,22 +175,23 @@ fn message(kind: &str, items: Vec<serde_json::Value>, truncated: Option<bool>) -
     m.to_string().into()
 }
 
-async fn build(gateway: &Gateway, remote: SocketAddr) -> Snapshot {
-    let mut snap = Snapshot::default();
-    let mut errors = Vec::new();
-    match list(gateway, remote, "/nodes").await {
-        Ok((items, _)) => {
-            if items.is_empty() {
-                errors.push(NO_NODES.to_string());
-            }
-            snap.nodes = Some(message("nodes", items, None));
-        }
-        Err(e) => errors.push(e),
-    }
+/// The nodes message, and the error that goes with an empty list.
+async fn nodes_part(
+    gateway: &Gateway,
+    remote: SocketAddr,
+) -> Result<(Arc<str>, Option<Arc<str>>), Arc<str>> {
+    let (items, _) = list(gateway, remote, "/nodes")
+        .await
+        .map_err(|e| error("nodes", &e))?;
+    let empty = items.is_empty().then(|| error("nodes", NO_NODES));
+    Ok((message("nodes", items, None), empty))
+}
+
+/// The sandboxes message: every page of the cluster list, at most [`MAX_SANDBOXES`].
+async fn sandboxes_part(gateway: &Gateway, remote: SocketAddr) -> Result<Arc<str>, Arc<str>> {
     let mut items = Vec::new();
     let mut next: Option<String> = None;
-    let mut truncated = false;
-    let sandboxes = loop {
+    loop {
         let path = match &next {
             Some(t) => format!(
                 "/v2/sandboxes?limit=100&nextToken={}",
@@ -142,32 +199,20 @@ async fn build(gateway: &Gateway, remote: SocketAddr) -> Snapshot {
             ),
             None => "/v2/sandboxes?limit=100".to_string(),
         };
-        match list(gateway, remote, &path).await {
-            Ok((page, token)) => {
-                items.extend(page);
-                if items.len() >= MAX_SANDBOXES {
-                    truncated = items.len() > MAX_SANDBOXES || token.is_some();
-                    items.truncate(MAX_SANDBOXES);
-                    break Ok(());
-                }
-                match token {
-                    Some(t) if next.as_deref() != Some(t.as_str()) => next = Some(t),
-                    _ => break Ok(()),
-                }
-            }
-            Err(e) => break Err(e),
+        let (page, token) = list(gateway, remote, &path)
+            .await
+            .map_err(|e| error("sandboxes", &e))?;
+        items.extend(page);
+        if items.len() >= MAX_SANDBOXES {
+            let truncated = items.len() > MAX_SANDBOXES || token.is_some();
+            items.truncate(MAX_SANDBOXES);
+            return Ok(message("sandboxes", items, Some(truncated)));
         }
-    };
-    match sandboxes {
-        Ok(()) => snap.sandboxes = Some(message("sandboxes", items, Some(truncated))),
-        Err(e) if !errors.contains(&e) => errors.push(e),
-        Err(_) => {}
+        match token {
+            Some(t) if next.as_deref() != Some(t.as_str()) => next = Some(t),
+            _ => return Ok(message("sandboxes", items, Some(false))),
+        }
     }
-    if !errors.is_empty() {
-        let m = serde_json::json!({"type": "error", "message": errors.join("; ")});
-        snap.error = Some(m.to_string().into());
-    }
-    snap
 }
 
 /// Opens the events socket of a signed-in page.
@@ -198,15 +243,13 @@ async fn serve(ws: socket::Socket, console: Arc<Console>, gateway: Gateway, toke
         {
             let snap = rx.borrow_and_update().clone();
             let mut out = Vec::new();
-            // An error first, then the data that is known (which replaces it).
-            if snap.error != sent.error
-                && let Some(e) = &snap.error
-            {
-                out.push(e.clone());
-            }
+            // Per list: its data when it changed (which clears its error on the
+            // page), then its error when that changed.
             for (now, before) in [
                 (&snap.nodes, &mut sent.nodes),
+                (&snap.nodes_error, &mut sent.nodes_error),
                 (&snap.sandboxes, &mut sent.sandboxes),
+                (&snap.sandboxes_error, &mut sent.sandboxes_error),
             ] {
                 if now != before
                     && let Some(m) = now
@@ -215,7 +258,6 @@ async fn serve(ws: socket::Socket, console: Arc<Console>, gateway: Gateway, toke
                 }
                 before.clone_from(now);
             }
-            sent.error.clone_from(&snap.error);
             for m in out {
                 if sink.send(Message::text(m.to_string())).await.is_err() {
                     return;
