@@ -92,15 +92,23 @@ fn no_key(h: &HeaderMap, b: &[u8]) {
 }
 
 /// A WebSocket handshake to `path`; the refusal's status, or the socket.
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// The next JSON text message of an events socket.
+async fn next_json(s: &mut Socket) -> serde_json::Value {
+    let Some(Ok(Message::Text(t))) = s.next().await else {
+        panic!("the events socket ended")
+    };
+    serde_json::from_str(t.as_str()).unwrap()
+}
+
 async fn ws(
     addr: SocketAddr,
     path: &str,
     cookie: Option<&str>,
     origin: Option<&str>,
-) -> Result<
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
-    (StatusCode, String),
-> {
+) -> Result<Socket, (StatusCode, String)> {
     let mut req = format!("ws://{addr}{path}").into_client_request().unwrap();
     if let Some(k) = cookie {
         req.headers_mut().insert("cookie", k.parse().unwrap());
@@ -419,10 +427,7 @@ async fn sockets_refuse_a_foreign_or_missing_origin_before_the_upgrade() {
     .await
     .expect("upgraded");
     let nodes = loop {
-        let Some(Ok(Message::Text(t))) = s.next().await else {
-            panic!("the events socket ended")
-        };
-        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        let v = next_json(&mut s).await;
         if v["type"] == "nodes" {
             break v;
         }
@@ -682,10 +687,7 @@ async fn the_events_socket_says_when_no_node_reports() {
     .await
     .expect("upgraded");
     let error = loop {
-        let Some(Ok(Message::Text(t))) = s.next().await else {
-            panic!("the events socket ended")
-        };
-        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        let v = next_json(&mut s).await;
         if v["type"] == "error" {
             break v;
         }
@@ -700,10 +702,7 @@ async fn the_events_socket_says_when_no_node_reports() {
     // A node reports: its data follows.
     c.heartbeat("node-a", &[]).await;
     loop {
-        let Some(Ok(Message::Text(t))) = s.next().await else {
-            panic!("the events socket ended")
-        };
-        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        let v = next_json(&mut s).await;
         if v["type"] == "nodes" && v["items"][0]["id"] == "node-a" {
             break;
         }
@@ -729,10 +728,7 @@ async fn a_hundred_pages_share_one_poller() {
     }
     for s in &mut pages {
         loop {
-            let Some(Ok(Message::Text(t))) = s.next().await else {
-                panic!("an events socket ended")
-            };
-            if t.as_str().contains(r#""type":"nodes""#) {
+            if next_json(s).await["type"] == "nodes" {
                 break;
             }
         }
@@ -765,10 +761,7 @@ async fn a_hung_node_holds_up_only_the_sandbox_list_which_reports_it() {
     .expect("upgraded");
     let mut nodes_before_error = 0;
     let error = loop {
-        let Some(Ok(Message::Text(t))) = s.next().await else {
-            panic!("the events socket ended")
-        };
-        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        let v = next_json(&mut s).await;
         match v["type"].as_str() {
             Some("nodes") => nodes_before_error += 1,
             Some("error") => break v,
