@@ -12,6 +12,10 @@ while read -r pkg; do
   pkg="${pkg%%#*}"
   pkg="$(echo "$pkg" | xargs)"
   [ -n "$pkg" ] || continue
+  # Node.js from other sources (NodeSource) bundles npm and conflicts with Debian's.
+  if [ "$pkg" = npm ] && command -v npm >/dev/null 2>&1; then
+    continue
+  fi
   if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
     missing+=("$pkg")
   fi
