@@ -573,23 +573,32 @@ impl SandboxCgroup {
         }
     }
 
-    /// Kills every process in the cgroup (frozen ones included) and waits until it is
-    /// empty.
-    pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
-        let deadline = Instant::now() + timeout;
+    /// Sends SIGKILL to every process in the cgroup (frozen ones included) while none can
+    /// fork, and thaws it so that they die: once this returns, no process of the cgroup
+    /// runs user code again (they may still be exiting).
+    pub async fn signal_kill(&self, timeout: Duration) -> Result<(), CgroupError> {
         if self.version == 2 && self.dirs[0].join("cgroup.kill").exists() {
             self.write("cpu", "cgroup.kill", "1")?;
         } else {
             // Freeze so nothing forks while we kill, kill, then thaw so the kills land.
-            let _ = self.freeze(timeout).await;
+            let frozen = self.freeze(timeout).await;
             for pid in self.pids() {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
                     nix::sys::signal::Signal::SIGKILL,
                 );
             }
+            let thawed = self.thaw(timeout).await;
+            return frozen.and(thawed);
         }
-        let _ = self.thaw(timeout).await;
+        self.thaw(timeout).await
+    }
+
+    /// Kills every process in the cgroup (frozen ones included) and waits until it is
+    /// empty.
+    pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        let _ = self.signal_kill(timeout).await;
         let mut pause = Duration::from_micros(100);
         loop {
             if self.pids().is_empty() {

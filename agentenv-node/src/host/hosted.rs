@@ -237,8 +237,8 @@ pub trait Runtime: Send + Sync + Sized + 'static {
     /// [`Runtime::teardown`].
     const DEFERRED_CLEANUP: bool = false;
 
-    /// Kills every process of the sandbox: the part of a deferred delete done before it
-    /// answers.
+    /// Kills every process of the sandbox, so that none runs again (they may still be
+    /// exiting): the part of a deferred delete done before it answers.
     async fn kill(
         b: &HostedBackend<Self>,
         sbx: &HostedSandbox<Self::Run>,

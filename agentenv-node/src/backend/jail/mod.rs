@@ -588,8 +588,16 @@ impl Runtime for JailRuntime {
 
     const DEFERRED_CLEANUP: bool = true;
 
+    /// Every process of the sandbox gets SIGKILL while none can fork (the cgroup frozen,
+    /// or `cgroup.kill`): none runs user code again. Waiting for them to exit (the
+    /// kernel tearing down their PID and mount namespaces) is the cleanup's.
     async fn kill(b: &JailBackend, sbx: &Sandbox) -> Result<(), BackendError> {
-        kill_processes(&b.host, sbx).await
+        let _ = kill(sbx.run.pid, Signal::SIGKILL);
+        sbx.host
+            .cgroup
+            .signal_kill(b.cfg().op_timeout)
+            .await
+            .map_err(setup)
     }
 
     async fn cleanup(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {
