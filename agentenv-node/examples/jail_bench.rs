@@ -520,7 +520,7 @@ async fn main() -> anyhow::Result<()> {
         if total < 2 << 20 { "meets" } else { "MISSES" }
     );
     println!(
-        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without pools; destroy is what the caller waits for (processes dead, sandbox gone), its cleanup runs in the background queue"
+        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without pools; destroy is what the caller waits for (every process killed, sandbox gone), its cleanup runs in the background queue"
     );
     let pool_batches = versus
         .as_ref()

@@ -314,9 +314,10 @@ pub trait SandboxBackend: Send + Sync {
     async fn destroy(&self, id: &str) -> Result<(), BackendError>;
 
     /// Stops a sandbox at once and leaves the rest of its destroy to the backend's cleanup
-    /// queue. Once this returns, every process of the sandbox is dead and the backend no
-    /// longer knows it; what it held (layer, cgroup, namespace and veth, address, id
-    /// range, directory) is given back in the background, and handed to no other sandbox
+    /// queue. Once this returns, every process of the sandbox has been killed (none runs
+    /// again; the kernel may still be ending them) and the backend no longer knows it;
+    /// what it held (layer, cgroup, namespace and veth, address, id range, directory) is
+    /// given back in the background once they are gone, and handed to no other sandbox
     /// before. A backend without a queue destroys the sandbox in one go.
     async fn kill(&self, id: &str) -> Result<(), BackendError> {
         self.destroy(id).await

@@ -319,10 +319,11 @@ impl Orchestrator {
         }
     }
 
-    /// Kills a sandbox and removes every trace of it. Answers once the sandbox's processes
-    /// are dead and it is gone from the node's lists (its capacity is free from then on);
-    /// the backend gives back what it held (layer, cgroup, namespace, address, directory)
-    /// in its cleanup queue.
+    /// Kills a sandbox and removes every trace of it. Answers once every process of the
+    /// sandbox has been killed (none runs again) and it is gone from the node's lists (its
+    /// capacity is free from then on); the backend waits for the processes to exit and
+    /// gives back what it held (layer, cgroup, namespace, address, directory) in its
+    /// cleanup queue.
     pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), LifecycleError> {
         self.admit(None)?;
         self.on_sandbox(id, |this, sandbox| async move {
