@@ -7,7 +7,9 @@
 //! ```
 //!
 //! Prints, for `N` sandboxes (50 by default): create → agent ready and destroy latency
-//! (p50/p99, 1 and 8 at a time), pause and resume latency, and memory per idle sandbox
+//! (p50/p99, 1 and 8 at a time; destroy as the node deletes: what the caller waits for,
+//! and the background cleanup's own duration), pause and resume latency, and memory per
+//! idle sandbox
 //! (node RSS + cgroup usage). The reference for create is the same agent started as a
 //! plain host process until it answers `/health`; for destroy, SIGKILL and reap of that
 //! process; for pause/resume, SIGSTOP/SIGCONT of it. `--pool` sets the number of network
@@ -266,24 +268,37 @@ async fn create_many(
     Ok((lat, ids))
 }
 
+/// Deletes `ids` `parallel` at a time as the node does (processes killed, the rest left
+/// to the cleanup queue); returns how long each delete kept its caller waiting and, once
+/// the queue is empty, how long each background cleanup took.
 async fn destroy_many(
     b: &Arc<JailBackend>,
     ids: Vec<String>,
     parallel: usize,
-) -> anyhow::Result<Vec<Duration>> {
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+    let n = ids.len();
     let results: Vec<anyhow::Result<Duration>> = futures::stream::iter(ids)
         .map(|id| {
             let b = b.clone();
             async move {
                 let start = Instant::now();
-                b.destroy(&id).await?;
+                b.kill(&id).await?;
                 Ok(start.elapsed())
             }
         })
         .buffer_unordered(parallel)
         .collect()
         .await;
-    results.into_iter().collect()
+    let answers = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    if !b.drain_cleanups(Duration::from_secs(60)).await {
+        bail!("the cleanup queue did not drain within 60 s");
+    }
+    let done = b.cleanups();
+    if done.failures > 0 {
+        bail!("{} cleanup attempts failed", done.failures);
+    }
+    let cleanups = done.recent[done.recent.len().saturating_sub(n)..].to_vec();
+    Ok((answers, cleanups))
 }
 
 #[tokio::main]
@@ -437,7 +452,10 @@ async fn main() -> anyhow::Result<()> {
 
     let create_target = Some(Duration::from_millis(10));
     let create8_target = Some(Duration::from_millis(50));
-    let pause_target = Some(Duration::from_millis(10));
+    let (pause_target, resume_target) = (
+        Some(Duration::from_millis(1)),
+        Some(Duration::from_millis(10)),
+    );
     line(
         "create→ready, 1 at a time",
         &stats(lat1),
@@ -459,10 +477,38 @@ async fn main() -> anyhow::Result<()> {
             ms(without.p99)
         );
     }
-    line("destroy, 1 at a time", &stats(del1), &plain_stop, None);
-    line("destroy, 8 at a time", &stats(del8), &plain_stop, None);
+    let destroy_target = Some(Duration::from_millis(5));
+    line(
+        "destroy, 1 at a time",
+        &stats(del1.0),
+        &plain_stop,
+        destroy_target,
+    );
+    line(
+        "destroy, 8 at a time",
+        &stats(del8.0),
+        &plain_stop,
+        destroy_target,
+    );
+    line(
+        "  its cleanup, 1 at a time",
+        &stats(del1.1),
+        &plain_stop,
+        None,
+    );
+    line(
+        "  its cleanup, 8 at a time",
+        &stats(del8.1),
+        &plain_stop,
+        None,
+    );
     line("pause (freeze)", &stats(pause), &plain_pause, pause_target);
-    line("resume (thaw)", &stats(resume), &plain_resume, pause_target);
+    line(
+        "resume (thaw)",
+        &stats(resume),
+        &plain_resume,
+        resume_target,
+    );
     let node_per = rss_with.saturating_sub(rss_without) / n as u64;
     let cg_per = cg_total / n as u64;
     let total = node_per + cg_per;
@@ -474,7 +520,7 @@ async fn main() -> anyhow::Result<()> {
         if total < 2 << 20 { "meets" } else { "MISSES" }
     );
     println!(
-        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without pools"
+        "references: plain host process of the same agent (start→ready, SIGKILL+reap, SIGSTOP, SIGCONT); for the batches, a backend without pools; destroy is what the caller waits for (every process killed, sandbox gone), its cleanup runs in the background queue"
     );
     let pool_batches = versus
         .as_ref()

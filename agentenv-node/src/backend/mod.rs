@@ -313,6 +313,27 @@ pub trait SandboxBackend: Send + Sync {
     /// writable layer, address.
     async fn destroy(&self, id: &str) -> Result<(), BackendError>;
 
+    /// Stops a sandbox at once and leaves the rest of its destroy to the backend's cleanup
+    /// queue. Once this returns, every process of the sandbox has been killed (none runs
+    /// again; the kernel may still be ending them) and the backend no longer knows it;
+    /// what it held (layer, cgroup, namespace and veth, address, id range, directory) is
+    /// given back in the background once they are gone, and handed to no other sandbox
+    /// before. A backend without a queue destroys the sandbox in one go.
+    async fn kill(&self, id: &str) -> Result<(), BackendError> {
+        self.destroy(id).await
+    }
+
+    /// What the cleanup queue of [`SandboxBackend::kill`] did so far.
+    fn cleanups(&self) -> crate::host::cleanup::CleanupStats {
+        crate::host::cleanup::CleanupStats::default()
+    }
+
+    /// Waits until the cleanup queue is empty or `timeout` passed; whether it is empty.
+    async fn drain_cleanups(&self, timeout: Duration) -> bool {
+        let _ = timeout;
+        true
+    }
+
     /// Replaces a sandbox's egress policy (running or paused) at once: the kernel rules in
     /// its namespace and its egress proxy; established flows to what is denied now are
     /// cut at their next packet.

@@ -48,6 +48,9 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CgroupEr
     move |source| CgroupError::Io { context, source }
 }
 
+/// How long a freeze or thaw is waited for by polling between yields, before sleeping.
+const STATE_SPIN: Duration = Duration::from_millis(1);
+
 /// The controllers the jail needs on cgroup v1.
 pub const V1_CONTROLLERS: &[&str] = &["cpu", "cpuacct", "memory", "pids", "freezer", "devices"];
 /// The controllers the jail enables on cgroup v2.
@@ -531,8 +534,12 @@ impl SandboxCgroup {
         done: impl Fn(&str) -> bool,
         timeout: Duration,
     ) -> Result<(), CgroupError> {
+        // A freeze or thaw usually completes within tens of microseconds: the state is
+        // polled between yields for a moment (a timer's sleep lasts at least its 1 ms
+        // tick), then with sleeps.
+        let spin_until = std::time::Instant::now() + STATE_SPIN;
         let deadline = Instant::now() + timeout;
-        let mut pause = Duration::from_micros(50);
+        let mut pause = Duration::from_millis(1);
         loop {
             if done(&self.read(controller, file)?) {
                 return Ok(());
@@ -543,6 +550,10 @@ impl SandboxCgroup {
                     want,
                     timeout,
                 });
+            }
+            if std::time::Instant::now() < spin_until {
+                tokio::task::yield_now().await;
+                continue;
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(5));
@@ -562,23 +573,32 @@ impl SandboxCgroup {
         }
     }
 
-    /// Kills every process in the cgroup (frozen ones included) and waits until it is
-    /// empty.
-    pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
-        let deadline = Instant::now() + timeout;
+    /// Sends SIGKILL to every process in the cgroup (frozen ones included) while none can
+    /// fork, and thaws it so that they die: once this returns, no process of the cgroup
+    /// runs user code again (they may still be exiting).
+    pub async fn signal_kill(&self, timeout: Duration) -> Result<(), CgroupError> {
         if self.version == 2 && self.dirs[0].join("cgroup.kill").exists() {
             self.write("cpu", "cgroup.kill", "1")?;
         } else {
             // Freeze so nothing forks while we kill, kill, then thaw so the kills land.
-            let _ = self.freeze(timeout).await;
+            let frozen = self.freeze(timeout).await;
             for pid in self.pids() {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
                     nix::sys::signal::Signal::SIGKILL,
                 );
             }
+            let thawed = self.thaw(timeout).await;
+            return frozen.and(thawed);
         }
-        let _ = self.thaw(timeout).await;
+        self.thaw(timeout).await
+    }
+
+    /// Kills every process in the cgroup (frozen ones included) and waits until it is
+    /// empty.
+    pub async fn kill_all(&self, timeout: Duration) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + timeout;
+        let _ = self.signal_kill(timeout).await;
         let mut pause = Duration::from_micros(100);
         loop {
             if self.pids().is_empty() {

@@ -11,17 +11,18 @@
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 
 use super::cgroup::Limits;
+use super::cleanup::CleanupStats;
 use super::devices::DeviceRule;
 use super::ids::IdPoolRange;
 use super::net::Ipv4Net;
 use super::table::{SandboxTable, TableSandbox};
-use super::{HostConfig, HostSlot, SandboxHost, netpool, setup};
+use super::{DirHook, HostConfig, HostSlot, SandboxHost, netpool, setup};
 use crate::backend::{
     AGENT_PORT, BackendError, DiskUsage, KeptState, ReconcileReport, ResourceUsage, SandboxAddress,
     SandboxBackend, SandboxInfo, SandboxSpec, SandboxState, SnapshotCapture, validate_sandbox_id,
@@ -231,6 +232,39 @@ pub trait Runtime: Send + Sync + Sized + 'static {
         sbx: &HostedSandbox<Self::Run>,
     ) -> Result<(), BackendError>;
 
+    /// Whether a delete is split in two: [`Runtime::kill`] before it answers, and
+    /// [`Runtime::cleanup`] in the backend's cleanup queue. Otherwise a delete is one
+    /// [`Runtime::teardown`].
+    const DEFERRED_CLEANUP: bool = false;
+
+    /// Kills every process of the sandbox, so that none runs again (they may still be
+    /// exiting): the part of a deferred delete done before it answers.
+    async fn kill(
+        b: &HostedBackend<Self>,
+        sbx: &HostedSandbox<Self::Run>,
+    ) -> Result<(), BackendError> {
+        let _ = (b, sbx);
+        Ok(())
+    }
+
+    /// The rest of a deferred delete, run by the cleanup queue once [`Runtime::kill`]
+    /// answered: gives back all the sandbox holds on `host`. Every step runs; errors are
+    /// collected.
+    async fn cleanup(
+        host: &SandboxHost,
+        sbx: &HostedSandbox<Self::Run>,
+    ) -> Result<(), BackendError> {
+        let _ = (host, sbx);
+        Ok(())
+    }
+
+    /// Runs on a leftover sandbox directory (of a failed cleanup or an earlier node
+    /// process) before it is removed: the jail unmounts its layer there.
+    fn clean_dir(dir: &Path) -> Result<(), String> {
+        let _ = dir;
+        Ok(())
+    }
+
     /// Stops a sandbox and gives back all it holds; `keep` names where its state goes
     /// instead of being deleted. Every step runs; errors are collected.
     async fn teardown(
@@ -314,7 +348,7 @@ pub trait Runtime: Send + Sync + Sized + 'static {
 pub struct HostedBackend<R: Runtime> {
     pub(crate) runtime: R,
     pub(crate) templates: TemplateStore,
-    pub(crate) host: SandboxHost,
+    pub(crate) host: Arc<SandboxHost>,
     pub(crate) sandboxes: SandboxTable<HostedSandbox<R::Run>>,
 }
 
@@ -344,7 +378,7 @@ impl<R: Runtime> HostedBackend<R> {
         Self {
             templates: TemplateStore::new(runtime.config().templates.clone()),
             runtime,
-            host,
+            host: Arc::new(host),
             sandboxes: SandboxTable::new(),
         }
     }
@@ -484,9 +518,16 @@ impl<R: Runtime> HostedBackend<R> {
 }
 
 impl<R: Runtime> Drop for HostedBackend<R> {
-    /// With no sandbox left, the runtime lets go of what it kept ready.
+    /// With no sandbox left (and none being cleaned up), the runtime lets go of what it
+    /// kept ready.
     fn drop(&mut self) {
-        if self.sandboxes.ids().is_empty() {
+        let pending = self.host.cleanups().pending();
+        if pending > 0 {
+            tracing::warn!(
+                pending,
+                "the backend goes with deleted sandboxes still being cleaned up; the next start's reconciliation removes what is left"
+            );
+        } else if self.sandboxes.ids().is_empty() {
             self.runtime.release_unused();
         }
     }
@@ -529,6 +570,39 @@ impl<R: Runtime> SandboxBackend for HostedBackend<R> {
         let r = R::teardown(self, &sbx, None).await;
         self.runtime.config().sandbox_logs.remove(id);
         r
+    }
+
+    async fn kill(&self, id: &str) -> Result<(), BackendError> {
+        if !R::DEFERRED_CLEANUP {
+            return self.destroy(id).await;
+        }
+        let sbx = self.sandboxes.remove_ready(id)?;
+        let op = sbx.op.lock().await;
+        let killed = R::kill(self, &sbx).await;
+        drop(op);
+        self.runtime.config().sandbox_logs.remove(id);
+        let (host, again, name) = (self.host.clone(), self.host.clone(), id.to_string());
+        let first = async move {
+            let _op = sbx.op.lock().await;
+            R::cleanup(&host, &sbx).await.map_err(|e| e.to_string())
+        };
+        let retry = move || {
+            let (host, id) = (again.clone(), name.clone());
+            async move {
+                let hook: &DirHook<'_> = &R::clean_dir;
+                host.clean_deleted(&id, Some(hook)).await
+            }
+        };
+        self.host.cleanups().push(id.to_string(), first, retry);
+        killed
+    }
+
+    fn cleanups(&self) -> CleanupStats {
+        self.host.cleanups().stats()
+    }
+
+    async fn drain_cleanups(&self, timeout: Duration) -> bool {
+        self.host.cleanups().drain(timeout).await
     }
 
     async fn keep(&self, id: &str) -> Result<KeptState, BackendError> {

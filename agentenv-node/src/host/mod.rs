@@ -21,6 +21,7 @@
 //! [`Runtime`]).
 
 pub mod cgroup;
+pub mod cleanup;
 pub mod devices;
 pub mod disk;
 mod hosted;
@@ -135,6 +136,8 @@ pub struct SandboxHost {
     kept_dir: PathBuf,
     host_cpus: u32,
     host_memory: u64,
+    /// Deleted sandboxes being cleaned up.
+    cleanups: Arc<cleanup::CleanupQueue>,
 }
 
 impl SandboxHost {
@@ -218,11 +221,17 @@ impl SandboxHost {
             kept_dir,
             host_cpus,
             host_memory: host_memory_bytes().unwrap_or(u64::MAX),
+            cleanups: cleanup::CleanupQueue::new(),
         })
     }
 
     pub fn config(&self) -> &HostConfig {
         &self.cfg
+    }
+
+    /// The queue of deleted sandboxes being cleaned up.
+    pub fn cleanups(&self) -> &Arc<cleanup::CleanupQueue> {
+        &self.cleanups
     }
 
     /// The cgroup hierarchy in use.

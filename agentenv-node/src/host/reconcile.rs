@@ -49,6 +49,28 @@ impl SandboxHost {
         self.remove_dir(&kept.path).map_err(setup)
     }
 
+    /// Cleans what is left of deleted sandbox `id` after a failed cleanup, as the
+    /// start-up reconciliation cleans a leftover directory (`before_removal` runs on the
+    /// directory before it goes); an error when its directory or cgroup is still there.
+    pub async fn clean_deleted(
+        &self,
+        id: &str,
+        before_removal: Option<&DirHook<'_>>,
+    ) -> Result<(), String> {
+        let mut report = ReconcileReport::default();
+        self.clean_leftover(id, &mut report, before_removal).await;
+        let dir = self.sandbox_dir(id);
+        let cg = self.hierarchy.sandbox(&self.cfg.hosted.cgroup_parent, id);
+        match (dir.exists(), cg.exists()) {
+            (false, false) => Ok(()),
+            (d, c) => Err(format!(
+                "still there after cleaning:{}{}",
+                if d { " its directory" } else { "" },
+                if c { " its cgroup" } else { "" }
+            )),
+        }
+    }
+
     /// Cleans the leftovers of one sandbox directory of an earlier process: its cgroup
     /// (processes killed), links, address and id reservations, and the directory.
     async fn clean_leftover(

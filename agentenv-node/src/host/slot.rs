@@ -143,20 +143,33 @@ impl SandboxHost {
         &self,
         dir: &Path,
     ) -> Result<(Slot, Option<netpool::PooledNet>), BackendError> {
-        let p = match self.netpool.take() {
-            Some(p) => p,
-            None => match self.pool.reserve(dir) {
+        let deadline = tokio::time::Instant::now() + self.cfg.hosted.op_timeout;
+        let p = loop {
+            if let Some(p) = self.netpool.take() {
+                break p;
+            }
+            match self.pool.reserve(dir) {
                 Ok(slot) => return Ok((slot, None)),
+                // Addresses of deleted sandboxes come back once their cleanup is done.
+                Err(net::NetError::Exhausted(_))
+                    if self.cleanups.pending() > 0 && tokio::time::Instant::now() < deadline =>
+                {
+                    self.cleanups
+                        .wait_any(deadline - tokio::time::Instant::now())
+                        .await;
+                }
                 // The pool may hold the last free addresses in namespaces being made.
-                Err(net::NetError::Exhausted(pool)) => self
-                    .netpool
-                    .take_in_flight(self.cfg.hosted.op_timeout)
-                    .await
-                    .ok_or_else(|| BackendError::AddressPoolExhausted {
-                        pool: pool.to_string(),
-                    })?,
+                Err(net::NetError::Exhausted(pool)) => {
+                    break self
+                        .netpool
+                        .take_in_flight(self.cfg.hosted.op_timeout)
+                        .await
+                        .ok_or_else(|| BackendError::AddressPoolExhausted {
+                            pool: pool.to_string(),
+                        })?;
+                }
                 Err(other) => return Err(setup(other)),
-            },
+            }
         };
         let slot = p.net.slot;
         if let Err(e) = self.pool.transfer(slot, dir) {

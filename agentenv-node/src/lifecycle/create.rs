@@ -319,7 +319,11 @@ impl Orchestrator {
         }
     }
 
-    /// Kills a sandbox and removes every trace of it.
+    /// Kills a sandbox and removes every trace of it. Answers once every process of the
+    /// sandbox has been killed (none runs again) and it is gone from the node's lists (its
+    /// capacity is free from then on); the backend waits for the processes to exit and
+    /// gives back what it held (layer, cgroup, namespace, address, directory) in its
+    /// cleanup queue.
     pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), LifecycleError> {
         self.admit(None)?;
         self.on_sandbox(id, |this, sandbox| async move {
@@ -336,7 +340,7 @@ impl Orchestrator {
             let (r, before) = slot.step(Op::Kill)?;
             (r.clone(), before)
         };
-        let mut result = match self.backend.destroy(&rec.id).await {
+        let mut result = match self.backend.kill(&rec.id).await {
             Ok(()) => Ok(()),
             Err(BackendError::NotFound(_)) => Ok(()),
             Err(e) => Err(e),

@@ -1,7 +1,10 @@
 //! Prometheus metrics of lifecycle operations: `agentenv_sandbox_stage_duration_seconds`
-//! `{operation,stage,status}` and `agentenv_sandbox_stage_inflight{operation,stage}`.
+//! `{operation,stage,status}` and `agentenv_sandbox_stage_inflight{operation,stage}`, and
+//! the backend's cleanup queue of deleted sandboxes: `agentenv_sandbox_cleanups_pending`
+//! and `agentenv_sandbox_cleanup_failures_total`.
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -26,6 +29,8 @@ struct InflightLabels {
 pub struct LifecycleMetrics {
     durations: Family<StageLabels, Histogram>,
     inflight: Family<InflightLabels, Gauge>,
+    cleanups_pending: Gauge,
+    cleanup_failures: Counter,
 }
 
 impl Default for LifecycleMetrics {
@@ -35,6 +40,8 @@ impl Default for LifecycleMetrics {
                 agentenv_core::metrics::latency_histogram as fn() -> Histogram,
             ),
             inflight: Family::default(),
+            cleanups_pending: Gauge::default(),
+            cleanup_failures: Counter::default(),
         }
     }
 }
@@ -52,6 +59,26 @@ impl LifecycleMetrics {
             "Sandbox lifecycle stages in progress",
             self.inflight.clone(),
         );
+        registry.register(
+            "agentenv_sandbox_cleanups_pending",
+            "Deleted sandboxes whose resources are still being given back",
+            self.cleanups_pending.clone(),
+        );
+        registry.register(
+            "agentenv_sandbox_cleanup_failures",
+            "Failed attempts to clean up a deleted sandbox (each one is retried)",
+            self.cleanup_failures.clone(),
+        );
+    }
+
+    /// Shows what the cleanup queue did so far.
+    pub fn set_cleanups(&self, stats: &crate::host::cleanup::CleanupStats) {
+        self.cleanups_pending
+            .set(i64::try_from(stats.pending).unwrap_or(i64::MAX));
+        let seen = self.cleanup_failures.get();
+        if stats.failures > seen {
+            self.cleanup_failures.inc_by(stats.failures - seen);
+        }
     }
 
     /// Starts timing `stage` of `operation`.

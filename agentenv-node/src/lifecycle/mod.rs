@@ -294,6 +294,17 @@ impl Orchestrator {
         &self.metrics
     }
 
+    /// What the backend's cleanup queue of deleted sandboxes did so far.
+    pub fn cleanups(&self) -> crate::host::cleanup::CleanupStats {
+        self.backend.cleanups()
+    }
+
+    /// Waits until the backend has cleaned up every deleted sandbox, or `timeout`
+    /// passed; whether it has.
+    pub async fn drain_cleanups(&self, timeout: Duration) -> bool {
+        self.backend.drain_cleanups(timeout).await
+    }
+
     /// The token issuer of this node.
     pub fn tokens(&self) -> &TokenIssuer {
         &self.tokens

@@ -12,6 +12,9 @@ use super::{
 use crate::backend::agent::wait_ready;
 use crate::clock::ms_since_epoch;
 
+/// How long a shutdown waits for the cleanups of deleted sandboxes.
+const SHUTDOWN_CLEANUP_WAIT: Duration = Duration::from_secs(10);
+
 /// How long a pause with `requireHealthyGuest` waits for the agent to answer.
 const AGENT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -304,6 +307,14 @@ impl Orchestrator {
             }
         }
         *self.events.lock() = None;
+        // Deleted sandboxes still being cleaned up: what is not done in time is a leftover
+        // the next start's reconciliation removes.
+        if !self.backend.drain_cleanups(SHUTDOWN_CLEANUP_WAIT).await {
+            tracing::warn!(
+                pending = self.backend.cleanups().pending,
+                "deleted sandboxes still being cleaned up at shutdown; the next start removes what is left"
+            );
+        }
         tracing::info!("lifecycle stopped; paused sandboxes are recorded");
     }
 }

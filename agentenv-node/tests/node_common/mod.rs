@@ -48,7 +48,7 @@ pub fn guest_binary() -> Option<PathBuf> {
     agentenv_testkit::bins::find_static_binary("AGENTENV_GUEST_BIN", "agentenv-guest")
 }
 
-/// A config for a node on loopback with data under `home`; `slot` (0..64) keeps the
+/// A config for a node on loopback with data under `home`; `slot` (0..128) keeps the
 /// address pools and interface names of concurrent test nodes apart.
 /// The token seed of every test node: tests derive a sandbox's access token from it.
 pub const TEST_SEED: &str = "node-test-seed";
@@ -72,7 +72,7 @@ pub fn config(home: &Path, slot: u8) -> NodeConfig {
     );
     env.insert("AENV_TEMPLATE_PATH", TEMPLATE_CACHE.to_string());
     env.insert("AENV_RUNTIME_PATH", "/run/agentenv".to_string());
-    env.insert("AENV_JAIL_ADDRESS_POOL", format!("10.14.{}.0/26", slot * 4));
+    env.insert("AENV_JAIL_ADDRESS_POOL", address_pool(slot));
     env.insert("AENV_JAIL_IFACE_PREFIX", iface_prefix(slot));
     env.insert(
         "AENV_JAIL_CGROUP_PARENT",
@@ -87,6 +87,17 @@ pub fn config(home: &Path, slot: u8) -> NodeConfig {
     c.default_memory_mb = 256;
     c.default_timeout = Duration::from_secs(300);
     c
+}
+
+/// The sandbox addresses of a test node: a /26 of its own (slots 0..64 in 10.14.0.0/16,
+/// the next ones in 10.18.0.0/16).
+pub fn address_pool(slot: u8) -> String {
+    let (net, n) = if slot < 64 {
+        (14, slot)
+    } else {
+        (18, slot - 64)
+    };
+    format!("10.{net}.{}.0/26", u16::from(n) * 4)
 }
 
 /// `t` + two letters from `slot`.

@@ -193,8 +193,15 @@ impl JailBackend {
 
     /// Releases what the backend holds apart from its sandboxes: the pooled network
     /// namespaces and their addresses (waiting until the kernel has removed their links),
-    /// and the pooled writable layers. Creates after this make them themselves.
+    /// and the pooled writable layers, once the deleted sandboxes are cleaned up (waiting
+    /// at most the operation timeout for that). Creates after this make them themselves.
     pub async fn shutdown(&self) {
+        if !self.host.cleanups().drain(self.cfg().op_timeout).await {
+            tracing::warn!(
+                pending = self.host.cleanups().pending(),
+                "deleted sandboxes still being cleaned up; the next start removes what is left"
+            );
+        }
         self.host.shutdown().await;
         if let Some(pool) = self.runtime.layers.clone() {
             let _ = tokio::task::spawn_blocking(move || pool.shutdown()).await;
@@ -422,64 +429,81 @@ impl JailBackend {
             },
         ))
     }
+}
 
-    /// Kills a sandbox and gives back all it holds, except its writable layer when `keep`
-    /// names where to move it. Every step runs; errors are collected.
-    async fn teardown(&self, sbx: &Sandbox, keep: Option<&Path>) -> Result<(), BackendError> {
-        let timeout = self.cfg().op_timeout;
-        let _ = kill(sbx.run.pid, Signal::SIGKILL);
-        // Frozen processes die only once thawed.
-        if sbx.host.cgroup.is_frozen() {
-            let _ = sbx.host.cgroup.thaw(timeout).await;
-        }
-        let mut exited = sbx.run.exited.clone();
-        let _ = tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await;
-        // The layer's file system outlives the sandbox's mount namespace only as long as
-        // a process of it does.
-        let mut errors = Vec::new();
-        if let Err(e) = self.host.stop_processes(&sbx.host).await {
-            errors.push(e.to_string());
-        }
-        let layer = sbx
-            .run
-            .layer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(layer) = layer {
-            let durable = keep.is_some();
-            let r = tokio::task::spawn_blocking(move || {
-                if durable {
-                    layer.unmount()
-                } else {
-                    layer.discard()
-                }
-            })
-            .await;
-            match r {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => errors.push(format!("unmounting the writable layer: {e}")),
-                Err(e) => errors.push(format!("layer task: {e}")),
+/// Kills every process of a sandbox: its PID 1 (whose end takes its PID namespace with
+/// it), then whatever is left in its cgroup (thawed first: frozen processes die only once
+/// thawed). Nothing a tenant does delays this: SIGKILL cannot be caught, and the cgroup
+/// is frozen while it is emptied, so nothing forks meanwhile.
+async fn kill_processes(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {
+    let timeout = host.config().hosted.op_timeout;
+    let _ = kill(sbx.run.pid, Signal::SIGKILL);
+    if sbx.host.cgroup.is_frozen() {
+        let _ = sbx.host.cgroup.thaw(timeout).await;
+    }
+    let mut exited = sbx.run.exited.clone();
+    let _ = tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await;
+    host.stop_processes(&sbx.host).await
+}
+
+/// Kills a sandbox and gives back all it holds, except its writable layer when `keep`
+/// names where to move it. Every step runs; errors are collected.
+async fn teardown(
+    host: &SandboxHost,
+    sbx: &Sandbox,
+    keep: Option<&Path>,
+) -> Result<(), BackendError> {
+    // The layer's file system outlives the sandbox's mount namespace only as long as a
+    // process of it does.
+    let mut errors = Vec::new();
+    if let Err(e) = kill_processes(host, sbx).await {
+        errors.push(e.to_string());
+    }
+    let layer = sbx
+        .run
+        .layer
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(layer) = layer {
+        let durable = keep.is_some();
+        let r = tokio::task::spawn_blocking(move || {
+            if durable {
+                layer.unmount()
+            } else {
+                layer.discard()
             }
-        }
-        let keep_fn = keep.map(|kept| move |dir: &Path| layer::keep(dir, kept));
-        if let Err(e) = self
-            .host
-            .release(
-                &sbx.host,
-                keep_fn.as_ref().map(|f| f as &crate::host::DirHook<'_>),
-            )
-            .await
-        {
-            errors.push(e.to_string());
-        }
-        tracing::debug!(dir = %sbx.host.dir.display(), "sandbox destroyed");
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(setup(errors.join("; ")))
+        })
+        .await;
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => errors.push(format!("unmounting the writable layer: {e}")),
+            Err(e) => errors.push(format!("layer task: {e}")),
         }
     }
+    let keep_fn = keep.map(|kept| move |dir: &Path| layer::keep(dir, kept));
+    if let Err(e) = host
+        .release(
+            &sbx.host,
+            keep_fn.as_ref().map(|f| f as &crate::host::DirHook<'_>),
+        )
+        .await
+    {
+        errors.push(e.to_string());
+    }
+    tracing::debug!(dir = %sbx.host.dir.display(), "sandbox destroyed");
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(setup(errors.join("; ")))
+    }
+}
+
+/// Unmounts the writable layer a leftover sandbox directory still has mounted.
+fn unmount_leftover_layer(dir: &Path) -> Result<(), String> {
+    disk::unmount_leftover(&layer_mount(dir))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// A failed spawn as a backend error: a volume that cannot be mounted at its path names
@@ -559,7 +583,29 @@ impl Runtime for JailRuntime {
         sbx: &Sandbox,
         keep: Option<&Path>,
     ) -> Result<(), BackendError> {
-        b.teardown(sbx, keep).await
+        teardown(&b.host, sbx, keep).await
+    }
+
+    const DEFERRED_CLEANUP: bool = true;
+
+    /// Every process of the sandbox gets SIGKILL while none can fork (the cgroup frozen,
+    /// or `cgroup.kill`): none runs user code again. Waiting for them to exit (the
+    /// kernel tearing down their PID and mount namespaces) is the cleanup's.
+    async fn kill(b: &JailBackend, sbx: &Sandbox) -> Result<(), BackendError> {
+        let _ = kill(sbx.run.pid, Signal::SIGKILL);
+        sbx.host
+            .cgroup
+            .signal_kill(b.cfg().op_timeout)
+            .await
+            .map_err(setup)
+    }
+
+    async fn cleanup(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {
+        teardown(host, sbx, None).await
+    }
+
+    fn clean_dir(dir: &Path) -> Result<(), String> {
+        unmount_leftover_layer(dir)
     }
 
     async fn capture(
@@ -611,14 +657,9 @@ impl Runtime for JailRuntime {
         kept: &[KeptState],
     ) -> Result<ReconcileReport, BackendError> {
         // A layer still mounted in a leftover directory goes before the directory.
-        let unmount = |dir: &Path| -> Result<(), String> {
-            disk::unmount_leftover(&layer_mount(dir))
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        };
         let mut report = b
             .host
-            .reconcile(&b.sandboxes.ids(), kept, Some(&unmount))
+            .reconcile(&b.sandboxes.ids(), kept, Some(&unmount_leftover_layer))
             .await?;
         if let Some(pool) = &b.runtime.layers {
             let own = pool.dir().to_path_buf();
