@@ -15,4 +15,5 @@ pub mod observe;
 pub mod reporter;
 pub mod snapshot;
 pub mod template;
+pub mod timing;
 pub mod volume;

@@ -9,6 +9,12 @@
 //! Each is compared with the same operation sent to the node directly (no gateway hop),
 //! measured in the same run; the exec round trip also with a host `fork+exec` of `true`.
 //!
+//! First, where a create → first command spends its time: the `Server-Timing` entries
+//! of the create's answer (the node's phases, the gateway's) beside the client's own
+//! clock, p50, p99 and mean per phase over [`BREAKDOWN`] runs at concurrency 1. The
+//! means of the parts add up to the mean of the whole; a row in parentheses is what no
+//! phase holds.
+//!
 //! `cargo build --release -p agentenv-bin --bins && cargo run --release -p agentenv-tests --example node_bench`
 
 use std::net::SocketAddr;
@@ -20,6 +26,8 @@ use agentenv_tests::{API_KEY, Cluster};
 
 const CREATES: usize = 50;
 const EXECS: usize = 500;
+/// Runs of the breakdown.
+const BREAKDOWN: usize = 100;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
@@ -125,6 +133,214 @@ fn row(name: &str, mut ours: Vec<Duration>, mut reference: Vec<Duration>, ref_na
     );
 }
 
+/// One create → first command through the gateway: the client's clock and the
+/// create answer's `Server-Timing` entries (milliseconds).
+struct Sample {
+    create: f64,
+    command: f64,
+    end_to_end: f64,
+    entries: Vec<(String, f64)>,
+}
+
+impl Sample {
+    fn get(&self, name: &str) -> f64 {
+        self.entries
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, d)| *d)
+            .unwrap_or_else(|| panic!("no `{name}` in the Server-Timing of a create"))
+    }
+
+    /// The node's phases (the entries before its total, `node`).
+    fn node_phases(&self) -> &[(String, f64)] {
+        let at = self.entries.iter().position(|(n, _)| n == "node");
+        &self.entries[..at.expect("a `node` entry")]
+    }
+
+    /// The gateway's phases (between `node` and `gateway`).
+    fn gateway_phases(&self) -> &[(String, f64)] {
+        let at = self.node_phases().len() + 1;
+        &self.entries[at..self.entries.len() - 1]
+    }
+}
+
+async fn breakdown_sample(gw: SocketAddr) -> Sample {
+    let t0 = Instant::now();
+    let (st, headers, body) = tokio::task::spawn_blocking(move || {
+        agentenv_tests::http(
+            gw,
+            "POST",
+            "/v2/sandboxes",
+            &[("x-api-key", API_KEY), ("content-type", "application/json")],
+            r#"{"templateID":"base","timeout":120}"#,
+        )
+    })
+    .await
+    .expect("request task");
+    let create = t0.elapsed();
+    assert_eq!(st, 201, "create: {body}");
+    let id = serde_json::from_str::<serde_json::Value>(&body).expect("JSON")["sandboxID"]
+        .as_str()
+        .expect("sandboxID")
+        .to_string();
+    let t1 = Instant::now();
+    let out = client(gw, &id)
+        .run("true", &[])
+        .await
+        .expect("first command");
+    let command = t1.elapsed();
+    let end_to_end = t0.elapsed();
+    assert_eq!(out.end.as_ref().map(|e| e.exit_code), Some(0));
+    let value = headers
+        .iter()
+        .find(|(k, _)| k == "server-timing")
+        .map(|(_, v)| v.as_str())
+        .expect("Server-Timing on a create through the gateway");
+    let entries = agentenv_node::timing::parse(value).expect("valid Server-Timing");
+    delete(gw, &id).await;
+    Sample {
+        create: ms(create),
+        command: ms(command),
+        end_to_end: ms(end_to_end),
+        entries,
+    }
+}
+
+/// What the node's phases are called in the table.
+fn node_phase_label(name: &str) -> String {
+    let what = match name {
+        "request" => "reading the create body",
+        "parse" => "parsing it",
+        "volumes" => "checking volume mounts",
+        "resolve" => "resolving template / snapshot",
+        "bind" => "binding volumes",
+        "admit" => "checking limits, taking the id",
+        "template" => "template ready (cached)",
+        "dir" => "sandbox directory",
+        "ids" => "id range reserved",
+        "netns" => "network namespace + address",
+        "egress" => "egress rules + proxy",
+        "cgroup" => "cgroup + device rules",
+        "layer" => "writable layer (ext4 image) mounted",
+        "prepare" => "guest files in the layer",
+        "pipe" => "agent output pipe",
+        "userns" => "user namespace + id mapping",
+        "state" => "state.json written",
+        "plan" => "spawn plan",
+        "queue" => "waiting for a blocking thread",
+        "spawn" => "clone, overlay root, exec of the agent",
+        "watch" => "pidfd watch, commit",
+        "agent_ready" => "agent ready (GET /health polled)",
+        "init" => "POST /init",
+        "start_cmd" => "template start command",
+        "finish" => "record, events, observer",
+        "answer" => "answer JSON",
+        _ => "",
+    };
+    format!("{name:<12} {what}")
+}
+
+/// Prints where a create → first command spends its time.
+fn print_breakdown(samples: &[Sample]) {
+    struct Row {
+        label: String,
+        depth: usize,
+        values: Vec<f64>,
+    }
+    let mut rows: Vec<Row> = Vec::new();
+    let mut row = |label: &str, depth: usize, f: &dyn Fn(&Sample) -> f64| {
+        rows.push(Row {
+            label: label.to_string(),
+            depth,
+            values: samples.iter().map(f).collect(),
+        })
+    };
+    let first = &samples[0];
+    row("end to end (client clock)", 0, &|s| s.end_to_end);
+    row("create call: POST /v2/sandboxes (client clock)", 1, &|s| {
+        s.create
+    });
+    row("(client <-> gateway: connect, HTTP, loopback)", 2, &|s| {
+        s.create - s.get("gateway")
+    });
+    row("gateway (total in the gateway)", 2, &|s| s.get("gateway"));
+    for (name, _) in first.gateway_phases() {
+        let name = name.clone();
+        let label = match name.as_str() {
+            "route" => "route        path, API key, routing decision",
+            "hint" => "hint         reading the create body for placement",
+            "schedule" => "schedule     Schedule RPC to the scheduler",
+            "upstream" => "upstream     the node call (request sent -> answer head)",
+            "record" => "record       RecordAssignment RPC (the client waits for it)",
+            "lookup" => "lookup       LookupNode RPC",
+            "bind" => "bind         RecordAssignment before the create (idempotency key)",
+            other => other,
+        };
+        let label = label.to_string();
+        let upstream = name == "upstream";
+        row(&label, 3, &move |s| s.get(&name));
+        if upstream {
+            row("(gateway <-> node: HTTP, loopback)", 4, &|s| {
+                s.get("upstream") - s.get("node")
+            });
+            row("node (total in the node's create handler)", 4, &|s| {
+                s.get("node")
+            });
+            for (phase, _) in first.node_phases() {
+                let phase = phase.clone();
+                row(&node_phase_label(&phase), 5, &move |s| s.get(&phase));
+            }
+            row("(node: in no phase)", 5, &|s| {
+                s.get("node") - s.node_phases().iter().map(|(_, d)| d).sum::<f64>()
+            });
+        }
+    }
+    row("(gateway: in no phase)", 3, &|s| {
+        s.get("gateway") - s.gateway_phases().iter().map(|(_, d)| d).sum::<f64>()
+    });
+    row(
+        "first command: process.Process/Start `true` (client clock)",
+        1,
+        &|s| s.command,
+    );
+    row("(between the two calls)", 1, &|s| {
+        s.end_to_end - s.create - s.command
+    });
+
+    let mean_total = samples.iter().map(|s| s.end_to_end).sum::<f64>() / samples.len() as f64;
+    println!(
+        "breakdown of create -> first command through the gateway, concurrency 1, {} runs (ms; the means add up, p50 and p99 do not):",
+        samples.len()
+    );
+    println!(
+        "  {:<70} {:>8} {:>8} {:>8} {:>6}",
+        "phase", "p50", "p99", "mean", "share"
+    );
+    for r in rows {
+        let mean = r.values.iter().sum::<f64>() / r.values.len() as f64;
+        let mut v = r.values.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let p = |q: f64| v[(((v.len() - 1) as f64) * q).round() as usize];
+        let label = format!("{}{}", "  ".repeat(r.depth), r.label);
+        println!(
+            "  {label:<70} {:>8.2} {:>8.2} {:>8.2} {:>5.1}%",
+            p(0.5),
+            p(0.99),
+            mean,
+            100.0 * mean / mean_total
+        );
+    }
+    println!(
+        "  (rows in parentheses are what no phase holds; with them each row's children add up to it, in the mean)"
+    );
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 fn main() {
     if let Some(r) = agentenv_tests::skip_reason() {
         eprintln!("node_bench cannot run here: {r}");
@@ -150,6 +366,13 @@ fn main() {
         }
         // Warm-up (template cache, page cache, connection setup).
         creates(gw, 4, 2).await;
+
+        println!("load average before the runs: {}", load_average());
+        let mut samples = Vec::with_capacity(BREAKDOWN);
+        for _ in 0..BREAKDOWN {
+            samples.push(breakdown_sample(gw).await);
+        }
+        print_breakdown(&samples);
 
         println!("node_bench: {CREATES} creates per row, {EXECS} execs; reference = same call sent to a node directly");
         let (g1, _) = creates(gw, CREATES, 1).await;
@@ -191,6 +414,7 @@ fn main() {
             CREATES as f64 / n8_wall.as_secs_f64()
         );
         println!("targets: create -> first command p50 < 100 ms; exec round trip p50 < 5 ms");
+        println!("load average after the runs: {}", load_average());
     });
     drop(cluster);
     let _ = API_KEY;

@@ -1,7 +1,7 @@
 //! Sandbox handlers: create, list, get, delete, pause, resume, connect, timeout and
 //! refresh, and the sandbox's JSON shapes.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::header::HeaderValue;
 use http::{Request, StatusCode};
@@ -21,20 +21,29 @@ use crate::ids::parse_sandbox_id;
 use crate::lifecycle::{
     Connected, LifecycleError, MAX_FORKS, OnTimeout, PauseMode, SandboxRecord, State,
 };
+use crate::timing::{SERVER_TIMING, Timings};
 
 /// Longest `duration` of `POST /refreshes`, in seconds.
 const MAX_REFRESH_SECS: u64 = 3600;
 
 /// `POST /sandboxes`, `POST /v2/sandboxes`; with `Idempotency-Key`, a retry gets the
-/// first request's sandbox.
+/// first request's sandbox. A sandbox made by this request is answered with the phases
+/// of its create in `Server-Timing`.
 pub(super) async fn create(state: &ApiState, req: Request<Incoming>) -> Reply {
+    let mut timing = CreateTiming {
+        started: Instant::now(),
+        phases: Timings::new(),
+        made: None,
+    };
     let key = req
         .headers()
         .get(agentenv_core::idempotency::IDEMPOTENCY_KEY_HEADER)
         .map(|v| v.to_str().map(str::to_string).unwrap_or_default());
     let body = read_body(req).await?;
+    timing.phases.push("request", timing.started.elapsed());
     let Some(key) = key else {
-        return created(create_answer(state, &body, None).await?);
+        let answer = create_answer(state, &body, None, &mut timing).await?;
+        return timing.answer(created(answer));
     };
     match state.idempotency.begin(&key, &body).await {
         Err(e) => {
@@ -55,10 +64,10 @@ pub(super) async fn create(state: &ApiState, req: Request<Incoming>) -> Reply {
                 .insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(r)
         }
-        Ok(Begin::Run(claim)) => match create_answer(state, &body, Some(&key)).await {
+        Ok(Begin::Run(claim)) => match create_answer(state, &body, Some(&key), &mut timing).await {
             Ok(answer) => {
                 claim.finish(answer.clone());
-                created(answer)
+                timing.answer(created(answer))
             }
             // The claim goes unfinished: the key is free for a retry.
             Err(reject) => Err(reject),
@@ -66,14 +75,39 @@ pub(super) async fn create(state: &ApiState, req: Request<Incoming>) -> Reply {
     }
 }
 
+/// The phases of a create answered by this node: when the request began, and when
+/// the sandbox was made (`None`: this request made none).
+struct CreateTiming {
+    started: Instant,
+    phases: Timings,
+    made: Option<Instant>,
+}
+
+impl CreateTiming {
+    /// `reply` with the create's phases and its total (`node`) in `Server-Timing`, when
+    /// this request made the sandbox; building the answer since is `answer`.
+    fn answer(mut self, reply: Reply) -> Reply {
+        let mut r = reply?;
+        if let Some(made) = self.made {
+            self.phases.push("answer", made.elapsed());
+            let value = self.phases.header(("node", self.started.elapsed()));
+            r.headers_mut().insert(SERVER_TIMING, value);
+        }
+        Ok(r)
+    }
+}
+
 /// Creates the sandbox `body` asks for; its JSON. With an idempotency `key` the sandbox
 /// gets the key's id, and when it exists already (the key's first request made it before
-/// this node restarted and forgot the key), that sandbox is the answer.
+/// this node restarted and forgot the key), that sandbox is the answer. The create's
+/// phases are added to `timing`.
 async fn create_answer(
     state: &ApiState,
     body: &[u8],
     key: Option<&str>,
+    timing: &mut CreateTiming,
 ) -> Result<Answer, super::error::Reject> {
+    let started = Instant::now();
     let new: NewSandbox = parse_json(body)?;
     let mut req = new.into_request()?;
     if let Some(key) = key {
@@ -85,7 +119,11 @@ async fn create_answer(
         }
         req.id = Some(id);
     }
-    let rec = state.orch.create(req).await?;
+    timing.phases.push("parse", started.elapsed());
+    let (rec, phases) = state.orch.create_timed(req).await;
+    timing.phases.extend(&phases);
+    let rec = rec?;
+    timing.made = Some(Instant::now());
     Ok(answer(state, &rec))
 }
 
@@ -171,8 +209,9 @@ pub(super) async fn pause(state: &ApiState, id: &str, req: Request<Incoming>) ->
     Ok(status_only(StatusCode::NO_CONTENT))
 }
 
-/// `POST /sandboxes/{id}/resume`.
+/// `POST /sandboxes/{id}/resume`; its time in the node is `node` in `Server-Timing`.
 pub(super) async fn resume(state: &ApiState, id: &str, req: Request<Incoming>) -> Reply {
+    let started = Instant::now();
     let id = parse_sandbox_id(id)?;
     let body: TimeoutBody = read_json(req).await?;
     let rec = state
@@ -183,14 +222,26 @@ pub(super) async fn resume(state: &ApiState, id: &str, req: Request<Incoming>) -
             PauseMode::from_memory(body.memory.unwrap_or(true)),
         )
         .await?;
-    Ok(json_response(
-        StatusCode::CREATED,
-        &sandbox_json(state, &rec),
+    Ok(timed(
+        json_response(StatusCode::CREATED, &sandbox_json(state, &rec)),
+        started,
     ))
 }
 
-/// `POST /sandboxes/{id}/connect`: 200 when it was running, 201 when it was resumed.
+/// `resp` with the time since `started` as `node` in `Server-Timing`.
+fn timed(
+    mut resp: http::Response<crate::dataplane::Body>,
+    started: Instant,
+) -> http::Response<crate::dataplane::Body> {
+    let value = Timings::new().header(("node", started.elapsed()));
+    resp.headers_mut().insert(SERVER_TIMING, value);
+    resp
+}
+
+/// `POST /sandboxes/{id}/connect`: 200 when it was running, 201 when it was resumed; its
+/// time in the node is `node` in `Server-Timing`.
 pub(super) async fn connect(state: &ApiState, id: &str, req: Request<Incoming>) -> Reply {
+    let started = Instant::now();
     let id = parse_sandbox_id(id)?;
     let body: TimeoutBody = read_json(req).await?;
     let (rec, how) = state
@@ -205,7 +256,10 @@ pub(super) async fn connect(state: &ApiState, id: &str, req: Request<Incoming>) 
         Connected::WasRunning => StatusCode::OK,
         Connected::Resumed => StatusCode::CREATED,
     };
-    Ok(json_response(status, &sandbox_json(state, &rec)))
+    Ok(timed(
+        json_response(status, &sandbox_json(state, &rec)),
+        started,
+    ))
 }
 
 /// `POST /sandboxes/{id}/timeout`.

@@ -474,10 +474,12 @@ impl<R: Runtime> HostedBackend<R> {
         mut spec: SandboxSpec,
         progress: Progress,
     ) -> Result<SandboxInfo, BackendError> {
+        let started = std::time::Instant::now();
         validate_sandbox_id(&spec.id)?;
         let limits = R::admit(self, &mut spec)?;
         self.sandboxes
             .begin(&spec.id, self.sandbox_dir(&spec.id).exists())?;
+        crate::timing::record("admit", started.elapsed());
         let result = R::start(self, &spec, limits, progress)
             .await
             .map(std::sync::Arc::new);

@@ -16,7 +16,7 @@
 //! [`SandboxHost`] with its accessors; `slot` what one sandbox holds ([`Claim`],
 //! [`HostSlot`], and [`SandboxHost::claim`] and [`SandboxHost::release`]); `reconcile` the
 //! removal of directories, kept states and what an earlier node process left behind;
-//! `process` watching a sandbox's process ([`watch_exit`]) and timing phases ([`Phases`]);
+//! `process` watching a sandbox's process ([`watch_exit`]);
 //! `hosted` what both backends build on top ([`HostedConfig`], [`HostedBackend`] over a
 //! [`Runtime`]).
 
@@ -50,7 +50,7 @@ use crate::backend::{BackendError, KeptState, MIN_MEMORY_MB, SandboxSpec};
 
 pub(crate) use self::hosted::foreign_capture;
 pub use self::hosted::{HostedBackend, HostedConfig, HostedSandbox, Runtime};
-pub use self::process::{Phases, watch_exit};
+pub use self::process::watch_exit;
 pub use self::slot::{Claim, HostSlot};
 
 /// What a backend's host needs to know.

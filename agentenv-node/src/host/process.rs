@@ -1,6 +1,5 @@
 //! A sandbox's processes seen from the node: [`watch_exit`] reaps a child through a pidfd
-//! and publishes its exit status, and [`Phases`] times the phases of an operation for
-//! debug logs.
+//! and publishes its exit status.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::Duration;
@@ -39,50 +38,4 @@ pub fn watch_exit(pid: Pid) -> std::io::Result<watch::Receiver<Option<WaitStatus
         let _ = tx.send(Some(status));
     });
     Ok(rx)
-}
-/// Durations of the phases of an operation, for debug logs.
-pub struct Phases {
-    last: std::time::Instant,
-    done: Vec<(&'static str, Duration)>,
-}
-
-impl Default for Phases {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Phases {
-    pub fn new() -> Self {
-        Self {
-            last: std::time::Instant::now(),
-            done: Vec::new(),
-        }
-    }
-
-    /// Ends the phase `name` at `at` (between the last mark and now).
-    pub fn split(&mut self, name: &'static str, at: std::time::Instant) {
-        let at = at.clamp(self.last, std::time::Instant::now());
-        self.done.push((name, at - self.last));
-        self.last = at;
-    }
-
-    /// Ends the phase `name` now.
-    pub fn mark(&mut self, name: &'static str) {
-        let now = std::time::Instant::now();
-        self.done.push((name, now - self.last));
-        self.last = now;
-    }
-}
-
-impl std::fmt::Display for Phases {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (i, (name, d)) in self.done.iter().enumerate() {
-            if i > 0 {
-                f.write_str(" ")?;
-            }
-            write!(f, "{name}={:.2}ms", d.as_secs_f64() * 1e3)?;
-        }
-        Ok(())
-    }
 }

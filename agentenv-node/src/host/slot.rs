@@ -16,6 +16,7 @@ use super::net::{SandboxNet, Slot};
 use super::{DirHook, SandboxHost, StateFile, ids, net, netpool, setup};
 use crate::backend::{BackendError, SandboxSpec};
 use crate::egress::SandboxEgress;
+use crate::timing::Lap;
 
 impl SandboxHost {
     /// Takes what the sandbox of `spec` needs on the host: its directory (its kept
@@ -32,6 +33,7 @@ impl SandboxHost {
             spec.kept.as_ref(),
             spec.allow_internet_access,
         );
+        let mut phases = Lap::new();
         let dir = self.sandbox_dir(id);
         let mut claim = Claim {
             host: self,
@@ -60,12 +62,14 @@ impl SandboxHost {
             None => std::fs::create_dir_all(&dir)
                 .map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?,
         }
+        phases.mark("dir");
         claim.ids = Some(self.ids.reserve(&dir).map_err(|e| match e {
             ids::IdError::Exhausted(_) => BackendError::IdPoolExhausted {
                 pool: self.ids.range().to_string(),
             },
             other => setup(other),
         })?);
+        phases.mark("ids");
 
         let (slot, pooled) = self.reserve_net(&dir).await?;
         claim.slot = Some(slot);
@@ -99,7 +103,9 @@ impl SandboxHost {
             }
         };
         claim.net = Some(sandbox_net);
+        phases.mark("netns");
         claim.egress = Some(self.start_egress(spec, &mut claim).await?);
+        phases.mark("egress");
 
         let cg = self.hierarchy.sandbox(&self.cfg.hosted.cgroup_parent, id);
         cg.create(limits).map_err(setup)?;
@@ -109,6 +115,7 @@ impl SandboxHost {
             .cgroup()
             .restrict_devices(self.cfg.devices)
             .map_err(setup)?;
+        phases.mark("cgroup");
         Ok(claim)
     }
 

@@ -13,6 +13,7 @@ use super::{
 use crate::backend::agent::wait_ready;
 use crate::backend::{BackendError, KeptState, SandboxAddress};
 use crate::clock::{ms_since_epoch, time_rfc3339};
+use crate::timing::{self, Lap, Timings};
 
 /// How long the agent may take to answer `POST /init`.
 const AGENT_INIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -23,11 +24,27 @@ impl Orchestrator {
         self: &Arc<Self>,
         req: CreateRequest,
     ) -> Result<SandboxRecord, LifecycleError> {
+        self.create_timed(req).await.0
+    }
+
+    /// [`Orchestrator::create`], with the phases the create went through (see
+    /// [`crate::timing`]; none when it was refused before it started).
+    pub async fn create_timed(
+        self: &Arc<Self>,
+        req: CreateRequest,
+    ) -> (Result<SandboxRecord, LifecycleError>, Timings) {
         let timeout = req.timeout.unwrap_or(self.cfg.default_timeout);
-        self.admit(Some(timeout))?;
+        if let Err(e) = self.admit(Some(timeout)) {
+            return (Err(e), Timings::new());
+        }
         let this = self.clone();
-        self.detached(async move { this.create_inner(req, timeout).await })
-            .await
+        let timed = self
+            .detached(async move { Ok(timing::collect(this.create_inner(req, timeout)).await) })
+            .await;
+        match timed {
+            Ok((r, t)) => (r, t),
+            Err(e) => (Err(e), Timings::new()),
+        }
     }
 
     async fn create_inner(
@@ -36,16 +53,20 @@ impl Orchestrator {
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
         let mut req = req;
+        let mut phases = Lap::new();
         self.check_volumes(&req.options.volume_mounts).await?;
+        phases.mark("volumes");
         let custom = self.resolve_custom_template(&req.template).await?;
         let from = match &custom {
             Some(_) => None,
             None => self.resolve_snapshot(&req.template).await?,
         };
+        phases.mark("resolve");
         let mut kept = None;
         let (mut snapshot_id, mut snapshot_name, mut start) = (None, None, None);
         if let Some(snap) = &from {
             kept = Some(self.import_snapshot(snap).await?);
+            phases.mark("import");
             req.template = snap.committed.template.clone();
             let mut env = snap.committed.env.clone();
             env.extend(std::mem::take(&mut req.options.env_vars));
@@ -127,10 +148,12 @@ impl Orchestrator {
             return Err(LifecycleError::ShuttingDown);
         }
         let mut started = self.start_backend(&mut rec.clone(), false).await;
+        let mut phases = Lap::new();
         if let (Ok(addr), Some(start)) = (&started, &rec.start) {
             let stage = self.metrics.start(stage, "start_cmd");
             let ready = self.run_start_command(&rec, *addr, start).await;
             stage.finish(ready.is_ok());
+            phases.mark("start_cmd");
             if let Err(reason) = ready {
                 self.release(&id, "cleanup after a failed start command")
                     .await;
@@ -159,6 +182,7 @@ impl Orchestrator {
                 self.event(&out, SandboxEventType::Create);
                 self.log_event(&id, "sandbox created");
                 self.observe_started(&id).await;
+                phases.mark("finish");
                 tracing::info!(sandbox = %id, template = %out.template, "sandbox created");
                 Ok(out)
             }
@@ -207,11 +231,15 @@ impl Orchestrator {
         rec: &mut SandboxRecord,
         rekeep: bool,
     ) -> Result<SandboxAddress, LifecycleError> {
+        let mut phases = Lap::new();
         let mut spec = rec.spec();
         spec.volumes = self.bind_volumes(rec).await?;
+        phases.mark("bind");
         let stage = self.metrics.start("create_warm", "backend_start");
         let info = self.backend.create(spec).await;
         stage.finish(info.is_ok());
+        // The backend recorded its own phases.
+        phases.skip();
         let addr = match info {
             Ok(info) => info.address,
             Err(e) => {
@@ -228,7 +256,10 @@ impl Orchestrator {
             )
             .await
             .map_err(|e| e.to_string())?;
-            self.init_agent(rec, addr).await
+            phases.mark("agent_ready");
+            let r = self.init_agent(rec, addr).await;
+            phases.mark("init");
+            r
         }
         .await;
         stage.finish(ready.is_ok());

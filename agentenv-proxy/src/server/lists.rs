@@ -102,6 +102,7 @@ impl Gateway {
             record: false,
             host_route: None,
             data_plane: false,
+            timing: None,
         };
         self.proxy(req, remote, plan, &mut false).await
     }

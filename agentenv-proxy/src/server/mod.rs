@@ -17,6 +17,7 @@ mod moves;
 mod proxy;
 mod route;
 mod serve;
+mod timing;
 
 use std::convert::Infallible;
 use std::future::Future;

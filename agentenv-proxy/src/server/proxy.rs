@@ -19,6 +19,7 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
 use super::route::{Decision, RoutingFacts, decode_path};
+use super::timing::{Phases, SERVER_TIMING};
 use super::{
     ClientTls, Gateway, Inner, SNIFF_CAP, record_timeout, scheduler_error, upstream_unavailable,
 };
@@ -144,6 +145,8 @@ pub(super) struct ProxyPlan {
     /// A data-plane request (routed by host or routing headers): the API key is
     /// not sent on to the node, which checks the sandbox's own tokens.
     pub(super) data_plane: bool,
+    /// The gateway's phases so far, for `Server-Timing` (`None`: not timed).
+    pub(super) timing: Option<Phases>,
 }
 
 impl Gateway {
@@ -290,14 +293,26 @@ impl Gateway {
         let deadline = rec.start + opts.request_timeout;
         let long_lived = is_long_lived(req.headers());
         rec.source = source;
+        // Control-plane answers carry the gateway's phases (never the tenant's data
+        // plane, whose headers are the sandbox's).
+        let mut phases = (!source.is_data_plane()).then(|| Phases::new(rec.start.into_std()));
+        let mut mark = |name| {
+            if let Some(p) = phases.as_mut() {
+                p.mark(name);
+            }
+        };
+        mark("route");
 
         // Call the trait object itself, not the blanket impl for `Arc<T>`
         // (which would box one more future per call).
         let scheduler: &dyn SchedulerClient = &*self.inner.scheduler;
         let node = match sandbox_id {
             Some(id) => {
-                self.rpc("LookupNode", deadline, scheduler.lookup_node(&id))
-                    .await
+                let node = self
+                    .rpc("LookupNode", deadline, scheduler.lookup_node(&id))
+                    .await;
+                mark("lookup");
+                node
             }
             None => {
                 // A retried idempotent create goes where its first request went.
@@ -315,6 +330,9 @@ impl Gateway {
                     },
                     None => None,
                 };
+                if idempotent.is_some() {
+                    mark("lookup");
+                }
                 match first {
                     Some(node) => Ok(node),
                     None => {
@@ -348,13 +366,16 @@ impl Gateway {
                             }
                             None => None,
                         };
+                        mark("hint");
                         let scheduled =
                             Box::pin(self.rpc("Schedule", deadline, scheduler.schedule(hint)))
                                 .await;
+                        mark("schedule");
                         // Bound before the create runs: a retry through any gateway finds
                         // the node while it makes the sandbox (its heartbeats keep it).
                         if let (Ok(node), Some(id)) = (&scheduled, &idempotent) {
                             self.record(std::slice::from_ref(id), node).await;
+                            mark("bind");
                         }
                         scheduled
                     }
@@ -391,6 +412,7 @@ impl Gateway {
             record,
             host_route,
             data_plane: source.is_data_plane(),
+            timing: phases,
         };
         // Boxed: the exchange's state then lives in one place instead of
         // being moved through every caller's future on the way in.
@@ -438,6 +460,10 @@ impl Gateway {
         parts.extensions = http::Extensions::new();
         let method = parts.method.clone();
         let upstream_req = Request::from_parts(parts, body);
+        let mut phases = plan.timing;
+        if let Some(p) = phases.as_mut() {
+            p.skip();
+        }
 
         let start = Instant::now();
         let sent = self.pool.send(upstream_req);
@@ -480,6 +506,9 @@ impl Gateway {
             }
         };
         upstream_metric(status_label(resp.status().as_u16()));
+        if let Some(p) = phases.as_mut() {
+            p.mark("upstream");
+        }
 
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
@@ -537,6 +566,9 @@ impl Gateway {
                 Ok(r) => r,
                 Err(err) => return err,
             };
+            if let Some(p) = phases.as_mut() {
+                p.mark("record");
+            }
         }
 
         let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -546,6 +578,12 @@ impl Gateway {
             && let Ok(v) = HeaderValue::from_str(&plan.node.node_id)
         {
             parts.headers.insert(NODE_ID_HEADER, v);
+        }
+        // A create (scheduled here), or an answer the node timed itself.
+        if let Some(p) = &phases
+            && (p.has("schedule") || parts.headers.contains_key(SERVER_TIMING))
+        {
+            p.apply(&mut parts.headers);
         }
         Response::from_parts(parts, body)
     }

@@ -58,11 +58,11 @@ use crate::config::BackendKind;
 use crate::host::cgroup::Limits;
 use crate::host::disk::{self, LayerPool, MountOptions, MountedLayer};
 use crate::host::{
-    HostedBackend, HostedConfig, HostedSandbox, Phases, Runtime, SandboxHost, setup, spawn,
-    watch_exit,
+    HostedBackend, HostedConfig, HostedSandbox, Runtime, SandboxHost, setup, spawn, watch_exit,
 };
 use crate::observe::output::{Feed, agent_level, pump_pipe};
 use crate::template::Progress;
+use crate::timing::{self, Lap};
 
 pub use config::{
     DEFAULT_DISK_SIZE_MB, DEFAULT_LAYER_POOL_SIZE, DEFAULT_NET_POOL_SIZE, JailConfig,
@@ -278,9 +278,9 @@ impl JailBackend {
         limits: Limits,
         lower: &Path,
     ) -> Result<Sandbox, BackendError> {
-        let mut phases = Phases::new();
+        // The claim records its own phases (dir, ids, netns, egress, cgroup).
         let mut claim = self.host.claim(spec, limits).await?;
-        phases.mark("claim");
+        let mut phases = Lap::new();
         let dir = claim.dir().to_path_buf();
         let ids = claim.ids();
         // The writable layer: unmounted again if the create fails (after its processes
@@ -329,7 +329,7 @@ impl JailBackend {
         // cleaned and rate-limited: every byte is the tenant's).
         let (out_read, out_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
             .map_err(|e| BackendError::io("creating the agent's output pipe", e.into()))?;
-        phases.mark("dirs");
+        phases.mark("pipe");
         let userns = ids
             .user_namespace()
             .map_err(|e| setup(format!("the sandbox's user namespace: {e}")))?;
@@ -348,6 +348,7 @@ impl JailBackend {
             memory_mb: None,
         };
         state.write(&dir)?;
+        phases.mark("state");
 
         let mut env: Vec<(String, String)> = vec![
             (
@@ -417,7 +418,9 @@ impl JailBackend {
             tracing::warn!(id = %spec.id, error = %e, "updating state.json");
         }
         phases.mark("watch");
-        tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %host.ip(), ids = ids.base, phases = %phases, "sandbox started");
+        if let Some(t) = timing::snapshot() {
+            tracing::debug!(id = %spec.id, pid = pid.as_raw(), ip = %host.ip(), ids = ids.base, phases = %t, "sandbox started");
+        }
         let layer = layer_cell.lock().unwrap_or_else(|e| e.into_inner()).take();
         Ok(self.running(
             spec,
@@ -556,7 +559,9 @@ impl Runtime for JailRuntime {
         limits: Limits,
         progress: Progress,
     ) -> Result<Sandbox, BackendError> {
+        let started = std::time::Instant::now();
         let template = b.template(&spec.template, progress).await?;
+        timing::record("template", started.elapsed());
         b.start_on(spec, limits, &template.rootfs).await
     }
 
