@@ -70,14 +70,16 @@ fn entry(e: &serde_json::Value) -> serde_json::Value {
     })
 }
 
+/// The absolute `path` a read names and the agent of sandbox `id`.
+async fn target<B>(ctx: &Ctx, req: &Request<B>, id: &str) -> Result<(String, Agent), Refusal> {
+    let path = abs_path(req)?;
+    Ok((path, Agent::find(&ctx.gateway, ctx.remote, id).await?))
+}
+
 /// `GET dir?path=`: the directory's entries, directories first, then by name.
 pub(crate) async fn dir<B>(ctx: &Ctx, req: &Request<B>, id: &str) -> Response<GatewayBody> {
-    let path = match abs_path(req) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
-    let agent = match Agent::find(&ctx.gateway, ctx.remote, id).await {
-        Ok(a) => a,
+    let (path, agent) = match target(ctx, req, id).await {
+        Ok(t) => t,
         Err(r) => return *r,
     };
     let answer = match agent
@@ -137,12 +139,8 @@ fn disposition(path: &str) -> HeaderValue {
 
 /// `GET file?path=`: the file's bytes, as a download.
 pub(crate) async fn download<B>(ctx: &Ctx, req: &Request<B>, id: &str) -> Response<GatewayBody> {
-    let path = match abs_path(req) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
-    let agent = match Agent::find(&ctx.gateway, ctx.remote, id).await {
-        Ok(a) => a,
+    let (path, agent) = match target(ctx, req, id).await {
+        Ok(t) => t,
         Err(r) => return *r,
     };
     let resp = agent
