@@ -256,6 +256,7 @@ impl Daemon {
             metrics_interval: cfg.metrics_interval,
             metrics_history: cfg.metrics_history,
             default_disk_size_mb: (kind != BackendKind::Microvm).then_some(cfg.jail_disk_size_mb),
+            pool: cfg.pool.clone(),
             ..LifecycleConfig::default()
         };
         let orch = Orchestrator::new(backend, lc, TokenIssuer::new(&seed), store)?;
@@ -379,6 +380,8 @@ impl Daemon {
         };
         let ticker = orch.start_ticker();
         let sampler = orch.start_sampler();
+        // Stops by itself at shutdown.
+        let _pools = orch.start_pools();
         let tls = if cfg.tls.enabled() {
             let cert = agentenv_core::tls::ReloadingCert::load(
                 std::path::Path::new(cfg.tls.cert_file.trim()),

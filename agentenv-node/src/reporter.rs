@@ -102,6 +102,10 @@ pub struct SandboxUsage {
     pub allocated_memory_bytes: u64,
     pub paused_allocated_cpu: u32,
     pub paused_allocated_memory_bytes: u64,
+    /// Started sandboxes waiting in pools for a create.
+    pub pooled: u32,
+    pub pooled_allocated_cpu: u32,
+    pub pooled_allocated_memory_bytes: u64,
     pub create_successes: u64,
     pub create_fails: u64,
 }
@@ -333,6 +337,9 @@ async fn heartbeat_loop(
             paused_sandbox_count: usage.paused,
             paused_allocated_cpu: usage.paused_allocated_cpu,
             paused_allocated_memory_bytes: usage.paused_allocated_memory_bytes,
+            pooled_sandbox_count: usage.pooled,
+            pooled_allocated_cpu: usage.pooled_allocated_cpu,
+            pooled_allocated_memory_bytes: usage.pooled_allocated_memory_bytes,
             ..Default::default()
         };
         let host = config.host.sample();

@@ -41,6 +41,10 @@ pub struct Metrics {
     pub paused_allocated_cpu: u32,
     #[serde(rename = "pausedAllocatedMemoryBytes")]
     pub paused_allocated_memory_bytes: u64,
+    #[serde(rename = "pooledAllocatedCPU")]
+    pub pooled_allocated_cpu: u32,
+    #[serde(rename = "pooledAllocatedMemoryBytes")]
+    pub pooled_allocated_memory_bytes: u64,
 }
 
 /// One node of `GET /nodes`.
@@ -67,6 +71,9 @@ pub struct NodeView {
     pub sandbox_starting_count: u32,
     #[serde(rename = "sandboxPausedCount")]
     pub sandbox_paused_count: u32,
+    /// Started sandboxes the node keeps ready for creates (not in `sandboxCount`).
+    #[serde(rename = "sandboxPooledCount")]
+    pub sandbox_pooled_count: u32,
     /// When the scheduler took the node's last heartbeat (Unix milliseconds).
     #[serde(rename = "lastHeartbeatUnixMs")]
     pub last_heartbeat_unix_ms: i64,
@@ -122,11 +129,14 @@ impl From<&pb::ObservedNode> for NodeView {
                     .collect(),
                 paused_allocated_cpu: s.paused_allocated_cpu,
                 paused_allocated_memory_bytes: s.paused_allocated_memory_bytes,
+                pooled_allocated_cpu: s.pooled_allocated_cpu,
+                pooled_allocated_memory_bytes: s.pooled_allocated_memory_bytes,
             },
             create_successes: s.create_successes,
             create_fails: s.create_fails,
             sandbox_starting_count: s.sandbox_starting_count,
             sandbox_paused_count: s.paused_sandbox_count,
+            sandbox_pooled_count: s.pooled_sandbox_count,
             last_heartbeat_unix_ms: n.last_seen_unix_ms,
         }
     }

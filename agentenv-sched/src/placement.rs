@@ -179,8 +179,12 @@ pub fn passes_limits(limit: &NodeResourceLimit, s: &NodeSnapshot) -> bool {
             u64::from(s.sandbox_count) + u64::from(s.paused_sandbox_count),
             limit.max_sandbox_count_including_paused,
         )
+        // Pooled sandboxes hold their resources like paused ones do; a create claiming
+        // one adds nothing, so they count in the allocations only, not in the counts.
         || over(
-            u64::from(s.allocated_cpu) + u64::from(s.paused_allocated_cpu),
+            u64::from(s.allocated_cpu)
+                + u64::from(s.paused_allocated_cpu)
+                + u64::from(s.pooled_allocated_cpu),
             limit.max_allocated_cpu_including_paused,
         )
         || limit
@@ -188,6 +192,7 @@ pub fn passes_limits(limit: &NodeResourceLimit, s: &NodeSnapshot) -> bool {
             .is_some_and(|m| {
                 s.allocated_memory_bytes
                     .saturating_add(s.paused_allocated_memory_bytes)
+                    .saturating_add(s.pooled_allocated_memory_bytes)
                     > m
             }))
 }
@@ -361,7 +366,7 @@ mod tests {
     }
 
     #[test]
-    fn including_paused_limits_apply_even_when_active_limits_pass() {
+    fn including_paused_limits_count_paused_and_pooled_allocations() {
         let l = NodeResourceLimit {
             max_sandbox_count: Some(10),
             max_sandbox_count_including_paused: Some(10),
@@ -388,9 +393,28 @@ mod tests {
         let mem = NodeSnapshot {
             allocated_memory_bytes: 1 << 29,
             paused_allocated_memory_bytes: (1 << 29) + 1,
-            ..base
+            ..base.clone()
         };
         assert!(!passes_limits(&l, &mem));
+        // Pooled sandboxes hold their allocations too, but are no sandboxes of anyone's.
+        let pooled = NodeSnapshot {
+            allocated_memory_bytes: 1 << 29,
+            pooled_sandbox_count: 20,
+            pooled_allocated_memory_bytes: (1 << 29) + 1,
+            ..base.clone()
+        };
+        assert!(!passes_limits(&l, &pooled));
+        let pooled_cpu = NodeSnapshot {
+            allocated_cpu: 4,
+            pooled_allocated_cpu: 5,
+            ..base.clone()
+        };
+        assert!(!passes_limits(&l, &pooled_cpu));
+        let few = NodeSnapshot {
+            pooled_sandbox_count: 20,
+            ..base
+        };
+        assert!(passes_limits(&l, &few));
     }
 
     #[test]

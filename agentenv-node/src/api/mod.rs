@@ -126,6 +126,7 @@ impl ApiState {
     /// The Prometheus text of the node's metrics.
     pub fn render_metrics(&self) -> String {
         self.orch.metrics().set_cleanups(&self.orch.cleanups());
+        self.orch.metrics().set_pools(&self.orch.pool_usage());
         agentenv_core::metrics::render(&self.registry.lock())
     }
 }

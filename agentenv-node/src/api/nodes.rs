@@ -73,6 +73,7 @@ fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
         "status": "ready",
         "sandboxCount": u.running,
         "sandboxPausedCount": u.paused,
+        "sandboxPooledCount": u.pooled,
         "createSuccesses": u.create_successes,
         "createFails": u.create_fails,
         "backend": state.orch.backend_kind().as_str(),
@@ -86,6 +87,8 @@ fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
             "disks": disks,
             "pausedAllocatedCPU": u.paused_allocated_cpu,
             "pausedAllocatedMemoryBytes": u.paused_allocated_memory_bytes,
+            "pooledAllocatedCPU": u.pooled_allocated_cpu,
+            "pooledAllocatedMemoryBytes": u.pooled_allocated_memory_bytes,
         },
     });
     if detail {

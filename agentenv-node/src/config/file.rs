@@ -43,6 +43,8 @@ pub(super) struct FileConfig {
     pub(super) jail: FileJail,
     #[serde(default)]
     pub(super) snapshot: FileSnapshot,
+    #[serde(default)]
+    pub(super) pool: FilePool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -273,4 +275,14 @@ pub(super) fn oss_config(
         security_token: env("AENV_OSS_SECURITY_TOKEN").or(f.security_token),
         addressing_style,
     })
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FilePool {
+    pub(super) templates: Option<std::collections::BTreeMap<String, u64>>,
+    pub(super) max_per_template: Option<u64>,
+    pub(super) demand_window_ms: Option<u64>,
+    pub(super) memory_reserve_mb: Option<u64>,
+    pub(super) refill_concurrency: Option<u64>,
 }

@@ -204,6 +204,8 @@ pub struct NodeConfig {
     /// Registries reached over plain HTTP (`AENV_OCI_INSECURE_REGISTRIES`, comma list,
     /// `[template].insecure_registries`), e.g. a registry on loopback.
     pub oci_insecure_registries: Vec<String>,
+    /// Pools of started sandboxes (`[pool]`, `AENV_POOL_*`): which templates, how many.
+    pub pool: crate::lifecycle::PoolSettings,
 }
 
 impl NodeConfig {
@@ -453,6 +455,7 @@ impl NodeConfig {
             ),
             None => None,
         };
+        let pool = pool_settings(&env, &file.pool)?;
         let template_build_concurrency = env_u64(&env, "AENV_TEMPLATE_BUILD_CONCURRENCY")?
             .or(file.template.build_concurrency)
             .unwrap_or(2);
@@ -591,8 +594,61 @@ impl NodeConfig {
             template_ready_timeout: Duration::from_secs(template_ready_timeout),
             oci_default_registry,
             oci_insecure_registries,
+            pool,
         })
     }
+}
+
+/// The `[pool]` settings and their `AENV_POOL_*` overrides.
+fn pool_settings(
+    env: &dyn Fn(&str) -> Option<String>,
+    file: &file::FilePool,
+) -> Result<crate::lifecycle::PoolSettings, ConfigError> {
+    use crate::lifecycle::PoolSettings;
+    let d = PoolSettings::default();
+    let templates = match env("AENV_POOL_TEMPLATES") {
+        Some(v) => PoolSettings::parse_templates(&v)
+            .map_err(|fix| invalid("AENV_POOL_TEMPLATES", v.clone(), fix))?,
+        None => file
+            .templates
+            .iter()
+            .flatten()
+            .map(|(k, v)| Ok((k.clone(), pool_size("pool.templates", *v)?)))
+            .collect::<Result<_, ConfigError>>()?,
+    };
+    let max = pool_size(
+        "pool.max_per_template",
+        env_u64(env, "AENV_POOL_MAX_PER_TEMPLATE")?
+            .or(file.max_per_template)
+            .unwrap_or(d.max_per_template as u64),
+    )?;
+    let window_ms = env_u64(env, "AENV_POOL_DEMAND_WINDOW_MS")?
+        .or(file.demand_window_ms)
+        .unwrap_or(d.demand_window.as_millis() as u64);
+    if !(100..=600_000).contains(&window_ms) {
+        return Err(invalid(
+            "pool.demand_window_ms",
+            window_ms.to_string(),
+            "use 100 to 600000",
+        ));
+    }
+    let concurrency = env_u64(env, "AENV_POOL_REFILL_CONCURRENCY")?
+        .or(file.refill_concurrency)
+        .unwrap_or(d.refill_concurrency as u64);
+    if !(1..=64).contains(&concurrency) {
+        return Err(invalid(
+            "pool.refill_concurrency",
+            concurrency.to_string(),
+            "use 1 to 64",
+        ));
+    }
+    Ok(PoolSettings {
+        templates,
+        max_per_template: max,
+        demand_window: Duration::from_millis(window_ms),
+        memory_reserve_mb: env_u64(env, "AENV_POOL_MEMORY_RESERVE_MB")?.or(file.memory_reserve_mb),
+        refill_concurrency: concurrency as usize,
+    })
 }
 
 #[cfg(test)]

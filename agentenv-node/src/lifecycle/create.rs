@@ -53,6 +53,7 @@ impl Orchestrator {
         timeout: Duration,
     ) -> Result<SandboxRecord, LifecycleError> {
         let mut req = req;
+        let reference = req.template.clone();
         let mut phases = Lap::new();
         self.check_volumes(&req.options.volume_mounts).await?;
         phases.mark("volumes");
@@ -90,8 +91,26 @@ impl Orchestrator {
             })
             .filter(StartSpec::runs_anything);
         }
+        // A started sandbox of the same kind, if a pool holds one: claimed, it only needs
+        // its agent initialized.
+        let pooled = if start.is_none() && kept.is_none() {
+            self.pool_key(&req, &req.template)
+                .and_then(|key| self.pool_take(&reference, &key))
+        } else {
+            None
+        };
+        if pooled.is_some() {
+            phases.mark("claim");
+        }
+        let (id, address) = match pooled {
+            Some((p, addr)) => (p.id, Some(addr)),
+            None => (
+                req.id.take().unwrap_or_else(crate::ids::new_sandbox_id),
+                None,
+            ),
+        };
         let rec = SandboxRecord {
-            id: req.id.take().unwrap_or_else(crate::ids::new_sandbox_id),
+            id,
             template: req.template,
             state: State::Creating,
             created_at_ms: ms_since_epoch(SystemTime::now()),
@@ -111,7 +130,22 @@ impl Orchestrator {
             pause_mode: None,
             paused_at_ms: None,
         };
-        self.launch(rec, timeout, "create_warm").await
+        let Some(addr) = address else {
+            return self.launch(rec, timeout, "create_warm").await;
+        };
+        let mut cold = rec.clone();
+        match self
+            .launch_at(rec, timeout, "create_pooled", Some(addr))
+            .await
+        {
+            Err(LifecycleError::Agent { id, reason }) => {
+                // The pooled sandbox's agent failed (it was destroyed): start one.
+                tracing::warn!(sandbox = %id, %reason, "a claimed pooled sandbox failed; starting another");
+                cold.id = crate::ids::new_sandbox_id();
+                self.launch(cold, timeout, "create_warm").await
+            }
+            r => r,
+        }
     }
 
     /// Starts the sandbox `rec` (state creating; from its kept state, if any) and its
@@ -122,6 +156,18 @@ impl Orchestrator {
         rec: SandboxRecord,
         timeout: Duration,
         stage: &'static str,
+    ) -> Result<SandboxRecord, LifecycleError> {
+        self.launch_at(rec, timeout, stage, None).await
+    }
+
+    /// [`Orchestrator::launch`]; with `pooled`, the backend sandbox runs already (a pooled
+    /// one, at that address) and only its agent is initialized.
+    async fn launch_at(
+        &self,
+        rec: SandboxRecord,
+        timeout: Duration,
+        stage: &'static str,
+        pooled: Option<SandboxAddress>,
     ) -> Result<SandboxRecord, LifecycleError> {
         let id = rec.id.clone();
         let kept = rec.kept.clone();
@@ -145,9 +191,16 @@ impl Orchestrator {
             // Shutdown has (or will have) taken its list of sandboxes: do not start one.
             self.slots.lock().remove(&id);
             self.discard_imported(kept.as_ref()).await;
+            if pooled.is_some() {
+                self.release(&id, "releasing a claimed pooled sandbox at shutdown")
+                    .await;
+            }
             return Err(LifecycleError::ShuttingDown);
         }
-        let mut started = self.start_backend(&mut rec.clone(), false).await;
+        let mut started = match pooled {
+            Some(addr) => self.init_claimed(&rec, addr).await,
+            None => self.start_backend(&mut rec.clone(), false).await,
+        };
         let mut phases = Lap::new();
         if let (Ok(addr), Some(start)) = (&started, &rec.start) {
             let stage = self.metrics.start(stage, "start_cmd");
@@ -277,6 +330,30 @@ impl Orchestrator {
             });
         }
         Ok(addr)
+    }
+
+    /// Initializes the agent of claimed pooled sandbox `rec` (at `addr`); on failure the
+    /// sandbox is destroyed.
+    async fn init_claimed(
+        &self,
+        rec: &SandboxRecord,
+        addr: SandboxAddress,
+    ) -> Result<SandboxAddress, LifecycleError> {
+        let mut phases = Lap::new();
+        let stage = self.metrics.start("create_pooled", "init");
+        let r = self.init_agent(rec, addr).await;
+        stage.finish(r.is_ok());
+        phases.mark("init");
+        match r {
+            Ok(()) => Ok(addr),
+            Err(reason) => {
+                self.release(&rec.id, "cleanup after a failed claim").await;
+                Err(LifecycleError::Agent {
+                    id: rec.id.clone(),
+                    reason,
+                })
+            }
+        }
     }
 
     /// A sandbox started afresh from its kept files did not come up: its files are kept

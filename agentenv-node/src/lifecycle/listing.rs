@@ -77,9 +77,13 @@ impl Orchestrator {
 
     /// Counts and allocations for heartbeats and `GET /nodes`.
     pub fn usage(&self) -> SandboxUsage {
+        let pooled = self.pool_usage();
         let mut u = SandboxUsage {
             create_successes: self.create_successes.load(Ordering::Relaxed),
             create_fails: self.create_fails.load(Ordering::Relaxed),
+            pooled: pooled.pooled,
+            pooled_allocated_cpu: pooled.allocated_cpu,
+            pooled_allocated_memory_bytes: pooled.allocated_memory_bytes,
             ..Default::default()
         };
         for r in self.list() {

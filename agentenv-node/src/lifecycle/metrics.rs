@@ -1,7 +1,8 @@
 //! Prometheus metrics of lifecycle operations: `agentenv_sandbox_stage_duration_seconds`
 //! `{operation,stage,status}` and `agentenv_sandbox_stage_inflight{operation,stage}`, and
 //! the backend's cleanup queue of deleted sandboxes: `agentenv_sandbox_cleanups_pending`
-//! and `agentenv_sandbox_cleanup_failures_total`.
+//! and `agentenv_sandbox_cleanup_failures_total`; the pools: `agentenv_pool_sandboxes` and
+//! `agentenv_pool_events_total{event}`.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -31,6 +32,13 @@ pub struct LifecycleMetrics {
     inflight: Family<InflightLabels, Gauge>,
     cleanups_pending: Gauge,
     cleanup_failures: Counter,
+    pooled: Gauge,
+    pool_events: Family<PoolLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    event: &'static str,
 }
 
 impl Default for LifecycleMetrics {
@@ -42,6 +50,8 @@ impl Default for LifecycleMetrics {
             inflight: Family::default(),
             cleanups_pending: Gauge::default(),
             cleanup_failures: Counter::default(),
+            pooled: Gauge::default(),
+            pool_events: Family::default(),
         }
     }
 }
@@ -69,6 +79,33 @@ impl LifecycleMetrics {
             "Failed attempts to clean up a deleted sandbox (each one is retried)",
             self.cleanup_failures.clone(),
         );
+        registry.register(
+            "agentenv_pool_sandboxes",
+            "Started sandboxes waiting in pools for a create",
+            self.pooled.clone(),
+        );
+        registry.register(
+            "agentenv_pool_events",
+            "Pool events: creates served by a pool (claim), creates a pool could not serve (miss), pooled sandboxes destroyed for a rebuilt template (drain) or under memory pressure (shrink)",
+            self.pool_events.clone(),
+        );
+    }
+
+    /// Shows what the pools hold and did so far.
+    pub fn set_pools(&self, u: &super::PoolUsage) {
+        self.pooled.set(i64::from(u.pooled));
+        for (event, n) in [
+            ("claim", u.claims),
+            ("miss", u.misses),
+            ("drain", u.drained),
+            ("shrink", u.shrunk),
+        ] {
+            let c = self.pool_events.get_or_create(&PoolLabels { event });
+            let seen = c.get();
+            if n > seen {
+                c.inc_by(n - seen);
+            }
+        }
     }
 
     /// Shows what the cleanup queue did so far.

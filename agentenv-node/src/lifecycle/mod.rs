@@ -19,7 +19,8 @@
 //! creates from them), `fork` (forks of a running sandbox), `listing` (get, list, usage,
 //! the data plane's route), `network` (replacing a sandbox's egress rules), `observe`
 //! (resource samples and sandbox logs), `volumes` (a sandbox's volumes through its life),
-//! `moves` (a paused sandbox handed to another node).
+//! `moves` (a paused sandbox handed to another node), `pool` (started sandboxes waiting
+//! for a create).
 
 mod build;
 mod create;
@@ -31,6 +32,7 @@ mod network;
 mod observe;
 mod pause;
 mod persist;
+mod pool;
 mod record;
 mod snapshot;
 mod state;
@@ -43,6 +45,7 @@ pub use listing::{ReporterSource, RouteError};
 pub use metrics::{LifecycleMetrics, StageTimer};
 pub use moves::Export;
 pub use persist::{PausedStore, PersistError};
+pub use pool::{PoolSettings, PoolUsage};
 pub use record::{
     CreateRequest, EgressRules, OnTimeout, PauseMode, SandboxOptions, SandboxRecord, StartSpec,
     VolumeMount,
@@ -137,6 +140,8 @@ pub struct LifecycleConfig {
     pub metrics_history: usize,
     /// A sandbox's writable disk (MiB) when its create names none (`None`: unknown).
     pub default_disk_size_mb: Option<u64>,
+    /// Pools of started sandboxes (none by default).
+    pub pool: PoolSettings,
 }
 
 impl Default for LifecycleConfig {
@@ -152,6 +157,7 @@ impl Default for LifecycleConfig {
             metrics_interval: Duration::from_secs(5),
             metrics_history: crate::observe::ring::DEFAULT_HISTORY,
             default_disk_size_mb: None,
+            pool: PoolSettings::default(),
         }
     }
 }
@@ -248,6 +254,8 @@ pub struct Orchestrator {
     samples: crate::observe::MetricStore,
     /// Where sandbox logs go.
     logs: OnceLock<Arc<crate::observe::LogBook>>,
+    /// Started sandboxes waiting for a create.
+    pools: pool::Pools,
 }
 
 impl Orchestrator {
@@ -269,6 +277,7 @@ impl Orchestrator {
             slots.insert(rec.id.clone(), Slot::new(rec));
         }
         let samples = crate::observe::MetricStore::new(cfg.metrics_history);
+        let pools = pool::Pools::new(cfg.pool.clone());
         Ok(Arc::new(Self {
             backend,
             kind,
@@ -286,6 +295,7 @@ impl Orchestrator {
             metrics: LifecycleMetrics::default(),
             samples,
             logs: OnceLock::new(),
+            pools,
         }))
     }
 

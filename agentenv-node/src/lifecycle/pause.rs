@@ -307,6 +307,7 @@ impl Orchestrator {
             }
         }
         *self.events.lock() = None;
+        self.close_pools().await;
         // Deleted sandboxes still being cleaned up: what is not done in time is a leftover
         // the next start's reconciliation removes.
         if !self.backend.drain_cleanups(SHUTDOWN_CLEANUP_WAIT).await {

@@ -147,6 +147,9 @@ impl Fleet {
                 paused_sandbox_count: paused as u32,
                 paused_allocated_cpu: 2 * paused as u32,
                 paused_allocated_memory_bytes: (paused as u64) << 30,
+                pooled_sandbox_count: 2,
+                pooled_allocated_cpu: 2,
+                pooled_allocated_memory_bytes: 1 << 30,
             }),
             sandbox_ids: ids,
             p2p_endpoint: Some(P2pEndpoint {

@@ -88,6 +88,8 @@ pub struct NodeInfo {
     pub status: String,
     pub sandbox_count: u64,
     pub sandbox_paused_count: u64,
+    /// Started sandboxes the node keeps ready for creates.
+    pub sandbox_pooled_count: u64,
     pub metrics: NodeMetrics,
     pub last_heartbeat_unix_ms: Option<i64>,
 }
@@ -198,6 +200,7 @@ fn print_nodes(nodes: &[Listed<NodeInfo>], f: Format) -> std::io::Result<()> {
             "STATUS",
             "RUNNING",
             "PAUSED",
+            "POOLED",
             "CPU (ALLOC/TOTAL)",
             "MEMORY (ALLOC/TOTAL)",
             "LAST HEARTBEAT",
@@ -213,6 +216,7 @@ fn row(n: &NodeInfo, now_ms: i64) -> Vec<String> {
         n.status.clone(),
         n.sandbox_count.to_string(),
         n.sandbox_paused_count.to_string(),
+        n.sandbox_pooled_count.to_string(),
         format!("{}/{}", m.allocated_cpu, m.cpu_count),
         format!(
             "{}/{}",
