@@ -416,6 +416,8 @@ impl NodeSetup<'_> {
             .env("AENV_TEMPLATE_PATH", &opts.template_dir)
             .env("AENV_SNAPSHOT_STORE", self.data_dir.join("snapshot-store"))
             .env("AENV_JAIL_ADDRESS_POOL", self.pool(opts))
+            // Two started `base` sandboxes wait for creates (more while creates come fast).
+            .env("AENV_POOL_TEMPLATES", "base=2")
             .env(
                 "AENV_JAIL_IFACE_PREFIX",
                 node_iface_prefix(&opts.iface_prefix, self.index),

@@ -689,6 +689,50 @@ mod tests {
     }
 
     #[test]
+    fn pools_come_from_the_file_or_the_environment_and_bad_values_are_named() {
+        let c = load(&[], None).unwrap();
+        assert!(!c.pool.enabled());
+        let c = load(
+            &[],
+            Some("[pool]\ntemplates = { base = 2, py = 1 }\nmax_per_template = 4\nmemory_reserve_mb = 512\n"),
+        )
+        .unwrap();
+        assert_eq!(c.pool.templates.get("base"), Some(&2));
+        assert_eq!(c.pool.templates.get("py"), Some(&1));
+        assert_eq!(c.pool.max_per_template, 4);
+        assert_eq!(c.pool.memory_reserve_mb, Some(512));
+        let c = load(
+            &[
+                ("AENV_POOL_TEMPLATES", "base=3"),
+                ("AENV_POOL_DEMAND_WINDOW_MS", "500"),
+            ],
+            Some("[pool]\ntemplates = { py = 1 }\n"),
+        )
+        .unwrap();
+        assert_eq!(c.pool.templates.len(), 1);
+        assert_eq!(c.pool.templates.get("base"), Some(&3));
+        assert_eq!(c.pool.demand_window, Duration::from_millis(500));
+        for (k, v, named) in [
+            ("AENV_POOL_TEMPLATES", "base", "AENV_POOL_TEMPLATES"),
+            (
+                "AENV_POOL_MAX_PER_TEMPLATE",
+                "5000",
+                "pool.max_per_template",
+            ),
+            ("AENV_POOL_DEMAND_WINDOW_MS", "5", "pool.demand_window_ms"),
+            (
+                "AENV_POOL_REFILL_CONCURRENCY",
+                "0",
+                "pool.refill_concurrency",
+            ),
+        ] {
+            let e = load(&[(k, v)], None).unwrap_err();
+            assert!(e.to_string().contains(named), "{k}={v}: {e}");
+        }
+        assert!(load(&[], Some("[pool]\nsize = 2\n")).is_err());
+    }
+
+    #[test]
     fn scheduler_endpoint_needs_a_scheme_and_reporting_needs_an_endpoint() {
         let e = load(
             &[("AENV_OBSERVABILITY_SCHEDULER_ENDPOINT", "10.0.0.5:9090")],
