@@ -133,22 +133,21 @@ fn perf(fs: &str, attach: &Attach, secs: u64) -> Option<Rates> {
         .stdout(Stdio::null())
         .output()
         .ok()?;
-    // value,unit,event,enabled ns,percent,...
+    // value,unit,event,... over the `--timeout` window (a per-thread
+    // event's "enabled" time only runs while its thread does, so it is
+    // not the window).
     let text = String::from_utf8_lossy(&out.stderr);
     let mut total = None;
     let mut rates = Vec::new();
     for line in text.lines() {
         let f: Vec<&str> = line.split(',').collect();
-        let (Some(value), Some(event), Some(ns)) = (f.first(), f.get(2), f.get(3)) else {
+        let (Some(value), Some(event)) = (f.first(), f.get(2)) else {
             continue;
         };
-        let (Ok(value), Ok(ns)) = (value.parse::<f64>(), ns.parse::<f64>()) else {
+        let Ok(value) = value.parse::<f64>() else {
             continue;
         };
-        if ns <= 0.0 {
-            continue;
-        }
-        let rate = value / (ns / 1e9);
+        let rate = value / secs as f64;
         match event.strip_prefix("syscalls:sys_enter_") {
             Some(name) => rates.push((name.to_string(), rate)),
             None if *event == "raw_syscalls:sys_enter" => total = Some(rate),
