@@ -66,6 +66,8 @@ const API_KEY: &str = "bench_0123456789abcdef0123456789abcdef";
 
 /// Requests the upstream has answered so far.
 static SERVED: AtomicU64 = AtomicU64::new(0);
+/// The upstream's path that answers with [`SERVED`].
+const SERVED_PATH: &str = "/served-count";
 
 fn main() {
     let secs: u64 = std::env::args()
@@ -221,6 +223,7 @@ fn main() {
     }
     if std::env::var("BENCH_SYSCALLS").as_deref() != Ok("0") {
         syscall_pass(
+            upstream,
             &[
                 (
                     "nginx",
@@ -242,6 +245,7 @@ fn main() {
         tls_pass(nginx.id(), nginx_tls, gateway_tls, rounds, secs);
         if std::env::var("BENCH_SYSCALLS").as_deref() != Ok("0") {
             syscall_pass(
+                upstream,
                 &[
                     (
                         "nginx",
@@ -325,8 +329,14 @@ fn tls_pass(nginx_pid: u32, nginx: SocketAddr, gateway: SocketAddr, rounds: usiz
 /// Syscalls per request of each proxy at 64 connections: wrk drives one
 /// target at a time while perf (or strace) counts the calls of the proxy's
 /// threads or worker processes for `secs` seconds.
-fn syscall_pass(targets: &[(&str, SocketAddr, Attach)], tls: bool, secs: u64) {
+fn syscall_pass(
+    upstream: SocketAddr,
+    targets: &[(&str, SocketAddr, Attach)],
+    tls: bool,
+    secs: u64,
+) {
     let over = if tls { " over TLS" } else { "" };
+    let served_url = &format!("http://{upstream}{SERVED_PATH}");
     println!("\nsyscalls per request{over}, 64 connections, {secs}s windows:");
     let mut totals = Vec::new();
     for (name, addr, attach) in targets {
@@ -345,7 +355,8 @@ fn syscall_pass(targets: &[(&str, SocketAddr, Attach)], tls: bool, secs: u64) {
             .spawn()
             .expect("run wrk");
         std::thread::sleep(Duration::from_secs(1));
-        let counted = syscalls::measure(attach, secs, || SERVED.load(Ordering::Relaxed));
+        let counted =
+            syscalls::measure(attach, secs, served_url, || SERVED.load(Ordering::Relaxed));
         let _ = load.kill();
         let _ = load.wait();
         match counted {
@@ -452,7 +463,11 @@ async fn start_upstream() -> SocketAddr {
             };
             let _ = stream.set_nodelay(true);
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|_req| async {
+                let svc = hyper::service::service_fn(|req| async move {
+                    if req.uri().path() == SERVED_PATH {
+                        let n = SERVED.load(Ordering::Relaxed).to_string();
+                        return Ok(hyper::Response::new(Full::new(Bytes::from(n))));
+                    }
                     SERVED.fetch_add(1, Ordering::Relaxed);
                     let mut resp = hyper::Response::new(Full::new(Bytes::from_static(BODY)));
                     resp.headers_mut()

@@ -2,11 +2,11 @@
 //! a few seconds by `perf stat` on the kernel's syscall tracepoints (or, if
 //! those are not available, by `strace -c`), attached to the proxy's threads
 //! or processes only, and divided by the requests the upstream served in the
-//! same window (every proxied request reaches it exactly once).
+//! same window (every proxied request reaches it exactly once; perf's
+//! workload reads the upstream's count when the window opens and closes).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Instant;
 
 /// Syscalls a proxy may make per request; the rest are counted in the total
 /// (`raw_syscalls:sys_enter`) and shown as "other".
@@ -55,7 +55,7 @@ pub enum Attach {
 pub struct PerRequest {
     pub total: f64,
     pub by_name: Vec<(String, f64)>,
-    /// Requests per second in the window (under the counting tool).
+    /// Requests per second in the window (while counted).
     pub rps: f64,
     /// "perf" or "strace".
     pub tool: &'static str,
@@ -79,25 +79,31 @@ fn tracefs() -> Option<&'static str> {
 }
 
 /// Counts the syscalls of `attach` for `secs` seconds while a load runs
-/// (the caller keeps one going for longer than that), with `served()` the
-/// upstream's running count of requests. `None` when neither perf nor
-/// strace can count here.
-pub fn measure(attach: &Attach, secs: u64, served: impl Fn() -> u64) -> Option<PerRequest> {
-    let (before, t0) = (served(), Instant::now());
+/// (the caller keeps one going for longer than that). `served_url` answers
+/// with the upstream's running count of requests (read by perf's workload
+/// at the start and the end of its window, so both counts cover the same
+/// time); `served()` is that count, for strace. `None` when neither perf
+/// nor strace can count here.
+pub fn measure(
+    attach: &Attach,
+    secs: u64,
+    served_url: &str,
+    served: impl Fn() -> u64,
+) -> Option<PerRequest> {
     let counted = match tracefs() {
-        Some(fs) => perf(fs, attach, secs),
+        Some(fs) => perf(fs, attach, secs, served_url),
         None => None,
     }
-    .or_else(|| strace(attach, secs))?;
-    let rps = (served() - before) as f64 / t0.elapsed().as_secs_f64();
-    let (tool, total_rate, rates) = counted;
-    let mut by_name: Vec<(String, f64)> = rates
+    .or_else(|| strace(attach, secs, served))?;
+    let requests = counted.requests.max(1) as f64;
+    let mut by_name: Vec<(String, f64)> = counted
+        .by_name
         .into_iter()
-        .filter(|(_, r)| *r > 0.0)
-        .map(|(n, r)| (n, r / rps))
+        .filter(|(_, n)| *n > 0.0)
+        .map(|(name, n)| (name, n / requests))
         .collect();
     let named: f64 = by_name.iter().map(|(_, n)| n).sum();
-    let total = total_rate / rps;
+    let total = counted.total / requests;
     if total - named > 0.005 {
         by_name.push(("other".into(), total - named));
     }
@@ -105,15 +111,20 @@ pub fn measure(attach: &Attach, secs: u64, served: impl Fn() -> u64) -> Option<P
     Some(PerRequest {
         total,
         by_name,
-        rps,
-        tool,
+        rps: requests / secs as f64,
+        tool: counted.tool,
     })
 }
 
-/// Total syscalls and each named one, per second, from perf's tracepoints.
-type Rates = (&'static str, f64, Vec<(String, f64)>);
+/// Syscalls counted in a window, and the requests served in it.
+struct Counted {
+    tool: &'static str,
+    total: f64,
+    by_name: Vec<(String, f64)>,
+    requests: u64,
+}
 
-fn perf(fs: &str, attach: &Attach, secs: u64) -> Option<Rates> {
+fn perf(fs: &str, attach: &Attach, secs: u64, served_url: &str) -> Option<Counted> {
     let mut events = vec!["raw_syscalls:sys_enter".to_string()];
     events.extend(
         NAMED
@@ -126,19 +137,26 @@ fn perf(fs: &str, attach: &Attach, secs: u64) -> Option<Rates> {
         Attach::Processes(p) => ("-p", p),
     };
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    // The counters run exactly while the workload does: it reads the
+    // upstream's count first and last.
+    let workload = format!("curl -s {served_url}; echo; sleep {secs}; curl -s {served_url}; echo");
     let out = Command::new("perf")
         .args(["stat", "--no-big-num", "-x", ",", "-e", &events.join(",")])
         .args([flag, &ids.join(",")])
-        .args(["--timeout", &(secs * 1000).to_string()])
-        .stdout(Stdio::null())
+        .args(["--", "sh", "-c", &workload])
         .output()
         .ok()?;
-    // value,unit,event,... over the `--timeout` window (a per-thread
-    // event's "enabled" time only runs while its thread does, so it is
-    // not the window).
+    let marks: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    let [first, last] = marks[..] else {
+        return None;
+    };
+    // value,unit,event,...
     let text = String::from_utf8_lossy(&out.stderr);
     let mut total = None;
-    let mut rates = Vec::new();
+    let mut by_name = Vec::new();
     for line in text.lines() {
         let f: Vec<&str> = line.split(',').collect();
         let (Some(value), Some(event)) = (f.first(), f.get(2)) else {
@@ -147,17 +165,21 @@ fn perf(fs: &str, attach: &Attach, secs: u64) -> Option<Rates> {
         let Ok(value) = value.parse::<f64>() else {
             continue;
         };
-        let rate = value / secs as f64;
         match event.strip_prefix("syscalls:sys_enter_") {
-            Some(name) => rates.push((name.to_string(), rate)),
-            None if *event == "raw_syscalls:sys_enter" => total = Some(rate),
+            Some(name) => by_name.push((name.to_string(), value)),
+            None if *event == "raw_syscalls:sys_enter" => total = Some(value),
             None => {}
         }
     }
-    Some(("perf", total?, rates))
+    Some(Counted {
+        tool: "perf",
+        total: total?,
+        by_name,
+        requests: last.saturating_sub(first),
+    })
 }
 
-fn strace(attach: &Attach, secs: u64) -> Option<Rates> {
+fn strace(attach: &Attach, secs: u64, served: impl Fn() -> u64) -> Option<Counted> {
     let dir = tempfile::tempdir().ok()?;
     let file = dir.path().join("strace.txt");
     let mut cmd = Command::new("timeout");
@@ -174,16 +196,16 @@ fn strace(attach: &Attach, secs: u64) -> Option<Rates> {
             });
         }
     }
-    let t0 = Instant::now();
+    let before = served();
     cmd.stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .ok()?;
-    let wall = t0.elapsed().as_secs_f64();
+    let requests = served().saturating_sub(before);
     // % time, seconds, usecs/call, calls, [errors,] syscall
     let text = std::fs::read_to_string(&file).ok()?;
     let mut total = None;
-    let mut rates = Vec::new();
+    let mut by_name = Vec::new();
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let (Some(name), Some(calls)) = (f.last(), f.get(3)) else {
@@ -193,12 +215,17 @@ fn strace(attach: &Attach, secs: u64) -> Option<Rates> {
             continue;
         };
         if *name == "total" {
-            total = Some(calls / wall);
+            total = Some(calls);
         } else {
-            rates.push((name.to_string(), calls / wall));
+            by_name.push((name.to_string(), calls));
         }
     }
-    Some(("strace", total?, rates))
+    Some(Counted {
+        tool: "strace",
+        total: total?,
+        by_name,
+        requests,
+    })
 }
 
 /// The ids of this process's threads named `prefix…`.
