@@ -28,7 +28,8 @@
 //! syscall tracepoints (Debian `linux-perf`), else `strace -c`, attached to
 //! the proxy's threads or worker processes for a window while wrk drives
 //! it, divided by the requests the upstream served in that window; the
-//! most frequent calls by name and the total. `BENCH_SYSCALLS=0` skips it.
+//! most frequent calls by name and the total. `BENCH_SYSCALLS=0` skips it,
+//! `BENCH_SYSCALLS=strace` counts with strace (which slows the proxy down).
 //!
 //! `cargo run --release -p agentenv-proxy --example gateway_bench [-- SECONDS]`
 //! needs the Debian packages `nginx` and `wrk` (and `linux-perf` or

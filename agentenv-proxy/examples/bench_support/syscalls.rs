@@ -82,15 +82,16 @@ fn tracefs() -> Option<&'static str> {
 /// (the caller keeps one going for longer than that). `served_url` answers
 /// with the upstream's running count of requests (read by perf's workload
 /// at the start and the end of its window, so both counts cover the same
-/// time); `served()` is that count, for strace. `None` when neither perf
-/// nor strace can count here.
+/// time); `served()` is that count, for strace (`BENCH_SYSCALLS=strace`
+/// uses strace even where perf works). `None` when neither can count here.
 pub fn measure(
     attach: &Attach,
     secs: u64,
     served_url: &str,
     served: impl Fn() -> u64,
 ) -> Option<PerRequest> {
-    let counted = match tracefs() {
+    let perf_ok = std::env::var("BENCH_SYSCALLS").as_deref() != Ok("strace");
+    let counted = match tracefs().filter(|_| perf_ok) {
         Some(fs) => perf(fs, attach, secs, served_url),
         None => None,
     }
