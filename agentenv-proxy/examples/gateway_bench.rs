@@ -23,14 +23,24 @@
 //! (keep-alive: one handshake per connection, then requests). `BENCH_TLS=0`
 //! skips that pass.
 //!
+//! Last, syscalls per request at 64 connections for nginx, the gateway and
+//! the bare proxy (and over TLS, nginx and the gateway): `perf stat` on the
+//! syscall tracepoints (Debian `linux-perf`), else `strace -c`, attached to
+//! the proxy's threads or worker processes for a window while wrk drives
+//! it, divided by the requests the upstream served in that window; the
+//! most frequent calls by name and the total. `BENCH_SYSCALLS=0` skips it,
+//! `BENCH_SYSCALLS=strace` counts with strace (which slows the proxy down).
+//!
 //! `cargo run --release -p agentenv-proxy --example gateway_bench [-- SECONDS]`
-//! needs the Debian packages `nginx` and `wrk`.
+//! needs the Debian packages `nginx` and `wrk` (and `linux-perf` or
+//! `strace` for the syscall counts).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use agentenv_core::config::{NodeConfig, SchedulerConfig};
@@ -47,10 +57,18 @@ mod bench_support;
 use bench_support::{
     Run, clock_ticks, load_average, median, median_run, stat_times, threads_cpu_seconds, which, wrk,
 };
+#[path = "bench_support/syscalls.rs"]
+mod syscalls;
+use syscalls::{Attach, threads_named};
 
 const BODY: &[u8] =
     br#"{"sandboxID":"sbx-bench","state":"running","envdVersion":"0.2.0","ok":true}"#;
 const API_KEY: &str = "bench_0123456789abcdef0123456789abcdef";
+
+/// Requests the upstream has answered so far.
+static SERVED: AtomicU64 = AtomicU64::new(0);
+/// The upstream's path that answers with [`SERVED`].
+const SERVED_PATH: &str = "/served-count";
 
 fn main() {
     let secs: u64 = std::env::args()
@@ -204,8 +222,47 @@ fn main() {
             bare_r.cpu_us
         );
     }
+    if std::env::var("BENCH_SYSCALLS").as_deref() != Ok("0") {
+        syscall_pass(
+            upstream,
+            &[
+                (
+                    "nginx",
+                    nginx_addr,
+                    Attach::Processes(nginx_workers(nginx.id())),
+                ),
+                (
+                    "gateway",
+                    gateway,
+                    Attach::Threads(threads_named("gateway-")),
+                ),
+                ("bare", bare, Attach::Threads(threads_named("bare-"))),
+            ],
+            false,
+            secs,
+        );
+    }
     if std::env::var("BENCH_TLS").as_deref() != Ok("0") {
         tls_pass(nginx.id(), nginx_tls, gateway_tls, rounds, secs);
+        if std::env::var("BENCH_SYSCALLS").as_deref() != Ok("0") {
+            syscall_pass(
+                upstream,
+                &[
+                    (
+                        "nginx",
+                        nginx_tls,
+                        Attach::Processes(nginx_workers(nginx.id())),
+                    ),
+                    (
+                        "gateway",
+                        gateway_tls,
+                        Attach::Threads(threads_named("gateway-")),
+                    ),
+                ],
+                true,
+                secs,
+            );
+        }
     }
     println!("load average at the end: {}", load_average());
     stop(&mut nginx);
@@ -268,6 +325,74 @@ fn tls_pass(nginx_pid: u32, nginx: SocketAddr, gateway: SocketAddr, rounds: usiz
         n.cpu_us,
         g.cpu_us / n.cpu_us
     );
+}
+
+/// Syscalls per request of each proxy at 64 connections: wrk drives one
+/// target at a time while perf (or strace) counts the calls of the proxy's
+/// threads or worker processes for `secs` seconds.
+fn syscall_pass(
+    upstream: SocketAddr,
+    targets: &[(&str, SocketAddr, Attach)],
+    tls: bool,
+    secs: u64,
+) {
+    let over = if tls { " over TLS" } else { "" };
+    let served_url = &format!("http://{upstream}{SERVED_PATH}");
+    println!("\nsyscalls per request{over}, 64 connections, {secs}s windows:");
+    let mut totals = Vec::new();
+    for (name, addr, attach) in targets {
+        // A load that outlasts the count (the counting tool takes a moment
+        // to attach), stopped once it is done.
+        let mut load = Command::new("wrk")
+            .args(["-t", "2", "-c", "64", "-d", &format!("{}s", secs + 60)])
+            .args([
+                "-H",
+                "e2b-sandbox-id: sbx-bench",
+                "-H",
+                "e2b-sandbox-port: 49983",
+            ])
+            .arg(url(*addr, tls))
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("run wrk");
+        std::thread::sleep(Duration::from_secs(1));
+        let counted =
+            syscalls::measure(attach, secs, served_url, || SERVED.load(Ordering::Relaxed));
+        let _ = load.kill();
+        let _ = load.wait();
+        match counted {
+            Some(c) => {
+                println!(
+                    "  {name:<8} {}   ({}, {:.0} req/s while counted)",
+                    c.line(8),
+                    c.tool,
+                    c.rps
+                );
+                totals.push((*name, c.total));
+            }
+            None => println!(
+                "  {name:<8} not counted: neither perf's syscall tracepoints nor strace work here"
+            ),
+        }
+    }
+    let of = |n: &str| totals.iter().find(|(t, _)| *t == n).map(|(_, v)| *v);
+    if let (Some(g), Some(n)) = (of("gateway"), of("nginx")) {
+        println!("  syscalls per request gateway/nginx{over} = {:.2}", g / n);
+    }
+}
+
+/// The nginx worker processes (children of the master).
+fn nginx_workers(master: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let (ppid, _) = stat_times(&e.path().join("stat"))?;
+            (ppid == master).then_some(pid)
+        })
+        .collect()
 }
 
 /// A CA made for the run and a certificate for 127.0.0.1 it signed, as PEM
@@ -339,7 +464,12 @@ async fn start_upstream() -> SocketAddr {
             };
             let _ = stream.set_nodelay(true);
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|_req| async {
+                let svc = hyper::service::service_fn(|req| async move {
+                    if req.uri().path() == SERVED_PATH {
+                        let n = SERVED.load(Ordering::Relaxed).to_string();
+                        return Ok(hyper::Response::new(Full::new(Bytes::from(n))));
+                    }
+                    SERVED.fetch_add(1, Ordering::Relaxed);
                     let mut resp = hyper::Response::new(Full::new(Bytes::from_static(BODY)));
                     resp.headers_mut()
                         .insert("content-type", "application/json".parse().unwrap());

@@ -274,6 +274,17 @@ async fn timed_rpc<T>(
             "scheduler call exceeded the request timeout",
         )),
     };
+    observe_rpc(metrics, name, &result, start);
+    result
+}
+
+/// Records the scheduler RPC `name` started at `start` and its outcome.
+fn observe_rpc<T>(
+    metrics: &GatewayMetrics,
+    name: &'static str,
+    result: &Result<T, Status>,
+    start: Instant,
+) {
     let code = result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok);
     metrics.observe_rpc(
         RpcLabels {
@@ -282,7 +293,6 @@ async fn timed_rpc<T>(
         },
         start.elapsed().as_secs_f64(),
     );
-    result
 }
 
 /// RecordAssignment's timeout: `request_timeout` capped at 5 s (5 s when zero).

@@ -3,9 +3,10 @@
 //! response relayed), the gateway's own answers, and the handover of the
 //! connection to hyper.
 
+use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -13,7 +14,7 @@ use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::sync::watch;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep, sleep_until};
 
 use super::framing::{Framing, read_more, relay_body};
 use super::head::{Analysis, Expect, IdSpan, MAX_HEAD, Plan, analyze, own_answer_head};
@@ -73,10 +74,17 @@ impl FastLane<'_> {
         c: &mut Client<S>,
         stop: &mut watch::Receiver<bool>,
     ) -> Lane {
+        // Two timers for the life of the connection, moved on with each
+        // request: the head's and the request's. Their deadlines only move
+        // later, so moving them is a compare-and-swap, not a new timer.
+        let mut ended = Instant::now();
+        let mut head_timer = pin!(sleep_until(ended + self.header_timeout));
+        let mut request_timer = pin!(sleep_until(ended + self.request_timeout));
         loop {
             // An idle or slow client is dropped once its head is not complete in
-            // time (hyper's lane does the same with its header read timeout).
-            let head_deadline = Instant::now() + self.header_timeout;
+            // time (hyper's lane does the same with its header read timeout),
+            // counted from the connection's start or the previous response's end.
+            head_timer.as_mut().reset(ended + self.header_timeout);
             let plan = loop {
                 if !c.buf.is_empty() {
                     match analyze(self.router, &c.buf, &mut c.out, &c.peer) {
@@ -98,27 +106,32 @@ impl FastLane<'_> {
                         Ok(_) => {}
                     },
                     _ = stop.changed(), if c.buf.is_empty() => return Lane::Closed,
-                    () = tokio::time::sleep_until(head_deadline) => return Lane::Closed,
+                    () = head_timer.as_mut() => return Lane::Closed,
                 }
             };
-            match self.relay(c, plan).await {
-                Some(Lane::Handover) => return Lane::Handover,
-                Some(Lane::Closed) => return Lane::Closed,
-                None => {}
+            match self.relay(c, plan, &mut request_timer).await {
+                Next::Request(end) => ended = end,
+                Next::Lane(lane) => return lane,
             }
         }
     }
 
     /// One request of the fast lane, from routing to the end of the
-    /// response. `None`: the connection goes on with the next request.
-    async fn relay<S: ClientIo>(&self, c: &mut Client<S>, plan: Plan) -> Option<Lane> {
+    /// response.
+    async fn relay<S: ClientIo>(
+        &self,
+        c: &mut Client<S>,
+        plan: Plan,
+        timer: &mut Pin<&mut Sleep>,
+    ) -> Next {
+        // The request timeout bounds the lookup and the whole exchange.
         let start = Instant::now();
-        let deadline = start + self.request_timeout;
+        timer.as_mut().reset(start + self.request_timeout);
         let id = match &plan.id {
             IdSpan::Buf(r) => std::str::from_utf8(&c.buf[r.clone()]).unwrap_or_default(),
             IdSpan::Owned(s) => s.as_str(),
         };
-        let node = match self.lookup_node(id, deadline).await {
+        let node = match self.lookup_node(id, timer.as_mut()).await {
             Ok(n) => n,
             Err(status) => {
                 return self
@@ -129,7 +142,7 @@ impl FastLane<'_> {
         let endpoint = match Endpoint::cached(&node.endpoint) {
             Ok(e) if e.is_plain_http() => e,
             // TLS nodes and bad endpoints are hyper's (its answers included).
-            _ => return Some(Lane::Handover),
+            _ => return Next::Lane(Lane::Handover),
         };
         let path = std::str::from_utf8(&c.buf[plan.path.clone()]).unwrap_or("/");
         let query = plan
@@ -158,8 +171,8 @@ impl FastLane<'_> {
             debug_node: self.debug_mode.then_some(node.node_id.as_str()),
         };
         let sent = Instant::now();
-        let exchanged = tokio::time::timeout_at(
-            deadline,
+        let exchanged = within(
+            timer.as_mut(),
             exchange(self.pool, c, authority, body_left, &expect, sent),
         )
         .await;
@@ -176,7 +189,7 @@ impl FastLane<'_> {
             Ok(Ok(x)) => x,
             Ok(Err(ExchangeError::ClientGone)) => {
                 self.observe_request(&plan, "client_closed", start, Instant::now());
-                return Some(Lane::Closed);
+                return Next::Lane(Lane::Closed);
             }
             Ok(Err(ExchangeError::ClientBody)) => {
                 upstream_metric("4xx");
@@ -202,8 +215,8 @@ impl FastLane<'_> {
         upstream_metric(status_label(head.status));
 
         let close = plan.close || head.framing == Framing::Close;
-        let relayed = tokio::time::timeout_at(
-            deadline,
+        let relayed = within(
+            timer.as_mut(),
             relay_body(&mut c.stream, &mut c.out, &mut up, head.framing),
         )
         .await;
@@ -216,14 +229,14 @@ impl FastLane<'_> {
                 }
                 if close {
                     let _ = c.stream.shutdown().await;
-                    Some(Lane::Closed)
+                    Next::Lane(Lane::Closed)
                 } else {
-                    None
+                    Next::Request(end)
                 }
             }
             // The client or the node went away mid-body, or the deadline
             // passed: the status is sent, so the connection just ends.
-            Ok(Err(_)) | Err(_) => Some(Lane::Closed),
+            Ok(Err(_)) | Err(_) => Next::Lane(Lane::Closed),
         }
     }
 
@@ -250,7 +263,7 @@ impl FastLane<'_> {
         start: Instant,
         resp: Response<GatewayBody>,
         unread_body: Option<bool>,
-    ) -> Option<Lane> {
+    ) -> Next {
         let status = resp.status().as_u16();
         let close = match unread_body {
             None => {
@@ -277,12 +290,30 @@ impl FastLane<'_> {
             Ok(()) => c.stream.flush().await,
             Err(e) => Err(e),
         };
-        self.observe_request(plan, status_label(status), start, Instant::now());
+        let end = Instant::now();
+        self.observe_request(plan, status_label(status), start, end);
         if written.is_err() || close {
             let _ = c.stream.shutdown().await;
-            return Some(Lane::Closed);
+            return Next::Lane(Lane::Closed);
         }
-        None
+        Next::Request(end)
+    }
+}
+
+/// What follows a request of the fast lane.
+enum Next {
+    /// The next request, on a connection whose last response ended then.
+    Request(Instant),
+    Lane(Lane),
+}
+
+/// `fut`, unless `timer` elapses first (as `tokio::time::timeout`, with a
+/// timer that is reused).
+pub(super) async fn within<F: Future>(timer: Pin<&mut Sleep>, fut: F) -> Result<F::Output, ()> {
+    tokio::select! {
+        biased;
+        r = fut => Ok(r),
+        () = timer => Err(()),
     }
 }
 

@@ -30,20 +30,21 @@ mod framing;
 mod head;
 mod upstream;
 
+use std::pin::Pin;
 use std::time::Duration;
 
 use agentenv_core::proto::scheduler_v1 as pb;
 use bytes::BytesMut;
 use http::HeaderValue;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tonic::Status;
 
 use crate::client::SchedulerClient;
 use crate::metrics::GatewayMetrics;
 use crate::pool::UpstreamPool;
+use crate::server::observe_rpc;
 use crate::server::route::Router;
-use crate::server::timed_rpc;
 
 /// What the fast lane uses of the gateway, borrowed for one client
 /// connection.
@@ -65,15 +66,18 @@ pub(super) struct FastLane<'g> {
 }
 
 impl FastLane<'_> {
-    /// The node that holds sandbox `id`, by `deadline`.
-    async fn lookup_node(&self, id: &str, deadline: Instant) -> Result<pb::Node, Status> {
-        timed_rpc(
-            self.metrics,
-            "LookupNode",
-            deadline,
-            self.scheduler.lookup_node(id),
-        )
-        .await
+    /// The node that holds sandbox `id`, before `timer` (the request's)
+    /// elapses.
+    async fn lookup_node(&self, id: &str, timer: Pin<&mut Sleep>) -> Result<pb::Node, Status> {
+        let start = Instant::now();
+        let result = match downstream::within(timer, self.scheduler.lookup_node(id)).await {
+            Ok(r) => r,
+            Err(()) => Err(Status::deadline_exceeded(
+                "scheduler call exceeded the request timeout",
+            )),
+        };
+        observe_rpc(self.metrics, "LookupNode", &result, start);
+        result
     }
 }
 
