@@ -379,3 +379,63 @@ fn a_node_stopped_with_cleanups_pending_leaves_nothing_behind_after_its_next_sta
         node.stop().await;
     });
 }
+
+/// Two id ranges for the node of test slot `slot`, above the default pool (which ends at
+/// 2,000,000,000), so no other test node takes them.
+fn two_id_ranges(slot: u8) -> agentenv_node::host::ids::IdPoolRange {
+    let first = 3_000_000_000u32 + u32::from(slot) * 4 * agentenv_node::host::ids::IDS_PER_SANDBOX;
+    format!("{first}:{}", 2 * agentenv_node::host::ids::IDS_PER_SANDBOX)
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_right_after_deletes_wait_for_the_id_ranges_being_cleaned_up_and_fail_only_when_none_is()
+ {
+    require_node!();
+    let home = tempfile::tempdir().unwrap();
+    let mut cfg = node_common::config(home.path(), 66);
+    // Two id ranges and plenty of addresses: ids run out first.
+    cfg.jail_id_pool = two_id_ranges(66);
+    let node = Node::start(cfg.clone()).await;
+    let addr = node.addr;
+    let first: Vec<String> =
+        futures::future::join_all((0..2).map(|_| create(addr, r#"{"templateID":"base"}"#))).await;
+    // Every range is taken and no cleanup is pending: a create fails at once, naming
+    // the setting.
+    let r = api(addr, "POST", "/v2/sandboxes", r#"{"templateID":"base"}"#).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("AENV_JAIL_ID_POOL"), "{}", r.text());
+
+    let deletes = futures::future::join_all(first.iter().map(|id| delete(addr, id))).await;
+    assert!(deletes.iter().all(|r| r.status == 204), "{deletes:?}");
+    let pending = node.orch.cleanups().pending;
+    assert!(
+        pending > 0,
+        "the cleanups are still under way when the creates are sent"
+    );
+    // Right after the deletes answered: the ranges come back as their cleanups finish,
+    // and the creates wait for them instead of failing.
+    let second: Vec<String> =
+        futures::future::join_all((0..2).map(|_| create(addr, r#"{"templateID":"base"}"#))).await;
+    for id in &second {
+        assert_eq!(sh_ok(addr, id, "echo alive").await, "alive");
+        assert!(
+            holds_ids(&cfg, &sandbox_dir(&cfg, id)),
+            "{id} holds a range"
+        );
+    }
+    let deletes = futures::future::join_all(second.iter().map(|id| delete(addr, id))).await;
+    assert!(deletes.iter().all(|r| r.status == 204), "{deletes:?}");
+    assert!(
+        node.orch.drain_cleanups(DRAIN).await,
+        "the cleanup queue drains"
+    );
+    for id in first.iter().chain(&second) {
+        assert!(
+            !holds_ids(&cfg, &sandbox_dir(&cfg, id)),
+            "{id} kept its range"
+        );
+    }
+    node.stop().await;
+}

@@ -5,8 +5,10 @@
 //! maps ids `0..65536` inside to `base..base+65536` on the host, so root inside is the host
 //! uid `base`, which owns nothing outside the sandbox, and files the tenant writes belong to
 //! its range on the host. Ranges are reserved host-wide like addresses (files
-//! `<runtime>/ids/<base>` naming their owner), returned on destroy and reclaimed by
-//! reconciliation when their owner is gone.
+//! `<runtime>/ids/<base>` naming their owner), returned once a destroyed sandbox's cleanup
+//! finished (a create that finds every range taken while cleanups are pending waits for
+//! them, as it does for addresses) and reclaimed by reconciliation when their owner is
+//! gone.
 //!
 //! The namespace is created by a short-lived helper task that first becomes the range's
 //! base uid, so the namespace's owner is that uid: per-user kernel counters charged up the

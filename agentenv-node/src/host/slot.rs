@@ -63,12 +63,7 @@ impl SandboxHost {
                 .map_err(|e| BackendError::io(format!("creating {}", dir.display()), e))?,
         }
         phases.mark("dir");
-        claim.ids = Some(self.ids.reserve(&dir).map_err(|e| match e {
-            ids::IdError::Exhausted(_) => BackendError::IdPoolExhausted {
-                pool: self.ids.range().to_string(),
-            },
-            other => setup(other),
-        })?);
+        claim.ids = Some(self.reserve_ids(&dir).await?);
         phases.mark("ids");
 
         let (slot, pooled) = self.reserve_net(&dir).await?;
@@ -142,6 +137,32 @@ impl SandboxHost {
         )
         .await
         .map_err(setup)
+    }
+
+    /// An id range for a new sandbox whose directory is `dir`. When every range is
+    /// taken and deleted sandboxes are still being cleaned up, waits (up to the host's
+    /// operation timeout) for their ranges to come back.
+    async fn reserve_ids(&self, dir: &Path) -> Result<IdRange, BackendError> {
+        let deadline = tokio::time::Instant::now() + self.cfg.hosted.op_timeout;
+        loop {
+            match self.ids.reserve(dir) {
+                Ok(range) => return Ok(range),
+                // Ranges of deleted sandboxes come back once their cleanup is done.
+                Err(ids::IdError::Exhausted(_))
+                    if self.cleanups.pending() > 0 && tokio::time::Instant::now() < deadline =>
+                {
+                    self.cleanups
+                        .wait_any(deadline - tokio::time::Instant::now())
+                        .await;
+                }
+                Err(ids::IdError::Exhausted(_)) => {
+                    return Err(BackendError::IdPoolExhausted {
+                        pool: self.ids.range().to_string(),
+                    });
+                }
+                Err(other) => return Err(setup(other)),
+            }
+        }
     }
 
     /// The address of a new sandbox whose directory is `dir`, with a ready network
