@@ -9,6 +9,10 @@
 //! Each is compared with the same operation sent to the node directly (no gateway hop),
 //! measured in the same run; the exec round trip also with a host `fork+exec` of `true`.
 //!
+//! Then the same creates on a second cluster whose nodes keep pools of started `base`
+//! sandboxes (`AENV_POOL_TEMPLATES`), beside the creates without pools, with the
+//! breakdown of a pooled create.
+//!
 //! First, where a create → first command spends its time: the `Server-Timing` entries
 //! of the create's answer (the node's phases, the gateway's) beside the client's own
 //! clock, p50, p99 and mean per phase over [`BREAKDOWN`] runs at concurrency 1. The
@@ -28,6 +32,8 @@ const CREATES: usize = 50;
 const EXECS: usize = 500;
 /// Runs of the breakdown.
 const BREAKDOWN: usize = 100;
+/// Started sandboxes per node in the run with pools.
+const POOL: u64 = 8;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
@@ -231,6 +237,7 @@ fn node_phase_label(name: &str) -> String {
         "spawn" => "clone, overlay root, exec of the agent",
         "watch" => "pidfd watch, commit",
         "agent_ready" => "agent ready (GET /health polled)",
+        "claim" => "a pooled sandbox claimed",
         "init" => "POST /init",
         "start_cmd" => "template start command",
         "finish" => "record, events, observer",
@@ -351,7 +358,7 @@ fn main() {
     let node = cluster.nodes[0].addr;
     let node_addrs: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async move {
+    let cold = rt.block_on(async move {
         // Wait until both nodes heartbeat, so the gateway can place on both.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -377,10 +384,10 @@ fn main() {
         println!("node_bench: {CREATES} creates per row, {EXECS} execs; reference = same call sent to a node directly");
         let (g1, _) = creates(gw, CREATES, 1).await;
         let (n1, _) = creates(node, CREATES, 1).await;
-        row("create -> first command, concurrency 1", g1, n1, "one node direct");
+        row("create -> first command, concurrency 1", g1.clone(), n1, "one node direct");
         let (g8, g8_wall) = creates(gw, CREATES, 8).await;
         let (n8, n8_wall) = creates(node, CREATES, 8).await;
-        row("create -> first command, concurrency 8", g8, n8, "one node direct");
+        row("create -> first command, concurrency 8", g8.clone(), n8, "one node direct");
 
         let (st, v) = post(gw, "/v2/sandboxes", r#"{"templateID":"base","timeout":600}"#).await;
         assert_eq!(st, 201, "{v}");
@@ -413,9 +420,66 @@ fn main() {
             CREATES as f64 / g8_wall.as_secs_f64(),
             CREATES as f64 / n8_wall.as_secs_f64()
         );
-        println!("targets: create -> first command p50 < 100 ms; exec round trip p50 < 5 ms");
+        println!("load average after the runs: {}", load_average());
+        (g1, g8)
+    });
+    drop(cluster);
+    pooled(cold);
+    let _ = API_KEY;
+}
+
+/// The same creates on a cluster whose nodes keep pools of started `base` sandboxes,
+/// beside `cold` (creates at concurrency 1 and 8 without pools, from the same run).
+fn pooled(cold: (Vec<Duration>, Vec<Duration>)) {
+    let cluster = Cluster::start_with(2, 10, &|_| {
+        vec![
+            ("AENV_POOL_TEMPLATES".to_string(), format!("base={POOL}")),
+            ("AENV_POOL_MAX_PER_TEMPLATE".to_string(), format!("{POOL}")),
+        ]
+    });
+    let gw = cluster.gateway;
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async move {
+        wait_pools(gw, POOL).await;
+        println!();
+        println!("with pools ({POOL} started `base` sandboxes per node, refilled in the background); load average {}", load_average());
+        let mut samples = Vec::with_capacity(BREAKDOWN);
+        for _ in 0..BREAKDOWN {
+            samples.push(breakdown_sample(gw).await);
+        }
+        print_breakdown(&samples);
+        wait_pools(gw, POOL).await;
+        let (p1, _) = creates(gw, CREATES, 1).await;
+        row("pooled create -> first command, conc. 1", p1, cold.0, "without pools");
+        // Eight at a time take eight sandboxes at once: each round starts with full pools.
+        let mut p8 = Vec::new();
+        for _ in 0..CREATES / 8 {
+            wait_pools(gw, POOL).await;
+            p8.extend(creates(gw, 8, 8).await.0);
+        }
+        row("pooled create -> first command, conc. 8", p8, cold.1, "without pools");
+        println!("targets: create -> first command p50 < 10 ms (< 25 ms at 8 at a time); exec round trip p50 < 2 ms");
         println!("load average after the runs: {}", load_average());
     });
     drop(cluster);
-    let _ = API_KEY;
+}
+
+/// Waits until every node's pool holds `n` sandboxes.
+async fn wait_pools(gw: SocketAddr, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = tokio::task::spawn_blocking(move || agentenv_tests::api(gw, "GET", "/nodes", "").1)
+            .await
+            .expect("nodes");
+        let full = v.as_array().is_some_and(|a| {
+            a.len() == 2
+                && a.iter()
+                    .all(|x| x["sandboxPooledCount"].as_u64() >= Some(n))
+        });
+        if full {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pools did not fill: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -14,7 +14,9 @@
 //!   start a sandbox as always.
 //! * Each pool holds at least its configured size and, when creates came faster, as many
 //!   as the creates of the last `demand_window`, up to `max_per_template`. It is refilled
-//!   in the background, `refill_concurrency` starts at a time.
+//!   in the background, `refill_concurrency` starts at a time, and while it still holds
+//!   a sandbox not within [`REFILL_QUIET`] of a claim (the claimed sandbox's first calls
+//!   need the CPU a start would take).
 //! * A pool belongs to the build its template resolved to: when the template is rebuilt
 //!   (it resolves to another build), the old build's pooled sandboxes are destroyed and
 //!   the pool refills from the new one; a claim never takes one of an older build.
@@ -43,6 +45,10 @@ const TICK: Duration = Duration::from_millis(250);
 const RESOLVE_EVERY: Duration = Duration::from_secs(1);
 /// Pause of a template's refills after a failed start.
 const FAILURE_BACKOFF: Duration = Duration::from_secs(5);
+/// Refills wait this long after the last claim while the pool still holds a sandbox: a
+/// claimed sandbox's first calls come right after its create, and a start beside them
+/// (clone, mounts, a new agent) would take the CPU they need.
+const REFILL_QUIET: Duration = Duration::from_millis(50);
 
 /// What the pools hold and how they grow.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,6 +141,8 @@ struct PoolState {
     sources: HashMap<String, (Option<Source>, Instant)>,
     /// Templates whose refills wait after a failure, until then.
     backoff: HashMap<String, Instant>,
+    /// When a create last claimed a pooled sandbox.
+    last_claim: Option<Instant>,
 }
 
 /// Counts of the pools, for heartbeats, `GET /nodes` and `/metrics`.
@@ -244,6 +252,9 @@ impl Pools {
             .or_default()
             .push_back(Instant::now());
         let got = st.ready.get_mut(key).and_then(VecDeque::pop_front);
+        if got.is_some() {
+            st.last_claim = Some(Instant::now());
+        }
         drop(st);
         if got.is_some() {
             self.claims.fetch_add(1, Ordering::Relaxed);
@@ -322,15 +333,21 @@ impl Orchestrator {
         let this = self.clone();
         Some(tokio::spawn(async move {
             while !this.is_shutting_down() {
-                this.tend_pools().await;
-                let _ = tokio::time::timeout(TICK, this.pools.wake.notified()).await;
+                match this.tend_pools().await {
+                    // Refills wait for a quiet moment: no wake-up before it.
+                    Some(quiet) => tokio::time::sleep(quiet).await,
+                    None => {
+                        let _ = tokio::time::timeout(TICK, this.pools.wake.notified()).await;
+                    }
+                }
             }
         }))
     }
 
     /// One round: resolves the templates again when due, destroys what is stale or too
-    /// much for the memory left, and starts what is missing.
-    async fn tend_pools(self: &Arc<Self>) {
+    /// much for the memory left, and starts what is missing. Returns how long to wait
+    /// when refills were put off because a claim just happened.
+    async fn tend_pools(self: &Arc<Self>) -> Option<Duration> {
         let now = Instant::now();
         let templates: Vec<String> = self.pools.settings.templates.keys().cloned().collect();
         for t in &templates {
@@ -359,11 +376,20 @@ impl Orchestrator {
         self.drain_stale().await;
         if self.memory_pressed() {
             self.shrink_one().await;
-            return;
+            return None;
         }
+        let since_claim = self
+            .pools
+            .state
+            .lock()
+            .last_claim
+            .map(|t| now.saturating_duration_since(t));
+        let quiet = since_claim.is_none_or(|d| d >= REFILL_QUIET);
+        let mut put_off = false;
         for t in templates {
-            self.refill(&t, now);
+            put_off |= !self.refill(&t, now, quiet);
         }
+        put_off.then(|| REFILL_QUIET.saturating_sub(since_claim.unwrap_or_default()))
     }
 
     /// What template `reference` resolves to, when its sandboxes can be pooled.
@@ -474,21 +500,28 @@ impl Orchestrator {
         }
     }
 
-    /// Starts what template `reference`'s pool lacks, as far as the start slots allow.
-    fn refill(self: &Arc<Self>, reference: &str, now: Instant) {
+    /// Starts what template `reference`'s pool lacks, as far as the start slots allow;
+    /// unless `quiet`, only when the pool is empty. Whether it was not put off.
+    fn refill(self: &Arc<Self>, reference: &str, now: Instant, quiet: bool) -> bool {
         let mut st = self.pools.state.lock();
         if st.backoff.get(reference).is_some_and(|until| now < *until) {
-            return;
+            return true;
         }
         let Some(source) = st.sources.get(reference).and_then(|(s, _)| s.clone()) else {
-            return;
+            return true;
         };
         let target = self.pools.target(&mut st, reference, now);
-        let have = st.ready.get(&source.key).map_or(0, VecDeque::len)
-            + st.starting.get(&source.key).copied().unwrap_or(0);
+        let ready = st.ready.get(&source.key).map_or(0, VecDeque::len);
+        let have = ready + st.starting.get(&source.key).copied().unwrap_or(0);
+        if have >= target {
+            return true;
+        }
+        if !quiet && ready > 0 {
+            return false;
+        }
         for _ in have..target {
             let Ok(permit) = self.pools.starts.try_acquire() else {
-                return;
+                return true;
             };
             permit.forget();
             *st.starting.entry(source.key.clone()).or_default() += 1;
@@ -502,6 +535,7 @@ impl Orchestrator {
                 this.pools.wake.notify_one();
             });
         }
+        true
     }
 
     /// Puts a pooled sandbox that started into its pool; returns its id when it is not
