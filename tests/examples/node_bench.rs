@@ -9,6 +9,15 @@
 //! Each is compared with the same operation sent to the node directly (no gateway hop),
 //! measured in the same run; the exec round trip also with a host `fork+exec` of `true`.
 //!
+//! Then the same with the official E2B Python SDK (`node_bench_sdk.py`, in the SDK's
+//! virtual environment): warm `commands.run("true")` through the gateway and straight to
+//! the node, beside Python's own `subprocess.run(["true"])` and the command the SDK
+//! really sends (`/bin/bash -l -c true`) run on the host in the template's root, in the
+//! same process; and SDK create -> first command at concurrency 1 and 8.
+//!
+//! `NODE_BENCH_INDEX` picks the test cluster index (default 8), so two runs on one
+//! machine do not share addresses.
+//!
 //! First, where a create → first command spends its time: the `Server-Timing` entries
 //! of the create's answer (the node's phases, the gateway's) beside the client's own
 //! clock, p50, p99 and mean per phase over [`BREAKDOWN`] runs at concurrency 1. The
@@ -26,6 +35,10 @@ use agentenv_tests::{API_KEY, Cluster};
 
 const CREATES: usize = 50;
 const EXECS: usize = 500;
+/// Warm execs per series with the Python SDK.
+const SDK_EXECS: usize = 300;
+/// Creates per concurrency with the Python SDK.
+const SDK_CREATES: usize = 50;
 /// Runs of the breakdown.
 const BREAKDOWN: usize = 100;
 
@@ -106,14 +119,19 @@ async fn creates(addr: SocketAddr, n: usize, concurrency: usize) -> (Vec<Duratio
 }
 
 async fn execs(addr: SocketAddr, id: &str) -> Vec<Duration> {
+    execs_of(addr, id, "true", &[]).await
+}
+
+/// [`EXECS`] runs of `cmd args` on a warm sandbox (after 20 to warm up).
+async fn execs_of(addr: SocketAddr, id: &str, cmd: &str, args: &[&str]) -> Vec<Duration> {
     let c = client(addr, id);
     for _ in 0..20 {
-        c.run("true", &[]).await.expect("warm-up");
+        c.run(cmd, args).await.expect("warm-up");
     }
     let mut v = Vec::with_capacity(EXECS);
     for _ in 0..EXECS {
         let t0 = Instant::now();
-        let out = c.run("true", &[]).await.expect("exec");
+        let out = c.run(cmd, args).await.expect("exec");
         v.push(t0.elapsed());
         assert_eq!(out.end.as_ref().map(|e| e.exit_code), Some(0));
     }
@@ -230,7 +248,7 @@ fn node_phase_label(name: &str) -> String {
         "queue" => "waiting for a blocking thread",
         "spawn" => "clone, overlay root, exec of the agent",
         "watch" => "pidfd watch, commit",
-        "agent_ready" => "agent ready (GET /health polled)",
+        "agent_ready" => "agent ready (first GET /health answered)",
         "init" => "POST /init",
         "start_cmd" => "template start command",
         "finish" => "record, events, observer",
@@ -335,6 +353,82 @@ fn print_breakdown(samples: &[Sample]) {
     );
 }
 
+/// Milliseconds as durations, from the SDK script's JSON list `key`.
+fn ms_list(v: &serde_json::Value, key: &str) -> Vec<Duration> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no `{key}` in the SDK script's output"))
+        .iter()
+        .map(|x| Duration::from_secs_f64(x.as_f64().expect("milliseconds") / 1000.0))
+        .collect()
+}
+
+/// The rows measured with the official Python SDK (see the module documentation).
+fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) {
+    let py = match agentenv_tests::e2b_python() {
+        Ok(py) => py,
+        Err(e) => {
+            println!("Python SDK rows skipped: {e}");
+            return;
+        }
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node_bench_sdk.py");
+    let root = format!("{}/base/rootfs", agentenv_tests::TEMPLATE_CACHE);
+    let node_urls = nodes
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let (execs, creates) = (SDK_EXECS.to_string(), SDK_CREATES.to_string());
+    let v = agentenv_tests::run_sdk_script(
+        &py,
+        script,
+        &[execs.as_str(), creates.as_str(), root.as_str()],
+        gw,
+        &[("NODE_URLS", node_urls.as_str())],
+    );
+    println!(
+        "official Python SDK: {SDK_EXECS} warm `commands.run(\"true\")` per row (the SDK sends `/bin/bash -l -c true`), {SDK_CREATES} creates per row"
+    );
+    let gw_exec = ms_list(&v, "exec_gateway");
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec.clone(),
+        ms_list(&v, "exec_node"),
+        "SDK, node direct",
+    );
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec.clone(),
+        ms_list(&v, "subprocess_true"),
+        "subprocess.run(true)",
+    );
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec,
+        ms_list(&v, "subprocess_bash_l"),
+        "host bash -l -c true",
+    );
+    let c1 = ms_list(&v, "create_c1");
+    row(
+        "SDK create -> first command, concurrency 1",
+        c1.clone(),
+        c1,
+        "(same)",
+    );
+    let c8 = ms_list(&v, "create_c8");
+    row(
+        "SDK create -> first command, concurrency 8",
+        c8.clone(),
+        c8,
+        "(same)",
+    );
+    println!(
+        "SDK sandboxes/s (create + first command + kill, concurrency 8): {:.1}/s",
+        SDK_CREATES as f64 / (v["create_c8_wall"].as_f64().unwrap_or(f64::NAN) / 1000.0)
+    );
+}
+
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -346,7 +440,11 @@ fn main() {
         eprintln!("node_bench cannot run here: {r}");
         std::process::exit(2);
     }
-    let cluster = Cluster::start(2, 8);
+    let index = std::env::var("NODE_BENCH_INDEX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let cluster = Cluster::start(2, index);
     let gw = cluster.gateway;
     let node = cluster.nodes[0].addr;
     let node_addrs: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
@@ -388,7 +486,7 @@ fn main() {
         let through_gw = execs(gw, &warm).await;
         // The owner of the warm sandbox, for the direct reference.
         let mut owner = node;
-        for a in node_addrs {
+        for a in node_addrs.clone() {
             let path = format!("/sandboxes/{warm}");
             let st = tokio::task::spawn_blocking(move || agentenv_tests::api(a, "GET", &path, "").0)
                 .await
@@ -405,7 +503,10 @@ fn main() {
             std::process::Command::new("true").status().expect("true");
             host.push(t0.elapsed());
         }
-        row("exec `true` round trip (warm sandbox)", through_gw, host, "host fork+exec");
+        row("exec `true` round trip (warm sandbox)", through_gw.clone(), host, "host fork+exec");
+        // What the SDK's `commands.run("true")` sends: a login shell running `true`.
+        let login = execs_of(gw, &warm, "/bin/bash", &["-l", "-c", "true"]).await;
+        row("exec `/bin/bash -l -c true` (warm sandbox)", login, through_gw, "exec `true`");
         delete(gw, &warm).await;
 
         println!(
@@ -413,7 +514,11 @@ fn main() {
             CREATES as f64 / g8_wall.as_secs_f64(),
             CREATES as f64 / n8_wall.as_secs_f64()
         );
-        println!("targets: create -> first command p50 < 100 ms; exec round trip p50 < 5 ms");
+        println!("load average before the SDK rows: {}", load_average());
+        tokio::task::spawn_blocking(move || sdk_rows(gw, &node_addrs))
+            .await
+            .expect("SDK rows");
+        println!("targets: create -> first command p50 < 100 ms; exec round trip p50 < 5 ms; SDK warm exec p50 < 2 ms");
         println!("load average after the runs: {}", load_average());
     });
     drop(cluster);
