@@ -41,7 +41,9 @@
 //! users and groups come from the root's `/etc/passwd` and `/etc/group`; a
 //! root without them still works for the agent's own account.
 //!
-//! Environment read by the agent: `AGENTENV_GUEST_PORT`, `AGENTENV_GUEST_ADDR`,
+//! Environment read by the agent: `AGENTENV_GUEST_LISTEN_FD` (an inherited
+//! listening socket served instead of `--addr`/`--port`, see [`LISTEN_FD_ENV`]),
+//! `AGENTENV_GUEST_PORT`, `AGENTENV_GUEST_ADDR`,
 //! `AGENTENV_GUEST_ACCESS_TOKEN` (a token enforced before any `/init`),
 //! `AGENTENV_GUEST_DEFAULT_USER`, `AGENTENV_GUEST_DEFAULT_WORKDIR` (the same
 //! as the flags), `RUST_LOG` (log filter, default `info`, logs on stderr).
@@ -100,6 +102,12 @@ pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The port envd listens on, which SDKs assume.
 pub const DEFAULT_PORT: u16 = 49983;
+
+/// The variable naming a listening TCP socket the agent inherits and serves instead
+/// of binding its own (the jail makes it before the agent runs, so a client's first
+/// connection waits in its backlog rather than being refused). Init mode keeps it open
+/// for every start of the agent; the agent closes it on exec of the processes it runs.
+pub const LISTEN_FD_ENV: &str = "AGENTENV_GUEST_LISTEN_FD";
 
 /// Generated protobuf types with serde support following the protobuf JSON
 /// mapping.

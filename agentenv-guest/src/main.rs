@@ -6,7 +6,9 @@ use std::net::{IpAddr, SocketAddr};
 use anyhow::Context as _;
 use clap::Parser;
 
-use agentenv_guest::server::{AgentOptions, AgentState, bind_and_serve};
+use agentenv_guest::server::{
+    AgentOptions, AgentState, bind_and_serve, inherited_listener, serve_inherited,
+};
 
 /// The in-sandbox agent of AgentENV (envd-compatible).
 #[derive(Debug, Parser)]
@@ -64,6 +66,8 @@ fn main() -> anyhow::Result<()> {
         let code = agentenv_guest::pid1::run(child_args).context("init mode")?;
         std::process::exit(code);
     }
+    // Taken before the runtime opens descriptors of its own.
+    let inherited = inherited_listener();
     let opts = AgentOptions {
         default_user: args.default_user,
         default_workdir: args.default_workdir,
@@ -90,8 +94,10 @@ fn main() -> anyhow::Result<()> {
             tracing::info!("stopping");
             shutdown_state.processes.kill_all();
         };
-        bind_and_serve(addr, state, shutdown)
-            .await
-            .context("serving")
+        match inherited {
+            Some(l) => serve_inherited(l, state, shutdown).await,
+            None => bind_and_serve(addr, state, shutdown).await,
+        }
+        .context("serving")
     })
 }

@@ -215,6 +215,61 @@ pub async fn serve(
     }
 }
 
+/// The listening socket named by [`crate::LISTEN_FD_ENV`], if the variable is set and
+/// names a listening TCP socket; it is made close-on-exec (no process the agent starts
+/// holds it) and non-blocking. A variable naming anything else is ignored with a warning.
+pub fn inherited_listener() -> Option<std::net::TcpListener> {
+    use std::os::fd::FromRawFd;
+    let value = std::env::var(crate::LISTEN_FD_ENV).ok()?;
+    let checked = value
+        .trim()
+        .parse::<std::os::fd::RawFd>()
+        .ok()
+        .filter(|fd| *fd > 2)
+        .ok_or("not a descriptor number above 2")
+        .and_then(|fd| {
+            if sockopt(fd, libc::SO_ACCEPTCONN) != Some(1)
+                || sockopt(fd, libc::SO_TYPE) != Some(libc::SOCK_STREAM)
+            {
+                return Err("not a listening stream socket");
+            }
+            // SAFETY: fcntl on a descriptor number; a bad one fails with EBADF.
+            if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+                return Err("cannot be made close-on-exec");
+            }
+            // SAFETY: a listening stream socket nothing else in this process owns.
+            let l = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+            l.set_nonblocking(true)
+                .map_err(|_| "cannot be made non-blocking")?;
+            l.local_addr().map_err(|_| "not a TCP socket")?;
+            Ok(l)
+        });
+    match checked {
+        Ok(l) => Some(l),
+        Err(why) => {
+            tracing::warn!(value = %value, why, "{} ignored", crate::LISTEN_FD_ENV);
+            None
+        }
+    }
+}
+
+/// An integer socket option of `fd` at `SOL_SOCKET`, `None` if it has none.
+fn sockopt(fd: std::os::fd::RawFd, opt: libc::c_int) -> Option<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: an int and its length, on this stack, as the option's value.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(v)
+}
+
 /// Binds `addr` and serves until `shutdown`.
 pub async fn bind_and_serve(
     addr: SocketAddr,
@@ -225,5 +280,20 @@ pub async fn bind_and_serve(
         .await
         .map_err(|source| ServerError::Bind { addr, source })?;
     tracing::info!(%addr, "agent listening");
+    serve(listener, state, shutdown).await
+}
+
+/// Serves `listener` (see [`inherited_listener`]) until `shutdown`.
+pub async fn serve_inherited(
+    listener: std::net::TcpListener,
+    state: Arc<AgentState>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let addr = listener
+        .local_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+    let listener =
+        TcpListener::from_std(listener).map_err(|source| ServerError::Bind { addr, source })?;
+    tracing::info!(%addr, "agent listening (inherited socket)");
     serve(listener, state, shutdown).await
 }

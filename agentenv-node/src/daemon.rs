@@ -81,6 +81,7 @@ pub async fn jail_backend(
     if !cfg.guest_init_mode {
         j.agent_args = Vec::new();
     }
+    j.agent_listener = cfg.guest_inherit_listener;
     j.net_pool_size = cfg.jail_net_pool_size;
     j.disk_size_mb = cfg.jail_disk_size_mb;
     j.layer_pool_size = cfg.jail_layer_pool_size;

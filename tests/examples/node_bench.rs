@@ -9,7 +9,16 @@
 //! Each is compared with the same operation sent to the node directly (no gateway hop),
 //! measured in the same run; the exec round trip also with a host `fork+exec` of `true`.
 //!
-//! Then the same creates on a second cluster whose nodes keep pools of started `base`
+//! Then the same with the official E2B Python SDK (`node_bench_sdk.py`, in the SDK's
+//! virtual environment): warm `commands.run("true")` through the gateway and straight to
+//! the node, beside Python's own `subprocess.run(["true"])` and the command the SDK
+//! really sends (`/bin/bash -l -c true`) run on the host in the template's root, in the
+//! same process; and SDK create -> first command at concurrency 1 and 8.
+//!
+//! `NODE_BENCH_INDEX` picks the test cluster index (default 8), so two runs on one
+//! machine do not share addresses.
+//!
+//! Then the same creates (and the SDK's) on a second cluster whose nodes keep pools of started `base`
 //! sandboxes (`AENV_POOL_TEMPLATES`), beside the creates without pools, with the
 //! breakdown of a pooled create.
 //!
@@ -30,6 +39,10 @@ use agentenv_tests::{API_KEY, Cluster};
 
 const CREATES: usize = 50;
 const EXECS: usize = 500;
+/// Warm execs per series with the Python SDK.
+const SDK_EXECS: usize = 300;
+/// Creates per concurrency with the Python SDK.
+const SDK_CREATES: usize = 50;
 /// Runs of the breakdown.
 const BREAKDOWN: usize = 100;
 /// Started sandboxes per node in the run with pools.
@@ -112,14 +125,19 @@ async fn creates(addr: SocketAddr, n: usize, concurrency: usize) -> (Vec<Duratio
 }
 
 async fn execs(addr: SocketAddr, id: &str) -> Vec<Duration> {
+    execs_of(addr, id, "true", &[]).await
+}
+
+/// [`EXECS`] runs of `cmd args` on a warm sandbox (after 20 to warm up).
+async fn execs_of(addr: SocketAddr, id: &str, cmd: &str, args: &[&str]) -> Vec<Duration> {
     let c = client(addr, id);
     for _ in 0..20 {
-        c.run("true", &[]).await.expect("warm-up");
+        c.run(cmd, args).await.expect("warm-up");
     }
     let mut v = Vec::with_capacity(EXECS);
     for _ in 0..EXECS {
         let t0 = Instant::now();
-        let out = c.run("true", &[]).await.expect("exec");
+        let out = c.run(cmd, args).await.expect("exec");
         v.push(t0.elapsed());
         assert_eq!(out.end.as_ref().map(|e| e.exit_code), Some(0));
     }
@@ -236,7 +254,7 @@ fn node_phase_label(name: &str) -> String {
         "queue" => "waiting for a blocking thread",
         "spawn" => "clone, overlay root, exec of the agent",
         "watch" => "pidfd watch, commit",
-        "agent_ready" => "agent ready (GET /health polled)",
+        "agent_ready" => "agent ready (first GET /health answered)",
         "claim" => "a pooled sandbox claimed",
         "init" => "POST /init",
         "start_cmd" => "template start command",
@@ -342,6 +360,118 @@ fn print_breakdown(samples: &[Sample]) {
     );
 }
 
+/// Milliseconds as durations, from the SDK script's JSON list `key`.
+fn ms_list(v: &serde_json::Value, key: &str) -> Vec<Duration> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no `{key}` in the SDK script's output"))
+        .iter()
+        .map(|x| Duration::from_secs_f64(x.as_f64().expect("milliseconds") / 1000.0))
+        .collect()
+}
+
+/// The rows measured with the official Python SDK (see the module documentation); the
+/// SDK's creates at concurrency 1 and 8, for the run with pools.
+fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<Duration>)> {
+    let py = match agentenv_tests::e2b_python() {
+        Ok(py) => py,
+        Err(e) => {
+            println!("Python SDK rows skipped: {e}");
+            return None;
+        }
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node_bench_sdk.py");
+    let root = format!("{}/base/rootfs", agentenv_tests::TEMPLATE_CACHE);
+    let node_urls = nodes
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let (execs, creates) = (SDK_EXECS.to_string(), SDK_CREATES.to_string());
+    let v = agentenv_tests::run_sdk_script(
+        &py,
+        script,
+        &[execs.as_str(), creates.as_str(), root.as_str()],
+        gw,
+        &[("NODE_URLS", node_urls.as_str())],
+    );
+    println!(
+        "official Python SDK: {SDK_EXECS} warm `commands.run(\"true\")` per row (the SDK sends `/bin/bash -l -c true`), {SDK_CREATES} creates per row"
+    );
+    let gw_exec = ms_list(&v, "exec_gateway");
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec.clone(),
+        ms_list(&v, "exec_node"),
+        "SDK, node direct",
+    );
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec.clone(),
+        ms_list(&v, "subprocess_true"),
+        "subprocess.run(true)",
+    );
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec,
+        ms_list(&v, "subprocess_bash_l"),
+        "host bash -l -c true",
+    );
+    let c1 = ms_list(&v, "create_c1");
+    row(
+        "SDK create -> first command, concurrency 1",
+        c1.clone(),
+        c1,
+        "(same)",
+    );
+    let c8 = ms_list(&v, "create_c8");
+    row(
+        "SDK create -> first command, concurrency 8",
+        c8.clone(),
+        c8,
+        "(same)",
+    );
+    println!(
+        "SDK sandboxes/s (create + first command + kill, concurrency 8): {:.1}/s",
+        SDK_CREATES as f64 / (v["create_c8_wall"].as_f64().unwrap_or(f64::NAN) / 1000.0)
+    );
+    Some((ms_list(&v, "create_c1"), ms_list(&v, "create_c8")))
+}
+
+/// The SDK's creates on the cluster with pools, beside `cold` (the same without pools).
+fn sdk_pooled_rows(gw: SocketAddr, nodes: &[SocketAddr], cold: (Vec<Duration>, Vec<Duration>)) {
+    let Ok(py) = agentenv_tests::e2b_python() else {
+        return;
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node_bench_sdk.py");
+    let root = format!("{}/base/rootfs", agentenv_tests::TEMPLATE_CACHE);
+    let node_urls = nodes
+        .iter()
+        .map(|a| format!("http://{a}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let creates = SDK_CREATES.to_string();
+    let v = agentenv_tests::run_sdk_script(
+        &py,
+        script,
+        &["0", creates.as_str(), root.as_str()],
+        gw,
+        &[("NODE_URLS", node_urls.as_str())],
+    );
+    row(
+        "SDK pooled create -> first cmd, conc. 1",
+        ms_list(&v, "create_c1"),
+        cold.0,
+        "SDK without pools",
+    );
+    row(
+        "SDK pooled create -> first cmd, conc. 8",
+        ms_list(&v, "create_c8"),
+        cold.1,
+        "SDK without pools",
+    );
+}
+
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -353,7 +483,11 @@ fn main() {
         eprintln!("node_bench cannot run here: {r}");
         std::process::exit(2);
     }
-    let cluster = Cluster::start(2, 8);
+    let index = std::env::var("NODE_BENCH_INDEX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let cluster = Cluster::start(2, index);
     let gw = cluster.gateway;
     let node = cluster.nodes[0].addr;
     let node_addrs: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
@@ -395,7 +529,7 @@ fn main() {
         let through_gw = execs(gw, &warm).await;
         // The owner of the warm sandbox, for the direct reference.
         let mut owner = node;
-        for a in node_addrs {
+        for a in node_addrs.clone() {
             let path = format!("/sandboxes/{warm}");
             let st = tokio::task::spawn_blocking(move || agentenv_tests::api(a, "GET", &path, "").0)
                 .await
@@ -412,7 +546,10 @@ fn main() {
             std::process::Command::new("true").status().expect("true");
             host.push(t0.elapsed());
         }
-        row("exec `true` round trip (warm sandbox)", through_gw, host, "host fork+exec");
+        row("exec `true` round trip (warm sandbox)", through_gw.clone(), host, "host fork+exec");
+        // What the SDK's `commands.run("true")` sends: a login shell running `true`.
+        let login = execs_of(gw, &warm, "/bin/bash", &["-l", "-c", "true"]).await;
+        row("exec `/bin/bash -l -c true` (warm sandbox)", login, through_gw, "exec `true`");
         delete(gw, &warm).await;
 
         println!(
@@ -420,24 +557,33 @@ fn main() {
             CREATES as f64 / g8_wall.as_secs_f64(),
             CREATES as f64 / n8_wall.as_secs_f64()
         );
+        println!("load average before the SDK rows: {}", load_average());
+        let sdk = tokio::task::spawn_blocking(move || sdk_rows(gw, &node_addrs))
+            .await
+            .expect("SDK rows");
         println!("load average after the runs: {}", load_average());
-        (g1, g8)
+        ((g1, g8), sdk)
     });
     drop(cluster);
-    pooled(cold);
+    pooled(cold.0, cold.1, index + 2);
     let _ = API_KEY;
 }
 
 /// The same creates on a cluster whose nodes keep pools of started `base` sandboxes,
 /// beside `cold` (creates at concurrency 1 and 8 without pools, from the same run).
-fn pooled(cold: (Vec<Duration>, Vec<Duration>)) {
-    let cluster = Cluster::start_with(2, 10, &|_| {
+fn pooled(
+    cold: (Vec<Duration>, Vec<Duration>),
+    sdk_cold: Option<(Vec<Duration>, Vec<Duration>)>,
+    index: u8,
+) {
+    let cluster = Cluster::start_with(2, index, &|_| {
         vec![
             ("AENV_POOL_TEMPLATES".to_string(), format!("base={POOL}")),
             ("AENV_POOL_MAX_PER_TEMPLATE".to_string(), format!("{POOL}")),
         ]
     });
     let gw = cluster.gateway;
+    let node_addrs: Vec<SocketAddr> = cluster.nodes.iter().map(|n| n.addr).collect();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async move {
         wait_pools(gw, POOL).await;
@@ -458,6 +604,12 @@ fn pooled(cold: (Vec<Duration>, Vec<Duration>)) {
             p8.extend(creates(gw, 8, 8).await.0);
         }
         row("pooled create -> first command, conc. 8", p8, cold.1, "without pools");
+        if let Some(sdk_cold) = sdk_cold {
+            wait_pools(gw, POOL).await;
+            tokio::task::spawn_blocking(move || sdk_pooled_rows(gw, &node_addrs, sdk_cold))
+                .await
+                .expect("SDK rows");
+        }
         println!("targets: create -> first command p50 < 10 ms (< 25 ms at 8 at a time); exec round trip p50 < 2 ms");
         println!("load average after the runs: {}", load_average());
     });

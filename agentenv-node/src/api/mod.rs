@@ -78,6 +78,8 @@ pub struct ApiState {
     pub domains: Vec<String>,
     /// Timeouts of data-plane relays.
     pub relay_timeouts: dataplane::RelayTimeouts,
+    /// Kept connections of data-plane relays to sandboxes.
+    pub sandbox_pool: dataplane::SandboxPool,
     registry: Mutex<Registry>,
     http: Family<HttpLabels, Histogram>,
     /// The host's CPU, memory and disks (the sampler heartbeats use too).
@@ -114,6 +116,7 @@ impl ApiState {
             identity,
             domains,
             relay_timeouts,
+            sandbox_pool: dataplane::SandboxPool::default(),
             registry: Mutex::new(registry),
             http,
             host,

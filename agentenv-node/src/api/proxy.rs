@@ -66,6 +66,7 @@ pub(super) async fn proxy(
         target: &target,
         keep_access_token,
         api_key: &state.api_key,
+        pool: &state.sandbox_pool,
     };
     match dataplane::relay(req, relay).await {
         Ok(r) => r,

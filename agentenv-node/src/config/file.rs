@@ -20,6 +20,7 @@ pub(super) struct FileConfig {
     pub(super) backend: Option<toml::Value>,
     pub(super) guest_binary_path: Option<PathBuf>,
     pub(super) guest_init_mode: Option<bool>,
+    pub(super) guest_inherit_listener: Option<bool>,
     pub(super) guest_kernel_path: Option<PathBuf>,
     pub(super) vmm_binary_path: Option<PathBuf>,
     pub(super) template_path: Option<PathBuf>,

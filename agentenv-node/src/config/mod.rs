@@ -132,6 +132,10 @@ pub struct NodeConfig {
     /// sandbox's first process (`AENV_GUEST_INIT_MODE`, default on); off runs it as a
     /// plain server.
     pub guest_init_mode: bool,
+    /// The jail makes the agent's listening socket and hands it over
+    /// (`AENV_GUEST_INHERIT_LISTENER`, default on; see
+    /// [`agentenv_guest::LISTEN_FD_ENV`]); off for an agent that binds its own.
+    pub guest_inherit_listener: bool,
     /// The guest kernel of microVM sandboxes (`AENV_GUEST_KERNEL_PATH`), default
     /// `<home>/guest/vmlinux` (built by agentenv-vmm/guest/build-kernel.sh).
     pub guest_kernel: PathBuf,
@@ -311,6 +315,10 @@ impl NodeConfig {
         let guest_init_mode = match env("AENV_GUEST_INIT_MODE") {
             Some(v) => parse_bool("AENV_GUEST_INIT_MODE", &v)?,
             None => file.guest_init_mode.unwrap_or(true),
+        };
+        let guest_inherit_listener = match env("AENV_GUEST_INHERIT_LISTENER") {
+            Some(v) => parse_bool("AENV_GUEST_INHERIT_LISTENER", &v)?,
+            None => file.guest_inherit_listener.unwrap_or(true),
         };
         let guest_kernel = env("AENV_GUEST_KERNEL_PATH")
             .map(PathBuf::from)
@@ -557,6 +565,7 @@ impl NodeConfig {
             backend,
             guest_binary,
             guest_init_mode,
+            guest_inherit_listener,
             guest_kernel,
             vmm_binary,
             template_path,

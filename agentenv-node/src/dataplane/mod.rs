@@ -19,6 +19,9 @@ use crate::backend::AGENT_PORT;
 use crate::ids::{is_uuid, parse_sandbox_id};
 use crate::lifecycle::SandboxRecord;
 
+mod pool;
+pub use pool::SandboxPool;
+
 /// The body type of every response the node sends.
 pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 /// Errors of streamed bodies.
@@ -34,6 +37,9 @@ pub enum ProxyError {
     Connect { addr: SocketAddr, reason: String },
     #[error("relaying to the sandbox: {0}")]
     Upstream(#[from] hyper::Error),
+    /// A relay on a kept connection failed (the message holds the causes).
+    #[error("relaying to the sandbox: {0}")]
+    Pooled(String),
     #[error("building the upstream request: {0}")]
     Request(#[from] http::Error),
     #[error("the sandbox sent no response headers within {0:?} after the request body ended")]
@@ -391,11 +397,21 @@ pub struct Relay<'a> {
     pub target: &'a Target,
     pub keep_access_token: bool,
     pub api_key: &'a str,
+    /// Kept connections to sandboxes (see [`SandboxPool`]).
+    pub pool: &'a SandboxPool,
+}
+
+/// Whether a request takes a kept connection: not an upgrade, and not an upload (which
+/// the agent serves fastest as a connection's first request).
+fn pooled<B>(req: &Request<B>, upgrade: bool, path_and_query: &str) -> bool {
+    let upload = req.method() == http::Method::POST && path_and_query.starts_with("/files");
+    !(upgrade || upload)
 }
 
 /// Relays `req` to the sandbox and returns its response, bodies streaming both ways.
 pub async fn relay(mut req: Request<Incoming>, r: Relay<'_>) -> Result<Response<Body>, ProxyError> {
     let upgrade = is_upgrade(&req);
+    let use_pool = pooled(&req, upgrade, &r.target.path_and_query);
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
     let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -469,40 +485,68 @@ pub async fn relay(mut req: Request<Incoming>, r: Relay<'_>) -> Result<Response<
     let mut up = up.map(|()| body);
     *up.headers_mut() = headers;
 
-    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(r.upstream)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return Err(ProxyError::Connect {
-                addr: r.upstream,
-                reason: e.to_string(),
-            });
-        }
-        Err(_) => {
-            return Err(ProxyError::Connect {
-                addr: r.upstream,
-                reason: format!("timed out after {CONNECT_TIMEOUT:?}"),
-            });
-        }
-    };
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-        .handshake(TokioIo::new(stream))
-        .await?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(error = %e, "upstream connection ended");
-        }
-    });
     let header_limit = r.timeouts.response_headers;
-    let mut resp = tokio::select! {
-        resp = sender.send_request(up) => resp?,
-        () = async {
-            // Only once the whole body is sent does the header clock start.
-            if body_ended.await.is_err() {
-                std::future::pending::<()>().await;
+    let header_timeout = async {
+        // Only once the whole body is sent does the header clock start.
+        if body_ended.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(header_limit).await;
+    };
+    let kept = if use_pool {
+        pool::uri(r.upstream, &r.target.sandbox_id, &r.target.path_and_query)
+    } else {
+        None
+    };
+    let mut resp = if let Some(uri) = kept {
+        *up.uri_mut() = uri;
+        tokio::select! {
+            resp = r.pool.request(up) => resp.map_err(|e| {
+                let mut causes = Vec::new();
+                let mut cause = std::error::Error::source(&e);
+                while let Some(c) = cause {
+                    causes.push(c.to_string());
+                    cause = c.source();
+                }
+                let reason = if causes.is_empty() { e.to_string() } else { causes.join(": ") };
+                if e.is_connect() {
+                    ProxyError::Connect { addr: r.upstream, reason }
+                } else {
+                    ProxyError::Pooled(reason)
+                }
+            })?,
+            () = header_timeout => return Err(ProxyError::HeaderTimeout(header_limit)),
+        }
+    } else {
+        let stream =
+            match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(r.upstream)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    return Err(ProxyError::Connect {
+                        addr: r.upstream,
+                        reason: e.to_string(),
+                    });
+                }
+                Err(_) => {
+                    return Err(ProxyError::Connect {
+                        addr: r.upstream,
+                        reason: format!("timed out after {CONNECT_TIMEOUT:?}"),
+                    });
+                }
+            };
+        let _ = stream.set_nodelay(true);
+        let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(error = %e, "upstream connection ended");
             }
-            tokio::time::sleep(header_limit).await;
-        } => return Err(ProxyError::HeaderTimeout(header_limit)),
+        });
+        tokio::select! {
+            resp = sender.send_request(up) => resp?,
+            () = header_timeout => return Err(ProxyError::HeaderTimeout(header_limit)),
+        }
     };
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
         && let Some(client_upgrade) = client_upgrade

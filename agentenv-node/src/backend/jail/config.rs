@@ -25,6 +25,10 @@ pub struct JailConfig {
     pub hosted: HostedConfig,
     /// Arguments of the agent (after its path): init mode by default.
     pub agent_args: Vec<String>,
+    /// Whether the jail makes the agent's listening socket (on `agent_port`) before the
+    /// agent runs and hands it over ([`super::AGENT_LISTEN_FD_ENV`]): on by default; off
+    /// for an agent that binds its own.
+    pub agent_listener: bool,
     /// Most processes per sandbox unless the spec says otherwise.
     pub default_max_processes: u32,
     /// Network namespaces kept ready for creates (see [`netpool`](crate::host::netpool));
@@ -54,6 +58,7 @@ impl JailConfig {
         Self {
             hosted: HostedConfig::new(data_dir, agent_binary),
             agent_args: vec!["--init".into()],
+            agent_listener: true,
             default_max_processes: 1024,
             net_pool_size: DEFAULT_NET_POOL_SIZE,
             disk_size_mb: DEFAULT_DISK_SIZE_MB,

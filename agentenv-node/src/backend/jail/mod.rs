@@ -71,6 +71,10 @@ pub use config::{
 /// Where the agent binary appears inside every sandbox.
 pub const AGENT_GUEST_PATH: &str = "/agentenv/agentenv-guest";
 
+/// The variable naming the descriptor of the listening socket the agent is given (it
+/// serves that socket instead of binding its own; see [`spawn::Listen`]).
+pub const AGENT_LISTEN_FD_ENV: &str = agentenv_guest::LISTEN_FD_ENV;
+
 /// The directory of a sandbox (or kept layer) that holds the layer's image and mount.
 const DISK_DIR: &str = "disk";
 
@@ -384,6 +388,15 @@ impl JailBackend {
             filters: self.runtime.filters.as_ref().clone(),
             rlimits: spawn::SANDBOX_RLIMITS,
             umask: 0o022,
+            // The agent's listener exists once the spawn returns: the node's first
+            // `GET /health` waits in its backlog instead of polling for it.
+            listen: self.cfg().agent_listener.then_some(spawn::Listen {
+                addr: std::net::SocketAddrV4::new(
+                    std::net::Ipv4Addr::UNSPECIFIED,
+                    self.cfg().agent_port,
+                ),
+                env: AGENT_LISTEN_FD_ENV,
+            }),
         })
         .map_err(setup)?;
         phases.mark("plan");

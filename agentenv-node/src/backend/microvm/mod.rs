@@ -308,6 +308,7 @@ impl MicrovmBackend {
             filters: Vec::new(),
             rlimits: &[],
             umask: 0o077,
+            listen: None,
         })
         .map_err(setup)?;
         let pid = tokio::task::spawn_blocking(move || {

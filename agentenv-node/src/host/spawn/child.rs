@@ -32,6 +32,7 @@ const SETUP_STEPS: &[&str] = &[
     "enter the user namespace",
     "switch to the sandbox user",
     "set resource limits",
+    "make the program's listening socket",
 ];
 const S_NETNS: u32 = 0;
 const S_CGROUP: u32 = 1;
@@ -49,6 +50,7 @@ const S_SIGNALS: u32 = 12;
 const S_USERNS: u32 = 13;
 const S_SETID: u32 = 14;
 const S_RLIMIT: u32 = 15;
+const S_LISTEN: u32 = 16;
 /// Mount steps are numbered after the fixed ones.
 const S_MOUNT_BASE: u32 = 100;
 
@@ -175,7 +177,7 @@ fn child_setup(plan: &ChildPlan) -> Result<Never, (u32, Errno)> {
     errno_of(nix::unistd::chdir("/"), S_CHDIR)?;
 
     // stdin from /dev/null, stdout and stderr to the log; every other descriptor closes
-    // on exec.
+    // on exec (but the program's listening socket, made after this).
     let null = errno_of(
         nix::fcntl::open(c"/dev/null", nix::fcntl::OFlag::O_RDONLY, Mode::empty()),
         S_STDIO,
@@ -201,6 +203,9 @@ fn child_setup(plan: &ChildPlan) -> Result<Never, (u32, Errno)> {
     } < 0
     {
         return Err((S_STDIO, Errno::last()));
+    }
+    if let Some(l) = &plan.listen {
+        listen(&l.addr, l.slot.as_raw_fd()).map_err(|e| (S_LISTEN, e))?;
     }
 
     for (resource, limit) in &plan.rlimits {
@@ -262,6 +267,46 @@ fn child_setup(plan: &ChildPlan) -> Result<Never, (u32, Errno)> {
         },
     }
     Err((S_EXEC, Errno::last()))
+}
+
+/// Makes a TCP socket in this process's network namespace, bound to `addr` and
+/// listening, as descriptor `at` (replacing what was there), open across exec. Only
+/// system calls: safe in the child.
+fn listen(addr: &libc::sockaddr_in, at: RawFd) -> Result<(), Errno> {
+    // SAFETY: plain integer arguments.
+    let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: `s` is a fresh descriptor owned here.
+    let s = unsafe { OwnedFd::from_raw_fd(s) };
+    let one: libc::c_int = 1;
+    // SAFETY: a live socket, and an int option value and a sockaddr_in of the sizes
+    // passed, on this stack or in the plan.
+    let ok = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ) == 0
+            && libc::bind(
+                s.as_raw_fd(),
+                (addr as *const libc::sockaddr_in).cast(),
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            ) == 0
+            && libc::listen(s.as_raw_fd(), super::LISTEN_BACKLOG) == 0
+    };
+    if !ok {
+        return Err(Errno::last());
+    }
+    // dup3 without O_CLOEXEC: the copy stays open across exec; `s` closes on drop.
+    // SAFETY: two descriptor numbers; `at` is the plan's placeholder, replaced.
+    if unsafe { libc::dup3(s.as_raw_fd(), at, 0) } < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
 }
 
 /// Removes every capability but the kept ones from the bounding set.

@@ -179,7 +179,32 @@ pub struct ChildPlan {
     rlimits: Vec<(libc::__rlimit_resource_t, libc::rlimit)>,
     umask: u32,
     filters: Vec<BpfProgram>,
+    listen: Option<ListenPlan>,
 }
+
+/// The listening socket the child makes for the program (see [`Listen`]).
+struct ListenPlan {
+    addr: libc::sockaddr_in,
+    /// Holds the descriptor number the socket takes in the child (`/dev/null` until
+    /// then), so that number is known before `clone` and can be named in the
+    /// environment.
+    slot: OwnedFd,
+}
+
+/// A TCP socket the child binds and listens on inside the sandbox's network namespace
+/// before it execs the program, which finds it open (not close-on-exec) under the
+/// descriptor number the environment variable `env` names. A client can connect as soon
+/// as the spawn returned: its connection waits in the backlog until the program accepts,
+/// so no one has to poll for the program's listener, and no process of the sandbox can
+/// take the address before the program serves it.
+#[derive(Clone, Copy, Debug)]
+pub struct Listen<'a> {
+    pub addr: std::net::SocketAddrV4,
+    pub env: &'a str,
+}
+
+/// Backlog of the socket of a [`Listen`].
+const LISTEN_BACKLOG: i32 = 1024;
 
 // SAFETY: the raw pointers point into the CStrings owned by the same plan, which are
 // never mutated; the plan is only read.
@@ -252,6 +277,8 @@ pub struct PlanInput<'a> {
     pub rlimits: &'a [(libc::__rlimit_resource_t, u64)],
     /// The file mode creation mask of the program.
     pub umask: u32,
+    /// A listening socket made for the program, if any.
+    pub listen: Option<Listen<'a>>,
 }
 
 /// The per-process limits of every sandbox process: a tenant cannot raise a hard limit
@@ -316,11 +343,27 @@ impl ChildPlan {
         for a in input.args {
             argv.push(cstr(a)?);
         }
-        let envp = input
+        let mut envp = input
             .env
             .iter()
             .map(|(k, v)| cstr(format!("{k}={v}")))
             .collect::<Result<Vec<_>, _>>()?;
+        let listen = match input.listen {
+            Some(l) => {
+                let slot: OwnedFd = std::fs::File::open("/dev/null")
+                    .map_err(|e| SpawnError::Io {
+                        context: "reserving the listening socket's descriptor".into(),
+                        source: e,
+                    })?
+                    .into();
+                envp.push(cstr(format!("{}={}", l.env, slot.as_raw_fd()))?);
+                Some(ListenPlan {
+                    addr: sockaddr_in(l.addr),
+                    slot,
+                })
+            }
+            None => None,
+        };
         let ptrs = |v: &[CString]| {
             let mut p: Vec<*const c_char> = v.iter().map(|s| s.as_ptr()).collect();
             p.push(std::ptr::null());
@@ -387,12 +430,24 @@ impl ChildPlan {
                 .collect(),
             umask: input.umask,
             filters: input.filters,
+            listen,
         })
     }
 
     /// Descriptions of the mount steps, in order (for logs and tests).
     pub fn step_names(&self) -> Vec<&'static str> {
         self.steps.iter().map(|s| s.what).collect()
+    }
+}
+
+fn sockaddr_in(addr: std::net::SocketAddrV4) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: addr.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*addr.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
     }
 }
 
