@@ -14,9 +14,9 @@
 //!   start a sandbox as always.
 //! * Each pool holds at least its configured size and, when creates came faster, as many
 //!   as the creates of the last `demand_window`, up to `max_per_template`. It is refilled
-//!   in the background, `refill_concurrency` starts at a time, and while it still holds
-//!   a sandbox not within [`REFILL_QUIET`] of a claim (the claimed sandbox's first calls
-//!   need the CPU a start would take).
+//!   in the background, `refill_concurrency` starts at a time, and while it holds at
+//!   least half its target not within [`REFILL_QUIET`] of a claim (the claimed sandbox's
+//!   first calls need the CPU a start would take).
 //! * A pool belongs to the build its template resolved to: when the template is rebuilt
 //!   (it resolves to another build), the old build's pooled sandboxes are destroyed and
 //!   the pool refills from the new one; a claim never takes one of an older build.
@@ -45,7 +45,7 @@ const TICK: Duration = Duration::from_millis(250);
 const RESOLVE_EVERY: Duration = Duration::from_secs(1);
 /// Pause of a template's refills after a failed start.
 const FAILURE_BACKOFF: Duration = Duration::from_secs(5);
-/// Refills wait this long after the last claim while the pool still holds a sandbox: a
+/// Refills wait this long after the last claim while the pool holds half its size: a
 /// claimed sandbox's first calls come right after its create, and a start beside them
 /// (clone, mounts, a new agent) would take the CPU they need.
 const REFILL_QUIET: Duration = Duration::from_millis(50);
@@ -501,7 +501,8 @@ impl Orchestrator {
     }
 
     /// Starts what template `reference`'s pool lacks, as far as the start slots allow;
-    /// unless `quiet`, only when the pool is empty. Whether it was not put off.
+    /// unless `quiet`, only when the pool holds less than half its target. Whether it
+    /// was not put off.
     fn refill(self: &Arc<Self>, reference: &str, now: Instant, quiet: bool) -> bool {
         let mut st = self.pools.state.lock();
         if st.backoff.get(reference).is_some_and(|until| now < *until) {
@@ -516,7 +517,7 @@ impl Orchestrator {
         if have >= target {
             return true;
         }
-        if !quiet && ready > 0 {
+        if !quiet && ready * 2 >= target {
             return false;
         }
         for _ in have..target {
