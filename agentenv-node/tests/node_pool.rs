@@ -176,48 +176,12 @@ async fn a_create_claims_a_pooled_sandbox_once_and_personalises_it() {
 
 /// Builds template `name` from `base` with a file saying `version`; waits for it.
 async fn build_version(addr: std::net::SocketAddr, name: &str, version: &str) {
-    let r = api(
-        addr,
-        "POST",
-        "/v3/templates",
-        &format!(r#"{{"name":"{name}","cpuCount":1,"memoryMB":256}}"#),
-    )
-    .await;
-    assert_eq!(r.status, 202, "{}", r.text());
-    let v = r.json();
-    let (tid, bid) = (
-        v["templateID"].as_str().unwrap().to_string(),
-        v["buildID"].as_str().unwrap().to_string(),
-    );
     let body = serde_json::json!({
         "fromTemplate": "base",
         "steps": [{"type": "RUN", "args": [format!("echo {version} > /etc/pool-version")], "force": false}],
     });
-    let r = api(
-        addr,
-        "POST",
-        &format!("/v2/templates/{tid}/builds/{bid}"),
-        &body.to_string(),
-    )
-    .await;
-    assert_eq!(r.status, 202, "{}", r.text());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
-    loop {
-        let r = api(
-            addr,
-            "GET",
-            &format!("/templates/{tid}/builds/{bid}/status"),
-            "",
-        )
-        .await;
-        let v = r.json();
-        if v["status"] == "ready" {
-            return;
-        }
-        assert_ne!(v["status"], "error", "{v}");
-        assert!(tokio::time::Instant::now() < deadline, "build: {v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let v = node_common::build_template(addr, name, &body).await;
+    assert_eq!(v["status"], "ready", "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

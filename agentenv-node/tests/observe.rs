@@ -240,38 +240,12 @@ async fn a_busy_sandbox_shows_cpu_memory_and_disk_and_ranges_are_checked() {
 
 /// Builds template `name` from `base` with `start_cmd`; waits for it.
 async fn build_with_start(addr: std::net::SocketAddr, name: &str, start_cmd: &str) {
-    let r = api(
-        addr,
-        "POST",
-        "/v3/templates",
-        &format!(r#"{{"name":"{name}","cpuCount":1,"memoryMB":256}}"#),
-    )
-    .await;
-    assert_eq!(r.status, 202, "{}", r.text());
-    let v = r.json();
-    let (tid, bid) = (
-        v["templateID"].as_str().unwrap().to_string(),
-        v["buildID"].as_str().unwrap().to_string(),
-    );
     let body = serde_json::json!({
         "fromTemplate": "base",
         "steps": [{"type": "RUN", "args": ["true"], "force": false}],
         "startCmd": start_cmd,
     });
-    let r = api(
-        addr,
-        "POST",
-        &format!("/v2/templates/{tid}/builds/{bid}"),
-        &body.to_string(),
-    )
-    .await;
-    assert_eq!(r.status, 202, "{}", r.text());
-    let status = wait_for(
-        addr,
-        &format!("/templates/{tid}/builds/{bid}/status"),
-        |v| v["status"] == "ready" || v["status"] == "error",
-    )
-    .await;
+    let status = node_common::build_template(addr, name, &body).await;
     assert_eq!(status["status"], "ready", "{status}");
 }
 

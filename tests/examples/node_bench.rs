@@ -370,16 +370,14 @@ fn ms_list(v: &serde_json::Value, key: &str) -> Vec<Duration> {
         .collect()
 }
 
-/// The rows measured with the official Python SDK (see the module documentation); the
-/// SDK's creates at concurrency 1 and 8, for the run with pools.
-fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<Duration>)> {
-    let py = match agentenv_tests::e2b_python() {
-        Ok(py) => py,
-        Err(e) => {
-            println!("Python SDK rows skipped: {e}");
-            return None;
-        }
-    };
+/// Runs `node_bench_sdk.py` with `execs` warm execs per series and [`SDK_CREATES`]
+/// creates per concurrency against the cluster of `gw` and `nodes`; its JSON, or why not.
+fn sdk_script(
+    gw: SocketAddr,
+    nodes: &[SocketAddr],
+    execs: usize,
+) -> Result<serde_json::Value, String> {
+    let py = agentenv_tests::e2b_python()?;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node_bench_sdk.py");
     let root = format!("{}/base/rootfs", agentenv_tests::TEMPLATE_CACHE);
     let node_urls = nodes
@@ -387,14 +385,26 @@ fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<
         .map(|a| format!("http://{a}"))
         .collect::<Vec<_>>()
         .join(",");
-    let (execs, creates) = (SDK_EXECS.to_string(), SDK_CREATES.to_string());
-    let v = agentenv_tests::run_sdk_script(
+    let (execs, creates) = (execs.to_string(), SDK_CREATES.to_string());
+    Ok(agentenv_tests::run_sdk_script(
         &py,
         script,
         &[execs.as_str(), creates.as_str(), root.as_str()],
         gw,
         &[("NODE_URLS", node_urls.as_str())],
-    );
+    ))
+}
+
+/// The rows measured with the official Python SDK (see the module documentation); the
+/// SDK's creates at concurrency 1 and 8, for the run with pools.
+fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<Duration>)> {
+    let v = match sdk_script(gw, nodes, SDK_EXECS) {
+        Ok(v) => v,
+        Err(e) => {
+            println!("Python SDK rows skipped: {e}");
+            return None;
+        }
+    };
     println!(
         "official Python SDK: {SDK_EXECS} warm `commands.run(\"true\")` per row (the SDK sends `/bin/bash -l -c true`), {SDK_CREATES} creates per row"
     );
@@ -440,24 +450,9 @@ fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<
 
 /// The SDK's creates on the cluster with pools, beside `cold` (the same without pools).
 fn sdk_pooled_rows(gw: SocketAddr, nodes: &[SocketAddr], cold: (Vec<Duration>, Vec<Duration>)) {
-    let Ok(py) = agentenv_tests::e2b_python() else {
+    let Ok(v) = sdk_script(gw, nodes, 0) else {
         return;
     };
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/node_bench_sdk.py");
-    let root = format!("{}/base/rootfs", agentenv_tests::TEMPLATE_CACHE);
-    let node_urls = nodes
-        .iter()
-        .map(|a| format!("http://{a}"))
-        .collect::<Vec<_>>()
-        .join(",");
-    let creates = SDK_CREATES.to_string();
-    let v = agentenv_tests::run_sdk_script(
-        &py,
-        script,
-        &["0", creates.as_str(), root.as_str()],
-        gw,
-        &[("NODE_URLS", node_urls.as_str())],
-    );
     row(
         "SDK pooled create -> first cmd, conc. 1",
         ms_list(&v, "create_c1"),

@@ -297,3 +297,53 @@ pub async fn run(
     }
     c.run("/bin/sh", &["-c", script]).await
 }
+
+/// Builds template `name` (`POST /v3/templates`, then the build with `body`) and waits
+/// for the build to end; returns its last status (`"status"` is `ready` or `error`).
+pub async fn build_template(
+    addr: std::net::SocketAddr,
+    name: &str,
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    let r = api(
+        addr,
+        "POST",
+        "/v3/templates",
+        &format!(r#"{{"name":"{name}","cpuCount":1,"memoryMB":256}}"#),
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let v = r.json();
+    let (tid, bid) = (
+        v["templateID"].as_str().unwrap().to_string(),
+        v["buildID"].as_str().unwrap().to_string(),
+    );
+    let r = api(
+        addr,
+        "POST",
+        &format!("/v2/templates/{tid}/builds/{bid}"),
+        &body.to_string(),
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.text());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let r = api(
+            addr,
+            "GET",
+            &format!("/templates/{tid}/builds/{bid}/status"),
+            "",
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        if v["status"] == "ready" || v["status"] == "error" {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the build did not end: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
