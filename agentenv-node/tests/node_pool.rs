@@ -116,6 +116,26 @@ async fn a_create_claims_a_pooled_sandbox_once_and_personalises_it() {
     assert!(run(addr, &id, Some("not-the-token"), "true").await.is_err());
     // Nobody ran anything there before the claim: the marker is new.
     sh_ok(addr, &id, "test ! -e /root/claimed && touch /root/claimed").await;
+    // The tenant cannot reach a pooled sandbox's agent (it has no token yet: whoever
+    // could reach it could take the sandbox the next create is given).
+    wait_pool(&node, "base", 2).await;
+    let probe_own = "timeout 2 bash -c 'echo > /dev/tcp/127.0.0.1/49983' 2>/dev/null && echo reached || echo refused";
+    assert_eq!(
+        sh_ok(addr, &id, probe_own).await,
+        "reached",
+        "the probe itself works"
+    );
+    for (pooled, at) in node.orch.pooled() {
+        let probe = format!(
+            "timeout 2 bash -c 'echo > /dev/tcp/{}/{}' 2>/dev/null && echo reached || echo refused",
+            at.ip, at.agent_port
+        );
+        assert_eq!(
+            sh_ok(addr, &id, &probe).await,
+            "refused",
+            "a tenant reached pooled sandbox {pooled}'s agent at {at:?}"
+        );
+    }
 
     // More creates than the pool holds: every one a sandbox of its own, none seen twice.
     let mut ids = vec![id.clone()];

@@ -292,6 +292,16 @@ impl Orchestrator {
         self.pools.sizes()
     }
 
+    /// Every pooled sandbox's id and where the node reaches it.
+    pub fn pooled(&self) -> Vec<(String, SandboxAddress)> {
+        let st = self.pools.state.lock();
+        st.ready
+            .values()
+            .flatten()
+            .map(|p| (p.rec.id.clone(), p.address))
+            .collect()
+    }
+
     /// The key of a create, when a pool could serve it: `template` is what it resolved to.
     pub(super) fn pool_key(&self, req: &CreateRequest, template: &str) -> Option<PoolKey> {
         let o = &req.options;
