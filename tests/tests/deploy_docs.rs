@@ -377,6 +377,7 @@ fn node_toml_keys() -> BTreeSet<String> {
             "FileJail" => "jail.",
             "FileTemplate" => "template.",
             "FileSnapshot" => "snapshot.",
+            "FilePool" => "pool.",
             "FilePosixFs" => "backend.posix_fs.",
             "FileOss" => "backend.oss.",
             other => panic!(

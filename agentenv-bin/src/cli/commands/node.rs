@@ -251,10 +251,10 @@ mod tests {
     }
 
     #[test]
-    fn a_row_shows_counts_allocation_and_heartbeat_age() {
+    fn a_row_shows_counts_pooled_allocation_and_heartbeat_age() {
         let n = node(
             r#"{"id":"node-b","status":"draining","sandboxCount":3,"sandboxPausedCount":1,
-                "metrics":{"allocatedCPU":2,"cpuCount":8,"allocatedMemoryBytes":1073741824,
+                "sandboxPooledCount":2,"metrics":{"allocatedCPU":2,"cpuCount":8,"allocatedMemoryBytes":1073741824,
                 "memoryTotalBytes":17179869184},"lastHeartbeatUnixMs":1000}"#,
         );
         assert_eq!(
@@ -264,6 +264,7 @@ mod tests {
                 "draining",
                 "3",
                 "1",
+                "2",
                 "2/8",
                 "1.0 GiB/16.0 GiB",
                 "3s ago"
@@ -271,7 +272,12 @@ mod tests {
         );
         // An older gateway sends no heartbeat time.
         let n = node(r#"{"id":"node-a","status":"ready"}"#);
-        assert_eq!(row(&n, 0)[6], "-");
+        assert_eq!(row(&n, 0)[7], "-");
+        assert_eq!(
+            row(&n, 0)[4],
+            "0",
+            "an older gateway reports no pooled sandboxes"
+        );
         assert_eq!(ago(125_000), "2m5s ago");
     }
 
