@@ -63,30 +63,7 @@ async fn build(
     )
     .await;
     assert_eq!(r.status, 202, "{}", r.text());
-    wait(addr, &tid, &bid).await
-}
-
-async fn wait(addr: std::net::SocketAddr, tid: &str, bid: &str) -> serde_json::Value {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let r = api(
-            addr,
-            "GET",
-            &format!("/templates/{tid}/builds/{bid}/status?logsOffset=0&limit=1000"),
-            "",
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        let v = r.json();
-        if v["status"] == "ready" || v["status"] == "error" {
-            return v;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the build did not end: {v}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    node_common::wait_build(addr, &tid, &bid).await
 }
 
 /// The build failed at `step` with a message containing `want`; nothing is published
@@ -352,7 +329,7 @@ async fn upload_links_are_signed_and_a_build_copies_the_files() {
     )
     .await;
     assert_eq!(r.status, 202, "{}", r.text());
-    let v = wait(addr, &tid, &bid).await;
+    let v = node_common::wait_build(addr, &tid, &bid).await;
     assert_eq!(v["status"], "ready", "{v}");
     let r = api(
         addr,

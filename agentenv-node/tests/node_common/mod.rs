@@ -326,12 +326,18 @@ pub async fn build_template(
     )
     .await;
     assert_eq!(r.status, 202, "{}", r.text());
+    wait_build(addr, &tid, &bid).await
+}
+
+/// Waits until build `bid` of template `tid` ends; returns its last status with its logs
+/// (`"status"` is `ready` or `error`).
+pub async fn wait_build(addr: std::net::SocketAddr, tid: &str, bid: &str) -> serde_json::Value {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
     loop {
         let r = api(
             addr,
             "GET",
-            &format!("/templates/{tid}/builds/{bid}/status"),
+            &format!("/templates/{tid}/builds/{bid}/status?logsOffset=0&limit=1000"),
             "",
         )
         .await;
