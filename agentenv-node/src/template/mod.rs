@@ -14,11 +14,13 @@
 //!
 //! The template `base` is built on first use from Debian packages with `debootstrap`
 //! (`--variant=minbase bookworm` plus [`BASE_PACKAGES`]). The Debian mirror is the
-//! configured one, else the one the host's apt uses.
+//! configured one, else the one the host's apt uses. Its login scripts are rewritten to
+//! start no process of their own ([`login`]): the SDKs run every command in a login shell.
 
 pub mod apply;
 pub mod catalog;
 pub mod image;
+pub mod login;
 mod mirror;
 pub mod oci;
 pub mod steps;
@@ -498,6 +500,7 @@ fn finish_rootfs(rootfs: &Path) -> Result<(), TemplateError> {
         }
     }
     std::fs::create_dir_all(rootfs.join("agentenv")).map_err(io_err("creating /agentenv"))?;
+    login::lighten_login_scripts(rootfs).map_err(io_err("rewriting the login scripts"))?;
     Ok(())
 }
 
