@@ -24,8 +24,8 @@ pub use choices::{DiscoveryMode, Strategy};
 pub use tls::{TlsConnect, TlsListen};
 pub use values::{BoolSyntax, parse_bool, validate_http_url};
 use values::{
-    de_duration, env_bool, env_duration, env_int, required_choice, strip_position,
-    validate_grpc_target, validate_nodes,
+    de_duration, de_duration_or_zero, env_bool, env_duration, env_duration_or_zero, env_int,
+    required_choice, strip_position, validate_grpc_target, validate_nodes,
 };
 
 /// Placement strategies the scheduler ships with (the spellings of [`Strategy`]).
@@ -230,6 +230,10 @@ pub struct GatewayConfig {
     pub allow_plain_http: bool,
     /// The web console at `/console`.
     pub console: ConsoleConfig,
+    /// How long a sandbox's route (the node holding it) is kept instead of asked of the
+    /// scheduler again; `0s` asks for every request.
+    #[serde(deserialize_with = "de_duration_or_zero")]
+    pub route_cache_ttl: Duration,
 }
 
 /// The gateway's web console (`gateway.console`).
@@ -243,6 +247,9 @@ pub struct ConsoleConfig {
     #[serde(deserialize_with = "de_duration")]
     pub session_ttl: Duration,
 }
+
+/// The longest `gateway.route_cache_ttl`.
+pub const MAX_ROUTE_CACHE_TTL: Duration = Duration::from_secs(60);
 
 /// A console session ends this long after sign-in however often it is used.
 pub const CONSOLE_SESSION_CAP: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -276,6 +283,7 @@ impl Default for GatewayConfig {
             scheduler_tls: TlsConnect::default(),
             allow_plain_http: false,
             console: ConsoleConfig::default(),
+            route_cache_ttl: Duration::from_secs(1),
         }
     }
 }
@@ -479,6 +487,9 @@ impl Config {
                 if let Some(v) = get("GATEWAY_ALLOW_PLAIN_HTTP") {
                     g.allow_plain_http = env_bool("GATEWAY_ALLOW_PLAIN_HTTP", &v)?;
                 }
+                if let Some(v) = get("GATEWAY_ROUTE_CACHE_TTL") {
+                    g.route_cache_ttl = env_duration_or_zero("GATEWAY_ROUTE_CACHE_TTL", &v)?;
+                }
                 if let Some(v) = get("GATEWAY_CONSOLE_ENABLED") {
                     g.console.enabled = env_bool("GATEWAY_CONSOLE_ENABLED", &v)?;
                 }
@@ -609,6 +620,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "gateway.client_header_timeout",
                 "must be greater than zero (such as \"30s\"): it ends idle and slow client connections",
+            ));
+        }
+        if g.route_cache_ttl > MAX_ROUTE_CACHE_TTL {
+            return Err(ConfigError::invalid(
+                "gateway.route_cache_ttl",
+                "must be at most 60s (such as \"1s\", or \"0s\" to ask the scheduler for every request): a longer one keeps stale routes of moved sandboxes too long",
             ));
         }
         if g.console.session_ttl.is_zero() || g.console.session_ttl > CONSOLE_SESSION_CAP {

@@ -634,3 +634,21 @@ fn the_console_is_on_with_a_twelve_hour_session_and_can_be_turned_off() {
         assert!(e.contains("gateway.console.session_ttl"), "{e}");
     }
 }
+
+#[test]
+fn routes_are_kept_one_second_by_default_zero_asks_every_time_and_over_a_minute_is_refused() {
+    let g = load("{}", GATEWAY, &[]).unwrap().config.gateway;
+    assert_eq!(g.route_cache_ttl, Duration::from_secs(1));
+    let g = load(r#"{"gateway":{"route_cache_ttl":"0s"}}"#, GATEWAY, &[])
+        .unwrap()
+        .config
+        .gateway;
+    assert_eq!(g.route_cache_ttl, Duration::ZERO);
+    let g = load("{}", GATEWAY, &[("GATEWAY_ROUTE_CACHE_TTL", "250ms")])
+        .unwrap()
+        .config
+        .gateway;
+    assert_eq!(g.route_cache_ttl, Duration::from_millis(250));
+    let e = err(r#"{"gateway":{"route_cache_ttl":"61s"}}"#, GATEWAY, &[]);
+    assert!(e.contains("gateway.route_cache_ttl"), "{e}");
+}

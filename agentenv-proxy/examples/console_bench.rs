@@ -468,6 +468,7 @@ async fn start_gateway(upstream: SocketAddr) -> SocketAddr {
             debug_mode: false,
             limits: Default::default(),
             console: Default::default(),
+            route_cache_ttl: std::time::Duration::ZERO,
         },
     )
     .expect("gateway");

@@ -607,6 +607,7 @@ async fn start_gateway(upstream: SocketAddr, tls: Option<&Certs>) -> SocketAddr 
             debug_mode: false,
             limits: Default::default(),
             console: Default::default(),
+            route_cache_ttl: std::time::Duration::ZERO,
         },
     )
     .expect("gateway");

@@ -19,6 +19,7 @@ pub mod host_route;
 pub mod metrics;
 pub mod nodes;
 pub mod pool;
+pub mod route_cache;
 pub mod routing;
 pub mod server;
 

@@ -36,6 +36,11 @@ pub struct RpcLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteCacheLabels {
+    pub result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabels {
     pub node_id: String,
 }
@@ -50,6 +55,11 @@ pub struct GatewayMetrics {
     pub open_connections: Gauge,
     /// Cluster lists answered without a node, by the node left out.
     pub cluster_list_missing_nodes: Family<NodeLabels, Counter>,
+    /// Sandbox routes found among the kept ones (`hit`) or asked of the scheduler.
+    pub route_cache: Family<RouteCacheLabels, Counter>,
+    /// The `hit` and `miss` counters of `route_cache`.
+    route_hits: Counter,
+    route_misses: Counter,
     registry: SharedRegistry,
     /// Tells this value's cached histogram handles from other values'.
     id: u64,
@@ -122,6 +132,13 @@ impl GatewayMetrics {
         );
         let open_connections = Gauge::default();
         let cluster_list_missing_nodes = Family::<NodeLabels, Counter>::default();
+        let route_cache = Family::<RouteCacheLabels, Counter>::default();
+        let route_hits = route_cache
+            .get_or_create(&RouteCacheLabels { result: "hit" })
+            .clone();
+        let route_misses = route_cache
+            .get_or_create(&RouteCacheLabels { result: "miss" })
+            .clone();
         let mut reg = Registry::default();
         reg.register(
             "agentenv_gateway_http_request_duration_seconds",
@@ -148,12 +165,20 @@ impl GatewayMetrics {
             "Cluster sandbox lists answered without a node that did not answer, by node",
             cluster_list_missing_nodes.clone(),
         );
+        reg.register(
+            "agentenv_gateway_route_cache_lookups",
+            "Sandbox routes found among the routes the gateway keeps (hit) or asked of the scheduler (miss)",
+            route_cache.clone(),
+        );
         Self {
             requests,
             upstream,
             scheduler_rpc,
             open_connections,
             cluster_list_missing_nodes,
+            route_cache,
+            route_hits,
+            route_misses,
             registry: Arc::new(Mutex::new(reg)),
             id: {
                 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -221,6 +246,15 @@ impl GatewayMetrics {
     /// The registry to expose (e.g. with `agentenv_core::metrics::serve`).
     pub fn registry(&self) -> SharedRegistry {
         self.registry.clone()
+    }
+
+    /// Counts one sandbox route found among the kept ones (`hit`) or not.
+    pub fn count_route_lookup(&self, hit: bool) {
+        if hit {
+            self.route_hits.inc();
+        } else {
+            self.route_misses.inc();
+        }
     }
 
     /// Counts one cluster list answered without `node_id`.

@@ -186,42 +186,78 @@ pub(super) fn strip_position(e: &serde_json::Error) -> String {
 }
 
 pub(super) fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    struct V;
-    impl serde::de::Visitor<'_> for V {
-        type Value = Duration;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a duration string like \"30s\"")
-        }
-        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
-            parse_go_duration_nanos(v)
-                .map_err(|e| E::custom(format!("must be a duration string like \"30s\": {e}")))?;
-            parse_positive_duration(v).map_err(E::custom)
-        }
-        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
-            )))
-        }
-        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
-            )))
-        }
-        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Duration, E> {
-            Err(E::custom(format!(
-                "must be a duration string like \"30s\", got numeric value {v}"
-            )))
-        }
-        fn visit_unit<E: serde::de::Error>(self) -> Result<Duration, E> {
-            Err(E::custom(
-                "must be a duration string like \"30s\", got null",
-            ))
-        }
-        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Duration, E> {
-            Err(E::custom(
-                "must be a duration string like \"30s\", got a boolean",
-            ))
-        }
+    d.deserialize_any(DurationVisitor { zero_ok: false })
+}
+
+/// Like [`de_duration`], and `"0s"` is a valid value too.
+pub(super) fn de_duration_or_zero<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    d.deserialize_any(DurationVisitor { zero_ok: true })
+}
+
+/// [`env_duration`] that takes `0s` too.
+pub(super) fn env_duration_or_zero(
+    var: &'static str,
+    value: &str,
+) -> Result<Duration, ConfigError> {
+    parse_duration_or_zero(value).map_err(|message| ConfigError::Env {
+        var,
+        value: value.to_string(),
+        message,
+    })
+}
+
+/// A Go duration string, zero or more.
+fn parse_duration_or_zero(v: &str) -> Result<Duration, String> {
+    let nanos = parse_go_duration_nanos(v)
+        .map_err(|e| format!("must be a duration string like \"30s\": {e}"))?;
+    u64::try_from(nanos).map(Duration::from_nanos).map_err(|_| {
+        format!(
+            "must not be negative, got {:?} (e.g. \"1s\", or \"0s\")",
+            v.trim()
+        )
+    })
+}
+
+struct DurationVisitor {
+    zero_ok: bool,
+}
+
+impl serde::de::Visitor<'_> for DurationVisitor {
+    type Value = Duration;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a duration string like \"30s\"")
     }
-    d.deserialize_any(V)
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
+        if self.zero_ok {
+            return parse_duration_or_zero(v).map_err(E::custom);
+        }
+        parse_go_duration_nanos(v)
+            .map_err(|e| E::custom(format!("must be a duration string like \"30s\": {e}")))?;
+        parse_positive_duration(v).map_err(E::custom)
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
+        Err(E::custom(format!(
+            "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
+        )))
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
+        Err(E::custom(format!(
+            "must be a duration string like \"30s\", got numeric value {v}; write \"{v}s\""
+        )))
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Duration, E> {
+        Err(E::custom(format!(
+            "must be a duration string like \"30s\", got numeric value {v}"
+        )))
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Duration, E> {
+        Err(E::custom(
+            "must be a duration string like \"30s\", got null",
+        ))
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Duration, E> {
+        Err(E::custom(
+            "must be a duration string like \"30s\", got a boolean",
+        ))
+    }
 }

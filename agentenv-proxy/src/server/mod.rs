@@ -45,6 +45,7 @@ use crate::client::SchedulerClient;
 use crate::host_route::InvalidDomain;
 use crate::metrics::{GatewayMetrics, RpcLabels};
 use crate::pool::{PoolConfig, UpstreamPool};
+use crate::route_cache::{self, RouteCache};
 
 /// How long shutdown waits for in-flight requests.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -82,6 +83,10 @@ pub struct GatewayOptions {
     pub limits: ClientLimits,
     /// The web console at `/console`.
     pub console: ConsoleConfig,
+    /// How long the gateway keeps a sandbox's route (which node holds it) instead of
+    /// asking the scheduler for every request; zero asks every time. See
+    /// [`crate::route_cache`].
+    pub route_cache_ttl: Duration,
 }
 
 impl GatewayOptions {
@@ -99,6 +104,7 @@ impl GatewayOptions {
                 max_connections_per_client: cfg.max_connections_per_client,
             },
             console: cfg.console.clone(),
+            route_cache_ttl: cfg.route_cache_ttl,
         }
     }
 }
@@ -122,6 +128,8 @@ struct Inner {
     router: Router,
     metrics: GatewayMetrics,
     console: Arc<crate::console::Console>,
+    /// Routes of sandboxes, when kept ([`GatewayOptions::route_cache_ttl`]).
+    routes: Option<RouteCache>,
 }
 
 impl Gateway {
@@ -146,6 +154,7 @@ impl Gateway {
             inner: Arc::new(Inner {
                 admission: self::admission::Admission::new(opts.limits),
                 scheduler: Arc::new(scheduler),
+                routes: RouteCache::new(opts.route_cache_ttl, route_cache::DEFAULT_CAPACITY),
                 opts,
                 router,
                 metrics,
@@ -242,11 +251,46 @@ impl Gateway {
         fast::FastLane {
             router: &inner.router,
             scheduler: &*inner.scheduler,
+            routes: inner.routes.as_ref(),
             metrics: &inner.metrics,
             pool: &self.pool,
             request_timeout: inner.opts.request_timeout,
             header_timeout: inner.opts.limits.header_timeout,
             debug_mode: inner.opts.debug_mode,
+        }
+    }
+
+    /// The node of sandbox `id`: a route kept from less than the cache's TTL ago, else
+    /// the scheduler's answer (kept when it names a node).
+    async fn lookup_route(&self, id: &str, deadline: Instant) -> Result<pb::Node, Status> {
+        let routes = self.inner.routes.as_ref();
+        if let Some(node) = routes.and_then(|r| r.get(id)) {
+            self.inner.metrics.count_route_lookup(true);
+            return Ok(node);
+        }
+        let node = self
+            .rpc("LookupNode", deadline, self.inner.scheduler.lookup_node(id))
+            .await;
+        if let Some(r) = routes {
+            self.inner.metrics.count_route_lookup(false);
+            if let Ok(n) = &node {
+                r.put(id, n);
+            }
+        }
+        node
+    }
+
+    /// Keeps `node` as sandbox `id`'s route (it was just placed or recorded there).
+    fn keep_route(&self, id: &str, node: &pb::Node) {
+        if let Some(r) = &self.inner.routes {
+            r.put(id, node);
+        }
+    }
+
+    /// Drops sandbox `id`'s kept route.
+    fn forget_route(&self, id: &str) {
+        if let Some(r) = &self.inner.routes {
+            r.forget(id);
         }
     }
 

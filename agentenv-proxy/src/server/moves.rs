@@ -388,6 +388,7 @@ impl Mover<'_> {
 
     async fn record(&self, id: &str, node: &pb::Node) {
         let deadline = Instant::now() + self.gw.inner.opts.request_timeout;
+        self.gw.keep_route(id, node);
         let call = self.gw.inner.scheduler.record_assignment(id, node.clone());
         if let Err(status) = self.gw.rpc("RecordAssignment", deadline, call).await {
             tracing::warn!(sandbox = %id, node = %node.node_id, error = %status.message(), "recording a moved sandbox failed; the node's next heartbeat records it");

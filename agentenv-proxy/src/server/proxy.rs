@@ -306,11 +306,13 @@ impl Gateway {
         // Call the trait object itself, not the blanket impl for `Arc<T>`
         // (which would box one more future per call).
         let scheduler: &dyn SchedulerClient = &*self.inner.scheduler;
+        // A request routed by a sandbox id whose answer says the route may be stale
+        // makes the gateway forget the route it keeps.
+        let routed_id = sandbox_id.clone();
+        let method = req.method().clone();
         let node = match sandbox_id {
             Some(id) => {
-                let node = self
-                    .rpc("LookupNode", deadline, scheduler.lookup_node(&id))
-                    .await;
+                let node = self.lookup_route(&id, deadline).await;
                 mark("lookup");
                 node
             }
@@ -416,7 +418,16 @@ impl Gateway {
         };
         // Boxed: the exchange's state then lives in one place instead of
         // being moved through every caller's future on the way in.
-        Box::pin(self.proxy(req, remote, plan, &mut rec.body_complete)).await
+        let resp = Box::pin(self.proxy(req, remote, plan, &mut rec.body_complete)).await;
+        if let Some(id) = routed_id
+            && (resp.status().is_server_error()
+                || (method == Method::DELETE && !source.is_data_plane()))
+        {
+            // The node lost the sandbox or could not be reached, or the sandbox (or
+            // part of it) was deleted: the next request asks the scheduler.
+            self.forget_route(&id);
+        }
+        resp
     }
 
     /// Sets `body_complete` when the response body is already whole.
@@ -653,6 +664,7 @@ impl Gateway {
     async fn record(&self, ids: &[String], node: &pb::Node) {
         let deadline = Instant::now() + record_timeout(self.inner.opts.request_timeout);
         for id in ids {
+            self.keep_route(id, node);
             let call = self.inner.scheduler.record_assignment(id, node.clone());
             if let Err(status) = self.rpc("RecordAssignment", deadline, call).await {
                 tracing::warn!(

@@ -224,6 +224,7 @@ mod tests {
             debug_mode: false,
             limits: Default::default(),
             console: Default::default(),
+            route_cache_ttl: std::time::Duration::ZERO,
         })
         .unwrap()
     }
@@ -360,6 +361,7 @@ mod tests {
             debug_mode: false,
             limits: Default::default(),
             console: Default::default(),
+            route_cache_ttl: std::time::Duration::ZERO,
         };
         assert!(matches!(
             Router::new(&opts("", "example.com")),

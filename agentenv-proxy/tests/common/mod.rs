@@ -302,6 +302,7 @@ pub fn options() -> GatewayOptions {
         debug_mode: true,
         limits: Default::default(),
         console: Default::default(),
+        route_cache_ttl: std::time::Duration::ZERO,
     }
 }
 

@@ -139,6 +139,8 @@ impl FastLane<'_> {
                     .await;
             }
         };
+        // The id outlives the request head's bytes, for forgetting a stale route.
+        let routed_id = self.routes.map(|_| id.to_owned());
         let endpoint = match Endpoint::cached(&node.endpoint) {
             Ok(e) if e.is_plain_http() => e,
             // TLS nodes and bad endpoints are hyper's (its answers included).
@@ -199,6 +201,7 @@ impl FastLane<'_> {
             }
             Ok(Err(ExchangeError::Upstream(e))) => {
                 upstream_metric("5xx");
+                self.forget_route(routed_id.as_deref());
                 tracing::warn!(node_id = %node.node_id, endpoint = %node.endpoint, error = %e, "upstream request failed");
                 let unread = body_left > 0;
                 return self
@@ -207,12 +210,17 @@ impl FastLane<'_> {
             }
             Err(_) => {
                 upstream_metric("5xx");
+                self.forget_route(routed_id.as_deref());
                 tracing::warn!(node_id = %node.node_id, "upstream did not answer before the request timeout");
                 let resp = error_response(StatusCode::GATEWAY_TIMEOUT, "upstream timeout");
                 return self.answer(c, &plan, start, resp, Some(true)).await;
             }
         };
         upstream_metric(status_label(head.status));
+        if head.status >= 500 || (plan.method == Method::DELETE && !plan.source.is_data_plane()) {
+            // The node lost the sandbox, or it (or part of it) was deleted.
+            self.forget_route(routed_id.as_deref());
+        }
 
         let close = plan.close || head.framing == Framing::Close;
         let relayed = within(

@@ -785,6 +785,7 @@ mod tests {
                 debug_mode: false,
                 limits: ClientLimits::default(),
                 console: Default::default(),
+                route_cache_ttl: std::time::Duration::ZERO,
             })
             .unwrap()
         }

@@ -43,6 +43,7 @@ use tonic::Status;
 use crate::client::SchedulerClient;
 use crate::metrics::GatewayMetrics;
 use crate::pool::UpstreamPool;
+use crate::route_cache::RouteCache;
 use crate::server::observe_rpc;
 use crate::server::route::Router;
 
@@ -53,6 +54,8 @@ pub(super) struct FastLane<'g> {
     pub(super) router: &'g Router,
     /// Where sandboxes are looked up.
     pub(super) scheduler: &'g dyn SchedulerClient,
+    /// Kept sandbox routes, when the gateway keeps them.
+    pub(super) routes: Option<&'g RouteCache>,
     pub(super) metrics: &'g GatewayMetrics,
     /// Node connections (the pool both lanes share).
     pub(super) pool: &'g UpstreamPool,
@@ -69,6 +72,10 @@ impl FastLane<'_> {
     /// The node that holds sandbox `id`, before `timer` (the request's)
     /// elapses.
     async fn lookup_node(&self, id: &str, timer: Pin<&mut Sleep>) -> Result<pb::Node, Status> {
+        if let Some(node) = self.routes.and_then(|r| r.get(id)) {
+            self.metrics.count_route_lookup(true);
+            return Ok(node);
+        }
         let start = Instant::now();
         let result = match downstream::within(timer, self.scheduler.lookup_node(id)).await {
             Ok(r) => r,
@@ -77,7 +84,21 @@ impl FastLane<'_> {
             )),
         };
         observe_rpc(self.metrics, "LookupNode", &result, start);
+        if let Some(r) = self.routes {
+            self.metrics.count_route_lookup(false);
+            if let Ok(n) = &result {
+                r.put(id, n);
+            }
+        }
         result
+    }
+
+    /// Drops sandbox `id`'s kept route (its node lost it or could not be reached, or
+    /// it was deleted).
+    fn forget_route(&self, id: Option<&str>) {
+        if let (Some(r), Some(id)) = (self.routes, id) {
+            r.forget(id);
+        }
     }
 }
 
