@@ -16,11 +16,11 @@
 //! sandboxes they will claim, and refills show only in the next heartbeat. The node
 //! decides either way; a create finding its pool empty starts a sandbox as always.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use agentenv_core::proto::scheduler_v1::ScheduleRequestHint;
 use agentenv_core::proto::scheduler_v1::schedule_request_hint::Kind;
+use agentenv_core::proto::scheduler_v1::{NodeSnapshot, ScheduleRequestHint};
 use parking_lot::Mutex;
 
 use super::{Candidate, Placement};
@@ -34,14 +34,111 @@ struct NodeClaims {
     by_template: HashMap<String, u32>,
 }
 
+/// The candidates still holding pooled sandboxes of one template, as the wrapped
+/// strategy is shown them (in the candidates' order).
+#[derive(Default)]
+struct Pooled {
+    subset: Vec<Candidate>,
+    /// `subset[j]` is `candidates[index[j]]`.
+    index: Vec<usize>,
+}
+
+/// What one candidate list holds in pools, built once per list (the registry hands out
+/// the same list until a heartbeat or a membership change replaces it).
+struct View {
+    /// Which list: see [`ListId`].
+    list: ListId,
+    by_template: HashMap<String, Pooled>,
+}
+
+/// A candidate list's address and length, and its first and last candidates' heartbeats
+/// (held, so their addresses are not reused while the view lives). Every pick also
+/// checks the chosen candidate against the list it was given, so a new list that looks
+/// the same costs at most a fallback to the strategy, never an ineligible node.
+struct ListId {
+    at: usize,
+    len: usize,
+    ends: Option<(Arc<NodeSnapshot>, Arc<NodeSnapshot>)>,
+}
+
+impl ListId {
+    fn of(candidates: &[Candidate]) -> Self {
+        Self {
+            at: candidates.as_ptr() as usize,
+            len: candidates.len(),
+            ends: candidates
+                .first()
+                .zip(candidates.last())
+                .map(|(a, b)| (a.snapshot.clone(), b.snapshot.clone())),
+        }
+    }
+
+    fn is(&self, candidates: &[Candidate]) -> bool {
+        self.at == candidates.as_ptr() as usize
+            && self.len == candidates.len()
+            && match (&self.ends, candidates.first().zip(candidates.last())) {
+                (Some((a, b)), Some((first, last))) => {
+                    Arc::ptr_eq(a, &first.snapshot) && Arc::ptr_eq(b, &last.snapshot)
+                }
+                (None, None) => true,
+                _ => false,
+            }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    view: Option<View>,
+    /// By node id: creates sent since its heartbeat the current list holds.
+    claims: HashMap<String, NodeClaims>,
+}
+
+impl State {
+    fn claimed(&self, c: &Candidate, template: &str) -> u32 {
+        self.claims
+            .get(&c.node.node_id)
+            .filter(|nc| nc.reported_at == c.snapshot.reported_at_unix_ms)
+            .and_then(|nc| nc.by_template.get(template).copied())
+            .unwrap_or(0)
+    }
+
+    /// Builds the view of `candidates`, keeping the claims of their heartbeats only.
+    fn rebuild(&mut self, candidates: &[Candidate]) {
+        let mut old = std::mem::take(&mut self.claims);
+        for c in candidates {
+            if let Some(nc) = old.remove(&c.node.node_id)
+                && nc.reported_at == c.snapshot.reported_at_unix_ms
+            {
+                self.claims.insert(c.node.node_id.clone(), nc);
+            }
+        }
+        let mut by_template: HashMap<String, Pooled> = HashMap::new();
+        for (i, c) in candidates.iter().enumerate() {
+            for (t, &n) in &c.snapshot.pooled_by_template {
+                if n > self.claimed(c, t) {
+                    let p = by_template.entry(t.clone()).or_default();
+                    p.subset.push(c.clone());
+                    p.index.push(i);
+                }
+            }
+        }
+        self.view = Some(View {
+            list: ListId::of(candidates),
+            by_template,
+        });
+    }
+}
+
 /// Wraps a [`Placement`] so that creates a pool can serve prefer nodes holding a pooled
 /// sandbox of their template (see the module documentation). Its name is the wrapped
 /// strategy's.
+///
+/// A Schedule costs a map lookup more than the wrapped strategy's pick; what each node
+/// pools is gathered once per candidate list (per heartbeat in small fleets, at most
+/// once a second in large ones).
 pub struct PreferPooled {
     inner: Arc<dyn Placement>,
-    /// By node id. Holds nodes that were given a pooled create; pruned to the current
-    /// candidates when it grows past them.
-    claims: Mutex<HashMap<String, NodeClaims>>,
+    state: Mutex<State>,
 }
 
 impl std::fmt::Debug for PreferPooled {
@@ -62,7 +159,7 @@ impl PreferPooled {
     pub fn wrap(inner: Arc<dyn Placement>) -> Self {
         Self {
             inner,
-            claims: Mutex::new(HashMap::new()),
+            state: Mutex::new(State::default()),
         }
     }
 }
@@ -75,6 +172,70 @@ fn poolable_template(hint: Option<&ScheduleRequestHint>) -> Option<&str> {
     }
 }
 
+/// What a pick among the pooled candidates came to.
+enum Outcome {
+    Chosen(usize),
+    /// None left, or the strategy wants none of them: it chooses among all.
+    Fallback,
+    /// The view is of another list.
+    Stale,
+}
+
+impl PreferPooled {
+    fn pick_pooled(
+        &self,
+        st: &mut State,
+        candidates: &[Candidate],
+        template: &str,
+        hint: Option<&ScheduleRequestHint>,
+    ) -> Outcome {
+        let Some(view) = st.view.as_mut() else {
+            return Outcome::Stale;
+        };
+        let Some(p) = view.by_template.get_mut(template) else {
+            return Outcome::Fallback;
+        };
+        if p.subset.is_empty() {
+            return Outcome::Fallback;
+        }
+        let Some(j) = self
+            .inner
+            .pick(&p.subset, hint)
+            .filter(|&j| j < p.index.len())
+        else {
+            return Outcome::Fallback;
+        };
+        let i = p.index[j];
+        let c = &p.subset[j];
+        // The view holds its candidates' Arcs: the same pointers mean the same heartbeat
+        // of the same node, eligible in this list.
+        let same = candidates.get(i).is_some_and(|now| {
+            Arc::ptr_eq(&now.node, &c.node) && Arc::ptr_eq(&now.snapshot, &c.snapshot)
+        });
+        if !same {
+            return Outcome::Stale;
+        }
+        let reported = c
+            .snapshot
+            .pooled_by_template
+            .get(template)
+            .copied()
+            .unwrap_or(0);
+        let entry = st.claims.entry(c.node.node_id.clone()).or_default();
+        if entry.reported_at != c.snapshot.reported_at_unix_ms {
+            entry.reported_at = c.snapshot.reported_at_unix_ms;
+            entry.by_template.clear();
+        }
+        let n = entry.by_template.entry(template.to_string()).or_default();
+        *n += 1;
+        if *n >= reported {
+            p.subset.remove(j);
+            p.index.remove(j);
+        }
+        Outcome::Chosen(i)
+    }
+}
+
 impl Placement for PreferPooled {
     fn name(&self) -> &str {
         self.inner.name()
@@ -84,59 +245,21 @@ impl Placement for PreferPooled {
         let Some(template) = poolable_template(hint) else {
             return self.inner.pick(candidates, hint);
         };
-        // Most creates of a cluster without pools stop here, without a lock.
-        let reported: Vec<(usize, u32)> = candidates
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| {
-                let n = *c.snapshot.pooled_by_template.get(template)?;
-                (n > 0).then_some((i, n))
-            })
-            .collect();
-        if reported.is_empty() {
-            return self.inner.pick(candidates, hint);
-        }
         // Held across the wrapped pick: concurrent creates must not both count the
         // same pooled sandbox as free.
-        let mut claims = self.claims.lock();
-        let claimed = |c: &Candidate| {
-            claims
-                .get(&c.node.node_id)
-                .filter(|nc| nc.reported_at == c.snapshot.reported_at_unix_ms)
-                .and_then(|nc| nc.by_template.get(template).copied())
-                .unwrap_or(0)
-        };
-        let pooled: Vec<usize> = reported
-            .into_iter()
-            .filter(|&(i, n)| claimed(&candidates[i]) < n)
-            .map(|(i, _)| i)
-            .collect();
-        if pooled.is_empty() {
-            drop(claims);
-            return self.inner.pick(candidates, hint);
+        let mut st = self.state.lock();
+        for _ in 0..2 {
+            if st.view.as_ref().is_none_or(|v| !v.list.is(candidates)) {
+                st.rebuild(candidates);
+            }
+            match self.pick_pooled(&mut st, candidates, template, hint) {
+                Outcome::Chosen(i) => return Some(i),
+                Outcome::Fallback => break,
+                Outcome::Stale => st.view = None,
+            }
         }
-        let subset: Vec<Candidate> = pooled.iter().map(|&i| candidates[i].clone()).collect();
-        let Some(chosen) = self
-            .inner
-            .pick(&subset, hint)
-            .and_then(|j| pooled.get(j).copied())
-        else {
-            // The strategy wants none of them: let it choose among all.
-            drop(claims);
-            return self.inner.pick(candidates, hint);
-        };
-        if claims.len() >= 2 * candidates.len() + 16 {
-            let current: HashSet<&str> = candidates.iter().map(|c| &*c.node.node_id).collect();
-            claims.retain(|id, _| current.contains(id.as_str()));
-        }
-        let c = &candidates[chosen];
-        let entry = claims.entry(c.node.node_id.clone()).or_default();
-        if entry.reported_at != c.snapshot.reported_at_unix_ms {
-            entry.reported_at = c.snapshot.reported_at_unix_ms;
-            entry.by_template.clear();
-        }
-        *entry.by_template.entry(template.to_string()).or_default() += 1;
-        Some(chosen)
+        drop(st);
+        self.inner.pick(candidates, hint)
     }
 }
 
@@ -145,7 +268,7 @@ mod tests {
     use super::*;
     use crate::placement::{LeastLoaded, RoundRobin};
     use crate::test_support::node;
-    use agentenv_core::proto::scheduler_v1::{NewColdSandboxHint, NewSandboxHint, NodeSnapshot};
+    use agentenv_core::proto::scheduler_v1::{NewColdSandboxHint, NewSandboxHint};
 
     /// Candidates `n0`, `n1`, … with these pooled counts (template, count) and the
     /// heartbeat time `at`.
@@ -268,19 +391,56 @@ mod tests {
         let c = cands(&[&[("base", 1)], &[("base", 1)]], 1);
         let p = PreferPooled::new(OnlyAlone);
         assert_eq!(p.pick(&c, Some(&hint("base", true))), None);
-        assert!(p.claims.lock().is_empty());
+        assert!(p.state.lock().claims.is_empty());
     }
 
     #[test]
     fn claims_of_nodes_no_longer_candidates_are_pruned() {
         let p = PreferPooled::new(RoundRobin::default());
+        // Every list stays alive, as the registry's lists may while a pick runs.
+        let mut lists = Vec::new();
         for i in 0..100 {
             let c = vec![Candidate {
                 node: Arc::new(node(&format!("gone-{i}"))),
                 ..cands(&[&[("base", 1)]], 1).remove(0)
             }];
             assert_eq!(p.pick(&c, Some(&hint("base", true))), Some(0));
+            assert_eq!(p.state.lock().claims.len(), 1);
+            lists.push(c);
         }
-        assert!(p.claims.lock().len() <= 18, "{}", p.claims.lock().len());
+    }
+
+    #[test]
+    fn a_list_other_than_the_view_s_is_never_answered_from_the_view() {
+        let p = PreferPooled::new(RoundRobin::default());
+        let first = cands(&[&[], &[("base", 5)]], 1);
+        assert_eq!(p.pick(&first, Some(&hint("base", true))), Some(1));
+        // A new list (a heartbeat) where n1 is gone and n0 pools instead, picked
+        // through the old view's key on purpose: the pick checks its choice.
+        let second = cands(&[&[("base", 5)]], 2);
+        {
+            let mut st = p.state.lock();
+            let v = st.view.as_mut().unwrap();
+            v.list.at = second.as_ptr() as usize;
+            v.list.len = second.len();
+            v.list.ends = Some((second[0].snapshot.clone(), second[0].snapshot.clone()));
+        }
+        assert_eq!(p.pick(&second, Some(&hint("base", true))), Some(0));
+    }
+
+    #[test]
+    fn templates_a_client_makes_up_leave_no_state_behind() {
+        // The template comes from the client's create body: a client naming a new one
+        // every time must not grow what the scheduler keeps.
+        let p = PreferPooled::new(RoundRobin::default());
+        let c = cands(&[&[("base", 2)], &[]], 1);
+        for i in 0..10_000 {
+            let long = format!("{i}-{}", "x".repeat(1000));
+            assert!(p.pick(&c, Some(&hint(&long, true))).is_some());
+        }
+        let st = p.state.lock();
+        assert!(st.claims.is_empty());
+        let v = st.view.as_ref().unwrap();
+        assert_eq!(v.by_template.keys().collect::<Vec<_>>(), ["base"]);
     }
 }
