@@ -92,6 +92,13 @@ fn creates_of_a_pooled_template_go_to_the_node_holding_its_pooled_sandboxes() {
         }
     });
     wait_pooled(&cluster, 0);
+    // The node's own GET /nodes shows what its heartbeats carry.
+    let (st, v) = api(cluster.nodes[0].addr, "GET", "/nodes", "");
+    assert_eq!(st, 200, "{v}");
+    assert!(
+        v[0]["sandboxPooledByTemplate"]["base"].as_u64() >= Some(POOL as u64),
+        "{v}"
+    );
 
     // A burst as large as the pool, all at once: every create goes to the pooled node
     // and is served by its pool.
