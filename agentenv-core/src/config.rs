@@ -170,6 +170,10 @@ pub struct SchedulerConfig {
     pub tls: TlsListen,
     /// Serve plain gRPC on an address other hosts reach (another layer encrypts).
     pub allow_plain_http: bool,
+    /// Place a create a pool can serve on a node whose last heartbeat reported pooled
+    /// sandboxes of its template (less the creates sent there since), before the
+    /// strategy chooses among them.
+    pub prefer_pooled_nodes: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -194,6 +198,7 @@ impl Default for SchedulerConfig {
             insecure_no_auth: false,
             tls: TlsListen::default(),
             allow_plain_http: false,
+            prefer_pooled_nodes: true,
         }
     }
 }
@@ -437,6 +442,9 @@ impl Config {
                 }
                 if let Some(v) = get("SCHEDULER_ALLOW_PLAIN_HTTP") {
                     s.allow_plain_http = env_bool("SCHEDULER_ALLOW_PLAIN_HTTP", &v)?;
+                }
+                if let Some(v) = get("SCHEDULER_PREFER_POOLED_NODES") {
+                    s.prefer_pooled_nodes = env_bool("SCHEDULER_PREFER_POOLED_NODES", &v)?;
                 }
                 if let Some(v) = get("SCHEDULER_BINDING_TTL") {
                     s.binding_ttl = env_duration("SCHEDULER_BINDING_TTL", &v)?;

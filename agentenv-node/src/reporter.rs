@@ -7,6 +7,7 @@
 //! resets the period. Sandbox events are batched and sent as they come. On
 //! shutdown the node unregisters, so the scheduler drops its bindings at once.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use agentenv_core::cluster_auth::{SchedulerLink, SendClusterToken};
@@ -106,6 +107,9 @@ pub struct SandboxUsage {
     pub pooled: u32,
     pub pooled_allocated_cpu: u32,
     pub pooled_allocated_memory_bytes: u64,
+    /// Pooled sandboxes per template as a create names it (templates with none left
+    /// out), for the scheduler to send creates where a pool can serve them.
+    pub pooled_by_template: BTreeMap<String, u32>,
     pub create_successes: u64,
     pub create_fails: u64,
 }
@@ -340,6 +344,7 @@ async fn heartbeat_loop(
             pooled_sandbox_count: usage.pooled,
             pooled_allocated_cpu: usage.pooled_allocated_cpu,
             pooled_allocated_memory_bytes: usage.pooled_allocated_memory_bytes,
+            pooled_by_template: usage.pooled_by_template.into_iter().collect(),
             ..Default::default()
         };
         let host = config.host.sample();

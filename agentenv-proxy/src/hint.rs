@@ -1,5 +1,9 @@
 //! Schedule hints from create bodies: the body is read up to 64 KiB, parsed
 //! best-effort, and handed on unchanged.
+//!
+//! A sandbox create's hint names its template and says whether a node's pool may serve
+//! it (`poolable`: what the node's pools require that the gateway can see, see
+//! [`poolable`]), so the scheduler can prefer a node holding a pooled sandbox of it.
 
 use std::collections::HashMap;
 
@@ -7,6 +11,7 @@ use agentenv_core::proto::scheduler_v1 as pb;
 use bytes::Bytes;
 use http::HeaderMap;
 use serde::Deserialize;
+use serde_json::Value;
 
 use crate::body::{BoxError, GatewayBody, ReplayBody, boxed, concat, full, read_prefix};
 use crate::routing::CreateKind;
@@ -23,6 +28,44 @@ pub struct HintBodyError(#[source] pub BoxError);
 #[serde(default)]
 struct CreateBody {
     metadata: Option<HashMap<String, String>>,
+    // The rest as raw values: a field of an unexpected type must not cost the metadata.
+    #[serde(rename = "templateID")]
+    template_id: Value,
+    #[serde(rename = "cpuCount")]
+    cpu_count: Value,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Value,
+    #[serde(rename = "diskSizeMB")]
+    disk_size_mb: Value,
+    #[serde(rename = "volumeMounts")]
+    volume_mounts: Value,
+    allow_internet_access: Value,
+    network: Value,
+}
+
+/// Whether a create asks for nothing a pooled sandbox lacks, as far as its body shows:
+/// no `cpuCount`, `memoryMB` or `diskSizeMB`, no volumes, and the default egress (no
+/// `allowOut`, `denyOut` or `dnsServers`, internet not turned off). The node has the
+/// last word (a template with a start command is never pooled, a given CPU count may be
+/// its default); an `Idempotency-Key` header rules pools out too ([`capture_hint`]).
+fn poolable(b: &CreateBody) -> bool {
+    let unset = |v: &Value| v.is_null();
+    let none = |v: &Value| v.is_null() || v.as_array().is_some_and(Vec::is_empty);
+    let default_network = match &b.network {
+        Value::Null => true,
+        Value::Object(n) => {
+            n.get("allowOut").is_none_or(none)
+                && n.get("denyOut").is_none_or(none)
+                && n.get("dnsServers").is_none_or(unset)
+        }
+        _ => false,
+    };
+    unset(&b.cpu_count)
+        && unset(&b.memory_mb)
+        && unset(&b.disk_size_mb)
+        && none(&b.volume_mounts)
+        && b.allow_internet_access != Value::Bool(false)
+        && default_network
 }
 
 #[derive(Deserialize, Default)]
@@ -60,7 +103,10 @@ pub fn parse_hint(kind: CreateKind, body: &[u8]) -> pb::ScheduleRequestHint {
     let kind = match kind {
         CreateKind::Sandbox => {
             let parsed: CreateBody = serde_json::from_slice(body).unwrap_or_default();
+            let template_id = parsed.template_id.as_str().unwrap_or("").trim().to_string();
             Kind::NewSandbox(pb::NewSandboxHint {
+                poolable: !template_id.is_empty() && poolable(&parsed),
+                template_id,
                 metadata: parsed.metadata.unwrap_or_default(),
             })
         }
@@ -88,7 +134,8 @@ fn empty_hint(kind: CreateKind) -> pb::ScheduleRequestHint {
 /// Reads up to [`HINT_BODY_LIMIT`] bytes of a create body and returns the
 /// hint and a body carrying every original byte. A complete body gets an
 /// exact `Content-Length`; a longer one is re-streamed as the prefix
-/// followed by the rest, with an empty hint.
+/// followed by the rest, with an empty hint. A create with an
+/// `Idempotency-Key` is not poolable (the node derives its id from the key).
 pub async fn capture_hint(
     kind: CreateKind,
     headers: &mut HeaderMap,
@@ -101,7 +148,12 @@ pub async fn capture_hint(
         None => {
             let has_trailers = frames.iter().any(|f| f.is_trailers());
             let bytes: Bytes = concat(&frames);
-            let hint = parse_hint(kind, &bytes);
+            let mut hint = parse_hint(kind, &bytes);
+            if headers.contains_key(crate::routing::IDEMPOTENCY_KEY_HEADER)
+                && let Some(pb::schedule_request_hint::Kind::NewSandbox(h)) = &mut hint.kind
+            {
+                h.poolable = false;
+            }
             if has_trailers {
                 return Ok((hint, boxed(ReplayBody::new(frames, None))));
             }
@@ -148,6 +200,80 @@ mod tests {
         assert_eq!(h.metadata.get("team").map(String::as_str), Some("alpha"));
         assert_eq!(headers["content-length"], raw.len().to_string().as_str());
         assert_eq!(body.collect().await.unwrap().to_bytes(), raw);
+    }
+
+    fn sandbox_hint(body: &str) -> pb::NewSandboxHint {
+        match parse_hint(CreateKind::Sandbox, body.as_bytes()).kind {
+            Some(Kind::NewSandbox(h)) => h,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_plain_sdk_create_names_its_template_and_is_poolable() {
+        // What the E2B Python SDK sends for `Sandbox.create()`.
+        let h = sandbox_hint(
+            r#"{"templateID":" base ","metadata":{"i":"0"},"envVars":{"A":"1"},"timeout":300,"secure":true,"allow_internet_access":true,"autoPause":false,"network":{"allowPublicTraffic":true,"allowOut":[],"denyOut":null},"volumeMounts":[]}"#,
+        );
+        assert_eq!(h.template_id, "base");
+        assert!(h.poolable);
+        assert_eq!(h.metadata["i"], "0");
+        assert!(sandbox_hint(r#"{"templateID":"python"}"#).poolable);
+    }
+
+    #[test]
+    fn a_create_asking_for_what_a_pool_lacks_is_not_poolable() {
+        for extra in [
+            r#""cpuCount":2"#,
+            r#""memoryMB":512"#,
+            r#""diskSizeMB":1024"#,
+            r#""volumeMounts":[{"name":"v","path":"/data"}]"#,
+            r#""allow_internet_access":false"#,
+            r#""network":{"allowOut":["1.1.1.1"]}"#,
+            r#""network":{"denyOut":["0.0.0.0/0"]}"#,
+            r#""network":{"dnsServers":[]}"#,
+            r#""network":"open""#,
+            // A field of an unexpected type is not the default either.
+            r#""cpuCount":"2""#,
+        ] {
+            let h = sandbox_hint(&format!(
+                r#"{{"templateID":"base","metadata":{{"k":"v"}},{extra}}}"#
+            ));
+            assert!(!h.poolable, "{extra}");
+            assert_eq!(h.template_id, "base", "{extra}");
+            assert_eq!(h.metadata["k"], "v", "{extra}");
+        }
+        // No template named: nothing for a pool to match.
+        for body in [r#"{}"#, r#"{"templateID":""}"#, r#"{"templateID":7}"#] {
+            let h = sandbox_hint(body);
+            assert!(!h.poolable && h.template_id.is_empty(), "{body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_idempotent_create_is_not_poolable() {
+        let raw = br#"{"templateID":"base"}"#.to_vec();
+        for (key, poolable) in [(None, true), (Some("retry-1"), false)] {
+            let mut headers = HeaderMap::new();
+            if let Some(k) = key {
+                headers.insert(crate::routing::IDEMPOTENCY_KEY_HEADER, k.parse().unwrap());
+            }
+            let (hint, _) = capture_hint(
+                CreateKind::Sandbox,
+                &mut headers,
+                body_of(vec![raw.clone()]),
+            )
+            .await
+            .unwrap();
+            let Some(Kind::NewSandbox(h)) = hint.kind else {
+                panic!("{hint:?}")
+            };
+            assert_eq!(
+                (h.template_id.as_str(), h.poolable),
+                ("base", poolable),
+                "{key:?}"
+            );
+        }
     }
 
     #[test]

@@ -74,6 +74,10 @@ pub struct NodeView {
     /// Started sandboxes the node keeps ready for creates (not in `sandboxCount`).
     #[serde(rename = "sandboxPooledCount")]
     pub sandbox_pooled_count: u32,
+    /// The pooled sandboxes per template (as a create names it); templates with none
+    /// are left out.
+    #[serde(rename = "sandboxPooledByTemplate")]
+    pub sandbox_pooled_by_template: std::collections::BTreeMap<String, u32>,
     /// When the scheduler took the node's last heartbeat (Unix milliseconds).
     #[serde(rename = "lastHeartbeatUnixMs")]
     pub last_heartbeat_unix_ms: i64,
@@ -137,6 +141,7 @@ impl From<&pb::ObservedNode> for NodeView {
             sandbox_starting_count: s.sandbox_starting_count,
             sandbox_paused_count: s.paused_sandbox_count,
             sandbox_pooled_count: s.pooled_sandbox_count,
+            sandbox_pooled_by_template: s.pooled_by_template.into_iter().collect(),
             last_heartbeat_unix_ms: n.last_seen_unix_ms,
         }
     }
@@ -182,6 +187,8 @@ mod tests {
             "createFails",
             "sandboxStartingCount",
             "sandboxPausedCount",
+            "sandboxPooledCount",
+            "sandboxPooledByTemplate",
             "lastHeartbeatUnixMs",
         ] {
             assert!(v.get(k).is_some(), "{k}");

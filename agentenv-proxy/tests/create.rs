@@ -43,6 +43,8 @@ async fn create_schedules_with_a_metadata_hint_forwards_intact_and_records_the_h
         panic!("{hints:?}")
     };
     assert_eq!(h.metadata["team"], "alpha");
+    // A pool may serve it: the scheduler may prefer a node holding a pooled `base`.
+    assert_eq!((h.template_id.as_str(), h.poolable), ("base", true));
 
     let seen = log.lock()[0].clone();
     assert_eq!(seen.method, "POST");
@@ -95,6 +97,31 @@ async fn v2_create_is_scheduled_and_recorded() {
     assert_eq!(log.lock()[0].uri, "/v2/sandboxes");
     assert_eq!(c.count("Schedule"), 1);
     assert_eq!(c.lookup("sbx-v2").await.unwrap().node_id, "node-a");
+}
+
+#[tokio::test]
+async fn an_idempotent_create_names_its_template_but_is_not_poolable() {
+    let (node, _) = FakeNode::canned(
+        StatusCode::CREATED,
+        &[("x-agentenv-sandbox-id", "sbx-idem")],
+        "{}",
+    )
+    .await;
+    let c = Cluster::ready(&[("node-a", &node.endpoint)], options()).await;
+    let mut req = post(&c.url("/v2/sandboxes"), r#"{"templateID":"base"}"#);
+    req.headers_mut()
+        .insert("idempotency-key", "retry-me".parse().unwrap());
+    let (status, _, _) = send(req).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let hints = c.hints.hints.lock().clone();
+    let Some(Some(pb::ScheduleRequestHint {
+        kind: Some(Kind::NewSandbox(h)),
+    })) = hints.last().cloned()
+    else {
+        panic!("{hints:?}")
+    };
+    // Its id comes from the key: no pooled sandbox can be it.
+    assert_eq!((h.template_id.as_str(), h.poolable), ("base", false));
 }
 
 #[tokio::test]

@@ -61,7 +61,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 pub use bindings::{
     BindingStore, MemoryBindingStore, MirroredRedisStore, RedisBindingStore, StoreError,
 };
-pub use placement::{Candidate, Placement};
+pub use placement::{Candidate, Placement, PreferPooled};
 pub use registry::{NodeListChange, NodeRegistry, P2pQuery, StaticRegistry};
 pub use service::SchedulerService;
 
@@ -112,7 +112,9 @@ impl SchedulerBuilder {
         self
     }
 
-    /// Use this placement instead of the configured built-in strategy.
+    /// Use this placement instead of the configured built-in strategy. It is used as
+    /// given: wrap it in [`placement::PreferPooled`] to prefer nodes with pooled
+    /// sandboxes as the built-ins do.
     pub fn placement(mut self, placement: impl Placement) -> Self {
         self.placement = Some(Arc::new(placement));
         self
@@ -164,9 +166,16 @@ impl SchedulerBuilder {
         let c = &self.config;
         let placement: Arc<dyn Placement> = match self.placement {
             Some(p) => p,
-            None => placement::builtin(&c.strategy)
-                .map(Arc::from)
-                .ok_or_else(|| BuildError::UnknownStrategy(c.strategy.to_string()))?,
+            None => {
+                let builtin: Arc<dyn Placement> = placement::builtin(&c.strategy)
+                    .map(Arc::from)
+                    .ok_or_else(|| BuildError::UnknownStrategy(c.strategy.to_string()))?;
+                if c.prefer_pooled_nodes {
+                    Arc::new(placement::PreferPooled::wrap(builtin))
+                } else {
+                    builtin
+                }
+            }
         };
         let store: Arc<dyn BindingStore> = match self.store {
             Some(s) => s,

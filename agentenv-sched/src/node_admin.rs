@@ -66,6 +66,10 @@ pub fn keys_needing_restart(running: &SchedulerConfig, new: &SchedulerConfig) ->
         "scheduler.allow_plain_http",
         running.allow_plain_http != new.allow_plain_http,
     );
+    check(
+        "scheduler.prefer_pooled_nodes",
+        running.prefer_pooled_nodes != new.prefer_pooled_nodes,
+    );
     keys
 }
 

@@ -4,6 +4,13 @@
 //! lingering, fresh heartbeat, within the resource limits), sorted by node id;
 //! the placement returns the index of its choice. Built-ins: `round_robin`,
 //! `random`, `least_loaded` and `power_of_two`. Embedding code may pass its own.
+//! [`PreferPooled`] wraps any of them so that a create a pool can serve goes to a node
+//! holding a pooled sandbox of its template (`scheduler.prefer_pooled_nodes`, on by
+//! default for the built-ins).
+
+mod pooled;
+
+pub use pooled::PreferPooled;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -74,6 +74,7 @@ fn node_json(state: &ApiState, detail: bool) -> serde_json::Value {
         "sandboxCount": u.running,
         "sandboxPausedCount": u.paused,
         "sandboxPooledCount": u.pooled,
+        "sandboxPooledByTemplate": u.pooled_by_template,
         "createSuccesses": u.create_successes,
         "createFails": u.create_fails,
         "backend": state.orch.backend_kind().as_str(),

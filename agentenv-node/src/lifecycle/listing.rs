@@ -84,6 +84,12 @@ impl Orchestrator {
             pooled: pooled.pooled,
             pooled_allocated_cpu: pooled.allocated_cpu,
             pooled_allocated_memory_bytes: pooled.allocated_memory_bytes,
+            pooled_by_template: self
+                .pool_sizes()
+                .into_iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(t, n)| (t, u32::try_from(n).unwrap_or(u32::MAX)))
+                .collect(),
             ..Default::default()
         };
         for r in self.list() {

@@ -150,6 +150,7 @@ impl Fleet {
                 pooled_sandbox_count: 2,
                 pooled_allocated_cpu: 2,
                 pooled_allocated_memory_bytes: 1 << 30,
+                pooled_by_template: HashMap::from([("base".into(), 2)]),
             }),
             sandbox_ids: ids,
             p2p_endpoint: Some(P2pEndpoint {
@@ -341,6 +342,8 @@ pub async fn measure(
                     let hint = ScheduleRequestHint {
                         kind: Some(schedule_request_hint::Kind::NewSandbox(NewSandboxHint {
                             metadata: HashMap::from([("template".into(), "base".into())]),
+                            template_id: "base".into(),
+                            poolable: true,
                         })),
                     };
                     let t = Instant::now();
