@@ -607,7 +607,8 @@ async fn start_gateway(upstream: SocketAddr, tls: Option<&Certs>) -> SocketAddr 
             debug_mode: false,
             limits: Default::default(),
             console: Default::default(),
-            route_cache_ttl: std::time::Duration::ZERO,
+            // As the daemon runs by default.
+            route_cache_ttl: agentenv_core::config::GatewayConfig::default().route_cache_ttl,
         },
     )
     .expect("gateway");
