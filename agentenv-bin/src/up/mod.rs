@@ -46,7 +46,8 @@ pub enum UpError {
         "the static guest agent was not found (looked at {looked}): build it with agentenv-guest/build-static.sh and pass its path with --guest-binary"
     )]
     MissingGuest { looked: String },
-    #[error("the API key is invalid: {0}")]
+    /// Says which key (flag or variable) and what a valid one is.
+    #[error(transparent)]
     ApiKey(#[from] agentenv_core::api_key::ApiKeyError),
     #[error("cannot listen on {addr}: {source}; choose another address with --listen")]
     Listen {
