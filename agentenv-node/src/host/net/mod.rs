@@ -11,8 +11,10 @@
 //! processes on one host (tests, for one) share the address space without collisions.
 //!
 //! The host firewall rules (the chains of an interface prefix, installing and removing
-//! them) are in `rules`, re-exported here.
+//! them) are in `rules`, the source NAT of sandbox egress (SNAT rules kept up to date
+//! with the host's addresses, or MASQUERADE) in `nat`; both re-exported here.
 
+mod nat;
 mod rules;
 
 use std::fmt;
@@ -24,6 +26,7 @@ use std::str::FromStr;
 
 use super::reserve::{IndexName, Reservations, ReserveError};
 use futures::TryStreamExt;
+pub use nat::{NatKeeper, NatMode, Uplink, is_sandbox_interface, uplinks};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth, LinkAttribute, State};
 use rtnetlink::{Handle, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder};
 pub use rules::{HostRules, host_chain, prefix_interfaces, uninstall_host_rules};
