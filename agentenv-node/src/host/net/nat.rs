@@ -278,14 +278,15 @@ pub(super) async fn start_keeper(target: KeeperTarget) -> Result<NatKeeper, NetE
                 source: e,
             },
         )?;
-    let conn = tokio::spawn(conn);
+    // The connection ends with the keeper, or here if the first write fails.
+    let conn = AbortOnDrop(tokio::spawn(conn));
     let first = uplinks(&handle).await?;
     target.apply(&first, true).await?;
     log_change(target.pool, None, &first);
     // Should the socket end, the periodic re-check goes on alone.
     let mut events = events.chain(futures::stream::pending());
     let task = tokio::spawn(async move {
-        let _conn = AbortOnDrop(conn);
+        let _conn = conn;
         let mut last = first;
         let mut tick = tokio::time::interval(RECHECK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
