@@ -109,7 +109,7 @@ pub async fn microvm_backend(
 
 /// Sets what both backends take from the node configuration: the runtime directory, the
 /// template store, and the jail's address pool (`AENV_JAIL_ADDRESS_POOL`), interface
-/// prefix, cgroup parent, id pool and sandbox nameservers.
+/// prefix, cgroup parent, id pool, sandbox nameservers and NAT mode.
 fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonError> {
     h.runtime_dir = cfg.runtime_path.clone();
     h.templates.root = cfg.template_path.clone();
@@ -125,6 +125,7 @@ fn hosted_settings(h: &mut HostedConfig, cfg: &NodeConfig) -> Result<(), DaemonE
         cfg.sandbox_log_file_bytes,
     ));
     h.dns_servers = cfg.jail_dns_servers.clone();
+    h.nat = cfg.net_nat;
     Ok(())
 }
 

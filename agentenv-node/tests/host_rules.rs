@@ -7,7 +7,7 @@ use agentenv_testkit::host_rules as rules_common;
 use std::path::Path;
 use std::process::Command;
 
-use agentenv_node::host::net::{self, HostRules, Ipv4Net, NetError};
+use agentenv_node::host::net::{self, HostRules, Ipv4Net, NatMode, NetError};
 
 fn skip_reason() -> Option<String> {
     if !nix::unistd::Uid::effective().is_root() {
@@ -33,6 +33,7 @@ fn rules(prefix: &str) -> HostRules {
         pool: "10.16.0.0/24".parse().unwrap(),
         denied: Ipv4Net::default_denied(),
         dns: vec!["10.0.0.2".parse().unwrap()],
+        nat: NatMode::Snat,
     }
 }
 
@@ -75,6 +76,7 @@ async fn install_then_uninstall_leaves_no_chain_and_no_jump_and_spares_other_pre
     // A second pool of the same prefix adds its NAT rule to the same chain.
     let mut other_pool = rules(&p);
     other_pool.pool = "10.16.1.0/24".parse().unwrap();
+    other_pool.nat = NatMode::Masquerade;
     other_pool.install(run).await.unwrap();
     // A jump added twice (by hand, or by an older node) goes too.
     let st = Command::new("iptables")
@@ -91,7 +93,7 @@ async fn install_then_uninstall_leaves_no_chain_and_no_jump_and_spares_other_pre
         format!(":{up}NAT "),
         format!("-A INPUT -j {up}IN"),
         format!("-A POSTROUTING -j {up}NAT"),
-        "-s 10.16.1.0/24".into(),
+        "-s 10.16.1.0/24 ! -o {p}+ -j MASQUERADE".replace("{p}", &p),
     ] {
         assert!(
             installed.iter().any(|l| l.contains(&needle)),
@@ -135,7 +137,8 @@ async fn uninstall_is_refused_while_an_interface_of_the_prefix_exists() {
         return;
     }
     let run = runtime_dir();
-    let p = rules_common::process_prefix('h');
+    // Not the other test's prefix: the two run at once in this process.
+    let p = rules_common::process_prefix('g');
     rules_common::remove_at_exit(&p, run);
     rules(&p).install(run).await.unwrap();
     let installed = rules_common::chain_lines(&p);

@@ -156,7 +156,10 @@ async fn sandbox_cannot_see_host_processes_mounts_networks_or_other_sandboxes() 
         "host paths are absent: {ls:?}"
     );
 
-    // Network: lo and eth0 only, with the sandbox's address.
+    // Network: lo and eth0 only, with the sandbox's address. They are in the sandbox's
+    // own namespace, so nothing the tenant does to them reaches the host's NAT rules:
+    // those follow the addresses of the host's namespace only (`host::net::nat`), and
+    // egress_nat.rs checks that no sandbox interface or address becomes an uplink.
     let links = common::sh(&a, "ip -o link | cut -d: -f2 | tr -d ' ' | cut -d@ -f1").await;
     assert_eq!(links.stdout.lines().collect::<Vec<_>>(), vec!["lo", "eth0"]);
     let addrs = common::sh(&a, "ip -o -4 addr | awk '{print $4}'").await;
@@ -406,6 +409,7 @@ async fn twenty_concurrent_sandboxes_leave_nothing_behind() {
 /// processes wait for it (an exclusive lock on a file held as long as the value lives).
 struct FakeInternet {
     ns: String,
+    host_if: String,
     server: std::process::Child,
     _exclusive: std::fs::File,
 }
@@ -466,6 +470,7 @@ impl FakeInternet {
             .unwrap();
         let me = Self {
             ns,
+            host_if,
             server,
             _exclusive: lock,
         };
@@ -487,6 +492,11 @@ impl Drop for FakeInternet {
     fn drop(&mut self) {
         let _ = self.server.kill();
         let _ = self.server.wait();
+        // The link first, at once: a namespace goes a while after its name, with the
+        // veth in it, and the next fake internet of this process takes the same names.
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .status();
         let _ = std::process::Command::new("ip")
             .args(["netns", "del", &self.ns])
             .status();

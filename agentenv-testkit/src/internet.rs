@@ -11,13 +11,13 @@
 //! | `.53`   | DNS                        |           |
 //!
 //! Every server counts the connections it accepted, so a test can tell that a server was
-//! never reached.
+//! never reached, and keeps the source address of the last one (what NAT made of it).
 
 use std::convert::Infallible;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use hickory_resolver::proto::op::{Message, MessageType, OpCode, ResponseCode};
@@ -41,7 +41,26 @@ pub struct Internet {
     /// The CA that signed the HTTPS servers' certificate, PEM.
     pub ca_pem: String,
     counts: Arc<[AtomicUsize; 3]>,
+    peers: Peers,
     rt: Option<tokio::runtime::Runtime>,
+}
+
+/// The source address of each server's last connection.
+type Peers = Arc<[Mutex<Option<IpAddr>>; 3]>;
+
+/// What a server records of each connection: one more, and where it came from.
+#[derive(Clone)]
+struct Seen {
+    counts: Arc<[AtomicUsize; 3]>,
+    peers: Peers,
+    i: usize,
+}
+
+impl Seen {
+    fn record(&self, peer: SocketAddr) {
+        self.counts[self.i].fetch_add(1, Ordering::SeqCst);
+        *self.peers[self.i].lock().unwrap_or_else(|e| e.into_inner()) = Some(peer.ip());
+    }
 }
 
 impl Internet {
@@ -62,6 +81,20 @@ impl Internet {
             .position(|(_, n)| *n == name)
             .expect("a server name");
         self.counts[i].load(Ordering::SeqCst)
+    }
+
+    /// The source address of the last connection the server `name` accepted.
+    pub fn last_peer(&self, name: &str) -> Option<IpAddr> {
+        let i = SERVERS
+            .iter()
+            .position(|(_, n)| *n == name)
+            .expect("a server name");
+        *self.peers[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The name of the host's end of the veth to this internet.
+    pub fn host_if(&self) -> String {
+        format!("xeg{}", self.slot)
     }
 
     /// Makes the namespace, the veth and the servers of `slot` (what an earlier run of
@@ -109,6 +142,7 @@ impl Internet {
 
         let (ca_pem, tls) = tls_config();
         let counts: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+        let peers: Peers = Arc::new(Default::default());
         // The servers run on a runtime of their own: a test's runtime may stop a node and
         // start another while they serve.
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -126,9 +160,14 @@ impl Internet {
             );
             let _guard = rt.enter();
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.clone());
-            rt.spawn(serve_http(http, name, counts.clone(), i, None));
-            rt.spawn(serve_http(https, name, counts.clone(), i, Some(acceptor)));
-            rt.spawn(serve_echo(echo, name, counts.clone(), i));
+            let seen = Seen {
+                counts: counts.clone(),
+                peers: peers.clone(),
+                i,
+            };
+            rt.spawn(serve_http(http, name, seen.clone(), None));
+            rt.spawn(serve_http(https, name, seen.clone(), Some(acceptor)));
+            rt.spawn(serve_echo(echo, name, seen));
         }
         let udp = udp_in(
             &ns_path,
@@ -143,6 +182,7 @@ impl Internet {
             ns,
             ca_pem,
             counts,
+            peers,
             rt: Some(rt),
         }
     }
@@ -243,16 +283,15 @@ fn tls_config() -> (String, Arc<rustls::ServerConfig>) {
 async fn serve_http(
     l: std::net::TcpListener,
     name: &'static str,
-    counts: Arc<[AtomicUsize; 3]>,
-    i: usize,
+    seen: Seen,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let l = tokio::net::TcpListener::from_std(l).unwrap();
     loop {
-        let Ok((stream, _)) = l.accept().await else {
+        let Ok((stream, peer)) = l.accept().await else {
             continue;
         };
-        counts[i].fetch_add(1, Ordering::SeqCst);
+        seen.record(peer);
         let tls = tls.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |_req| async move {
@@ -276,18 +315,13 @@ async fn serve_http(
 }
 
 /// Greets with `hello <name>`, then echoes each line back.
-async fn serve_echo(
-    l: std::net::TcpListener,
-    name: &'static str,
-    counts: Arc<[AtomicUsize; 3]>,
-    i: usize,
-) {
+async fn serve_echo(l: std::net::TcpListener, name: &'static str, seen: Seen) {
     let l = tokio::net::TcpListener::from_std(l).unwrap();
     loop {
-        let Ok((stream, _)) = l.accept().await else {
+        let Ok((stream, peer)) = l.accept().await else {
             continue;
         };
-        counts[i].fetch_add(1, Ordering::SeqCst);
+        seen.record(peer);
         tokio::spawn(async move {
             let (r, mut w) = stream.into_split();
             if w.write_all(format!("hello {name}\n").as_bytes())

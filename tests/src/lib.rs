@@ -226,7 +226,8 @@ pub struct NodeProc {
 }
 
 /// Environment of a test node with index `idx` (0..=51): its own data directory, address
-/// pool, interface prefix and cgroup parent.
+/// pool, interface prefix and cgroup parent (and `AENV_NET_NAT` when the test process
+/// has it).
 pub fn node_env(
     idx: u8,
     id: &str,
@@ -260,6 +261,10 @@ pub fn node_env(
             format!("http://{s}"),
         ));
         v.push(("AENV_OBSERVABILITY_REPORT_INTERVAL_SECS", "1".into()));
+    }
+    // A benchmark or soak run compares the NAT modes by setting this for the nodes.
+    if let Ok(nat) = std::env::var("AENV_NET_NAT") {
+        v.push(("AENV_NET_NAT", nat));
     }
     v.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }

@@ -128,6 +128,7 @@ pub(super) struct FileJail {
     pub(super) disk_size_mb: Option<u64>,
     pub(super) layer_pool_size: Option<u64>,
     pub(super) dns_servers: Option<Vec<String>>,
+    pub(super) nat: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -166,6 +166,9 @@ pub struct NodeConfig {
     /// proxy resolves allowed names through (`AENV_JAIL_DNS_SERVERS`, comma list,
     /// `[jail].dns_servers`); unset: the host's.
     pub jail_dns_servers: Option<Vec<std::net::Ipv4Addr>>,
+    /// How sandbox egress is NATed (`AENV_NET_NAT`, `[jail].nat`): `snat` (default, the
+    /// node keeps one rule per host interface with its address) or `masquerade`.
+    pub net_nat: crate::host::net::NatMode,
     /// Sandbox proxy domains (`AENV_SANDBOX_PROXY_DOMAINS`, comma list).
     pub proxy_domains: Vec<String>,
     /// `[sandbox_proxy].upload_idle_timeout_ms` (30 s).
@@ -464,6 +467,15 @@ impl NodeConfig {
             ),
             None => None,
         };
+        let net_nat = match env("AENV_NET_NAT")
+            .filter(|v| !v.trim().is_empty())
+            .or(file.jail.nat.clone())
+        {
+            Some(v) => v
+                .parse()
+                .map_err(|fix: String| invalid("jail.nat", v.clone(), fix))?,
+            None => crate::host::net::NatMode::default(),
+        };
         let pool = pool::settings(&env, &file.pool)?;
         let template_build_concurrency = env_u64(&env, "AENV_TEMPLATE_BUILD_CONCURRENCY")?
             .or(file.template.build_concurrency)
@@ -583,6 +595,7 @@ impl NodeConfig {
             jail_disk_size_mb,
             jail_layer_pool_size,
             jail_dns_servers,
+            net_nat,
             proxy_domains,
             proxy_upload_idle_timeout,
             proxy_response_header_timeout,
@@ -755,6 +768,18 @@ mod tests {
         assert!(e.to_string().contains("backend.posix_fs"), "{e}");
         let e = load(&[], Some("[backend.oss]\nbucket_name = \"x\"\n")).unwrap_err();
         assert!(e.to_string().contains("bucket_name"), "{e}");
+    }
+
+    #[test]
+    fn the_nat_mode_is_snat_unless_the_environment_or_the_file_says_masquerade() {
+        use crate::host::net::NatMode;
+        assert_eq!(load(&[], None).unwrap().net_nat, NatMode::Snat);
+        let file = Some("[jail]\nnat = \"masquerade\"\n");
+        assert_eq!(load(&[], file).unwrap().net_nat, NatMode::Masquerade);
+        let c = load(&[("AENV_NET_NAT", "snat")], file).unwrap();
+        assert_eq!(c.net_nat, NatMode::Snat);
+        let e = load(&[("AENV_NET_NAT", "masq")], None).unwrap_err();
+        assert!(e.to_string().contains("jail.nat"), "{e}");
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub struct HostedConfig {
     /// Nameservers of the sandboxes (their resolv.conf, what a guest is told); `None`
     /// takes the host's.
     pub dns_servers: Option<Vec<Ipv4Addr>>,
+    /// How sandbox egress is NATed on the host (`AENV_NET_NAT`).
+    pub nat: super::net::NatMode,
     /// Parent of the sandbox cgroups, relative to the node's own cgroup (absolute from
     /// the hierarchy root when it starts with `/`).
     pub cgroup_parent: String,
@@ -90,6 +92,7 @@ impl HostedConfig {
             iface_prefix: "ae".into(),
             denied_networks: Ipv4Net::default_denied(),
             dns_servers: None,
+            nat: super::net::NatMode::Snat,
             cgroup_parent: "agentenv".into(),
             op_timeout: Duration::from_secs(5),
             id_pool: IdPoolRange::default(),

@@ -138,6 +138,8 @@ pub struct SandboxHost {
     host_memory: u64,
     /// Deleted sandboxes being cleaned up.
     cleanups: Arc<cleanup::CleanupQueue>,
+    /// Keeps the pool's SNAT rules up to date with the host's addresses.
+    _nat: net::NatKeeper,
 }
 
 impl SandboxHost {
@@ -183,11 +185,12 @@ impl SandboxHost {
             .dns_servers
             .clone()
             .unwrap_or_else(net::host_nameservers);
-        HostRules {
+        let nat = HostRules {
             iface_prefix: cfg.hosted.iface_prefix.clone(),
             pool: cfg.hosted.address_pool,
             denied: cfg.hosted.denied_networks.clone(),
             dns: dns.clone(),
+            nat: cfg.hosted.nat,
         }
         .install(&cfg.hosted.runtime_dir)
         .await
@@ -222,6 +225,7 @@ impl SandboxHost {
             host_cpus,
             host_memory: host_memory_bytes().unwrap_or(u64::MAX),
             cleanups: cleanup::CleanupQueue::new(),
+            _nat: nat,
         })
     }
 

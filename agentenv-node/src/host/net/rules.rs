@@ -1,7 +1,7 @@
 //! The host firewall rules for sandbox interfaces: the `AGENTENV-<PREFIX>-{IN,FWD,NAT}`
 //! chains and the jumps to them from INPUT, FORWARD and POSTROUTING ([`HostRules`]),
 //! installed with `iptables-restore` and removed by [`uninstall_host_rules`], serialized
-//! across node processes by a lock file.
+//! across node processes by a lock file. The NAT chain's rules are `nat`'s.
 
 use std::fs::File;
 use std::io::Write;
@@ -10,6 +10,9 @@ use std::path::Path;
 
 use nix::fcntl::{Flock, FlockArg};
 
+use super::nat::{
+    KeeperTarget, NatKeeper, NatMode, pool_rules, replace_pool_rules_locked, start_keeper,
+};
 use super::{Ipv4Net, NetError, io_err};
 
 /// Host firewall configuration for sandbox interfaces.
@@ -20,6 +23,8 @@ pub struct HostRules {
     pub denied: Vec<Ipv4Net>,
     /// Nameservers sandboxes may reach on port 53 even inside a denied network.
     pub dns: Vec<Ipv4Addr>,
+    /// How the pool's egress is NATed.
+    pub nat: NatMode,
 }
 
 /// The name of one of the host chains of an interface prefix (`IN`, `FWD` or `NAT`).
@@ -39,7 +44,7 @@ fn host_jumps(iface_prefix: &str) -> [(&'static str, &'static str, String); 3] {
 
 /// Opens and locks `<runtime_dir>/iptables.lock`, which serializes changes of the host
 /// rules across node processes.
-fn lock_rules(runtime_dir: &Path) -> Result<Flock<File>, NetError> {
+pub(super) fn lock_rules(runtime_dir: &Path) -> Result<Flock<File>, NetError> {
     let lock_path = runtime_dir.join("iptables.lock");
     let file = File::options()
         .create(true)
@@ -133,20 +138,6 @@ impl HostRules {
         host_chain(&self.iface_prefix, which)
     }
 
-    /// The NAT rule for this pool (added once; rules of other pools stay).
-    pub fn nat_rule(&self) -> Vec<String> {
-        [
-            "-s".to_string(),
-            self.pool.to_string(),
-            "!".into(),
-            "-o".into(),
-            format!("{}+", self.iface_prefix),
-            "-j".into(),
-            "MASQUERADE".into(),
-        ]
-        .to_vec()
-    }
-
     /// The `iptables-restore --noflush` input that (re)defines the node's filter chains.
     /// They do not depend on the pool, so node processes with different pools share them.
     pub fn restore_input(&self) -> String {
@@ -185,28 +176,24 @@ impl HostRules {
         s
     }
 
-    /// Installs the chains and the jumps to them, and enables IPv4 forwarding. Idempotent;
-    /// serialized across processes by a lock file in `runtime_dir`. Nothing removes them
-    /// when the node stops (its sandboxes may outlive it): see [`uninstall_host_rules`].
-    pub async fn install(&self, runtime_dir: &Path) -> Result<(), NetError> {
-        let runtime_dir = runtime_dir.to_path_buf();
+    /// Installs the chains and the jumps to them, writes the pool's NAT rules (rules of
+    /// other pools stay) and enables IPv4 forwarding. Idempotent; serialized across
+    /// processes by a lock file in `runtime_dir`. Nothing removes them when the node
+    /// stops (its sandboxes may outlive it): see [`uninstall_host_rules`].
+    ///
+    /// With [`NatMode::Snat`] the returned keeper rewrites the pool's NAT rules when the
+    /// host's addresses change, as long as it lives (see [`super::nat`]).
+    pub async fn install(&self, runtime_dir: &Path) -> Result<NatKeeper, NetError> {
+        let dir = runtime_dir.to_path_buf();
         let input = self.restore_input();
-        let nat_chain = self.chain("NAT");
-        let nat_rule = self.nat_rule();
         let jumps = host_jumps(&self.iface_prefix);
+        let nat_chain = self.chain("NAT");
         tokio::task::spawn_blocking(move || -> Result<(), NetError> {
-            let _lock = lock_rules(&runtime_dir)?;
+            let _lock = lock_rules(&dir)?;
             run_with_stdin("iptables-restore", &["-w", "--noflush"], &input)?;
-            // The NAT chain keeps one rule per pool.
+            // The NAT chain's rules come below, pool by pool; the jump needs the chain.
             if !iptables_ok(&["-t", "nat", "-S", &nat_chain]) {
                 run_with_stdin("iptables", &["-w", "-t", "nat", "-N", &nat_chain], "")?;
-            }
-            let mut check = vec!["-t", "nat", "-C", nat_chain.as_str()];
-            check.extend(nat_rule.iter().map(String::as_str));
-            if !iptables_ok(&check) {
-                let mut add = vec!["-w", "-t", "nat", "-A", nat_chain.as_str()];
-                add.extend(nat_rule.iter().map(String::as_str));
-                run_with_stdin("iptables", &add, "")?;
             }
             for (table, builtin, chain) in &jumps {
                 if !iptables_ok(&["-t", table, "-C", builtin, "-j", chain]) {
@@ -222,7 +209,31 @@ impl HostRules {
             Ok(())
         })
         .await
-        .map_err(|e| NetError::Firewall(format!("installing host rules: {e}")))?
+        .map_err(|e| NetError::Firewall(format!("installing host rules: {e}")))??;
+        let target = KeeperTarget {
+            runtime_dir: runtime_dir.to_path_buf(),
+            chain: self.chain("NAT"),
+            pool: self.pool,
+            iface_prefix: self.iface_prefix.clone(),
+        };
+        match self.nat {
+            NatMode::Snat => start_keeper(target).await,
+            NatMode::Masquerade => {
+                let rules = pool_rules(NatMode::Masquerade, self.pool, &self.iface_prefix, &[]);
+                tokio::task::spawn_blocking(move || {
+                    replace_pool_rules_locked(
+                        &target.runtime_dir,
+                        &target.chain,
+                        target.pool,
+                        &rules,
+                        true,
+                    )
+                })
+                .await
+                .map_err(|e| NetError::Firewall(format!("installing the NAT rule: {e}")))??;
+                Ok(NatKeeper::default())
+            }
+        }
     }
 }
 
@@ -248,7 +259,7 @@ fn firewall_tool_err(tool: &str, e: std::io::Error) -> NetError {
     }
 }
 
-fn run_with_stdin(tool: &str, args: &[&str], stdin: &str) -> Result<(), NetError> {
+pub(super) fn run_with_stdin(tool: &str, args: &[&str], stdin: &str) -> Result<(), NetError> {
     use std::process::{Command, Stdio};
     let mut child = Command::new(tool)
         .args(args)
@@ -286,6 +297,7 @@ mod tests {
             pool: "10.12.0.0/16".parse().unwrap(),
             denied: Ipv4Net::default_denied(),
             dns: vec!["10.0.0.2".parse().unwrap()],
+            nat: NatMode::Snat,
         };
         let text = rules.restore_input();
         let pos = |needle: &str| {
@@ -300,10 +312,6 @@ mod tests {
         assert!(
             !text.contains("10.12.0.0/16"),
             "filter rules do not depend on the pool"
-        );
-        assert_eq!(
-            rules.nat_rule().join(" "),
-            "-s 10.12.0.0/16 ! -o ae+ -j MASQUERADE"
         );
     }
 
