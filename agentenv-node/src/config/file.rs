@@ -287,5 +287,4 @@ pub(super) struct FilePool {
     pub(super) demand_window_ms: Option<u64>,
     pub(super) memory_reserve_mb: Option<u64>,
     pub(super) refill_concurrency: Option<u64>,
-    pub(super) warm_up: Option<String>,
 }

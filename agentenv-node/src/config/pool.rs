@@ -57,11 +57,6 @@ pub(super) fn settings(
         demand_window: Duration::from_millis(window_ms),
         memory_reserve_mb: env_u64(env, "AENV_POOL_MEMORY_RESERVE_MB")?.or(file.memory_reserve_mb),
         refill_concurrency: concurrency as usize,
-        warm_up: match env("AENV_POOL_WARM_UP").or_else(|| file.warm_up.clone()) {
-            // `off` (or an empty command in the file) turns the warm-up off.
-            Some(cmd) => Some(cmd).filter(|c| !c.trim().is_empty() && c.trim() != "off"),
-            None => d.warm_up,
-        },
     })
 }
 
@@ -112,28 +107,5 @@ mod tests {
             assert!(e.to_string().contains(named), "{k}={v}: {e}");
         }
         assert!(load(&[], Some("[pool]\nsize = 2\n")).is_err());
-    }
-
-    #[test]
-    fn warm_up_runs_true_by_default_and_off_turns_it_off() {
-        assert_eq!(
-            load(&[], None).unwrap().pool.warm_up.as_deref(),
-            Some("true")
-        );
-        let c = load(&[], Some("[pool]\nwarm_up = \"python3 -c pass\"\n")).unwrap();
-        assert_eq!(c.pool.warm_up.as_deref(), Some("python3 -c pass"));
-        let c = load(
-            &[("AENV_POOL_WARM_UP", "off")],
-            Some("[pool]\nwarm_up = \"x\"\n"),
-        )
-        .unwrap();
-        assert_eq!(c.pool.warm_up, None);
-        assert_eq!(
-            load(&[], Some("[pool]\nwarm_up = \" \"\n"))
-                .unwrap()
-                .pool
-                .warm_up,
-            None
-        );
     }
 }

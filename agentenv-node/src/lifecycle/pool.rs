@@ -50,12 +50,6 @@ const FAILURE_BACKOFF: Duration = Duration::from_secs(5);
 /// (clone, mounts, a new agent) would take the CPU they need.
 const REFILL_QUIET: Duration = Duration::from_millis(50);
 
-/// The command a pooled sandbox runs before it joins its pool (see
-/// [`PoolSettings::warm_up`]).
-pub const DEFAULT_WARM_UP: &str = "true";
-/// How long a pooled sandbox's warm-up may take; past it the sandbox is pooled anyway.
-const WARM_UP_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// What the pools hold and how they grow.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSettings {
@@ -70,11 +64,6 @@ pub struct PoolSettings {
     pub memory_reserve_mb: Option<u64>,
     /// Pooled sandboxes started at once.
     pub refill_concurrency: usize,
-    /// Run once in each pooled sandbox before it joins its pool, as the SDKs run a
-    /// command (`/bin/bash -l -c <it>`), so the claimed sandbox's first command finds the
-    /// shell, its libraries and login scripts already looked up in its own root; `None`:
-    /// nothing is run.
-    pub warm_up: Option<String>,
 }
 
 impl Default for PoolSettings {
@@ -86,7 +75,6 @@ impl Default for PoolSettings {
             demand_window: Duration::from_secs(2),
             memory_reserve_mb: None,
             refill_concurrency: 2,
-            warm_up: Some(DEFAULT_WARM_UP.to_string()),
         }
     }
 }
@@ -620,9 +608,6 @@ impl Orchestrator {
                 reason: e.to_string(),
             });
         }
-        if let Some(cmd) = self.pools.settings.warm_up.as_deref() {
-            warm_up(&rec.id, address.agent(), cmd).await;
-        }
         Ok(Pooled { rec, address })
     }
 
@@ -641,32 +626,6 @@ impl Orchestrator {
         };
         for p in all {
             self.discard_pooled(&p.rec.id).await;
-        }
-    }
-}
-
-/// Runs `cmd` once in a pooled sandbox as the SDKs run a command (a login shell), before
-/// the sandbox has a token or an owner. Whatever happens, the sandbox is pooled: a
-/// template without bash (or a failing command) only misses the head start.
-async fn warm_up(id: &str, agent: std::net::SocketAddr, cmd: &str) {
-    let run = async {
-        let client = agentenv_guest::client::GuestClient::new(&format!("http://{agent}"))
-            .map_err(|e| e.to_string())?;
-        client
-            .run("/bin/bash", &["-l", "-c", cmd])
-            .await
-            .map_err(|e| e.to_string())
-    };
-    match tokio::time::timeout(WARM_UP_TIMEOUT, run).await {
-        Ok(Ok(out)) if out.end.as_ref().is_some_and(|e| e.exit_code == 0) => {}
-        Ok(Ok(out)) => {
-            tracing::debug!(sandbox = %id, end = ?out.end, "a pooled sandbox's warm-up command failed")
-        }
-        Ok(Err(e)) => {
-            tracing::debug!(sandbox = %id, error = %e, "a pooled sandbox's warm-up did not run")
-        }
-        Err(_) => {
-            tracing::debug!(sandbox = %id, "a pooled sandbox's warm-up took longer than {WARM_UP_TIMEOUT:?}")
         }
     }
 }
