@@ -191,3 +191,23 @@ async fn a_node_that_cannot_be_reached_makes_the_next_request_ask_again() {
         }
     }
 }
+
+#[tokio::test]
+async fn unknown_ids_are_never_kept_so_a_client_spraying_them_grows_nothing() {
+    let (node, log) = FakeNode::echo().await;
+    let c = Cluster::with_sandbox(&node.endpoint, kept(Duration::from_secs(60))).await;
+    for (n, slow) in (1..=20).zip([false, true].into_iter().cycle()) {
+        let id = format!("sbx-made-up-{n}");
+        let (status, _, _) = send(data_plane(&c, &id, slow)).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{id}");
+    }
+    // Asked again, a made-up id is asked of the scheduler again (nothing was kept).
+    send(data_plane(&c, "sbx-made-up-1", false)).await;
+    assert_eq!(c.count("LookupNode"), 21);
+    assert!(log.lock().is_empty(), "no made-up id reached the node");
+    assert_eq!(route_cache_counter(&c, "hit"), 0.0);
+    // The real sandbox's route is kept as before.
+    send(data_plane(&c, "sbx-1", false)).await;
+    send(data_plane(&c, "sbx-1", true)).await;
+    assert_eq!(c.count("LookupNode"), 22);
+}
