@@ -5,6 +5,7 @@
 
 mod control;
 mod output;
+mod posix;
 mod spawn;
 
 use std::sync::Arc;

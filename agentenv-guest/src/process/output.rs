@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::io::AsyncReadExt;
-use tokio::process::{Child, ChildStderr, ChildStdout};
+use tokio::net::unix::pipe;
+use tokio::process::Child;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -40,8 +41,8 @@ fn data_event(out: process_event::data_event::Output) -> ProcessEvent {
 /// Where a process's output comes from.
 pub(super) enum Output {
     Pipes {
-        stdout: Option<ChildStdout>,
-        stderr: Option<ChildStderr>,
+        stdout: Option<pipe::Receiver>,
+        stderr: Option<pipe::Receiver>,
     },
     Pty(Arc<PtyMaster>),
 }
@@ -60,8 +61,8 @@ impl Output {
 
 /// One stream of a process's output.
 enum Source {
-    Stdout(ChildStdout),
-    Stderr(ChildStderr),
+    Stdout(pipe::Receiver),
+    Stderr(pipe::Receiver),
     Pty(Arc<PtyMaster>),
 }
 
@@ -109,14 +110,26 @@ async fn forward(proc: &Proc, src: &mut Option<Source>, read: io::Result<usize>,
     }
 }
 
+/// How the end of a process is awaited: std's child through tokio, or a
+/// pidfd ([`super::posix`]).
+pub(super) enum Exit {
+    Child(Child),
+    Pidfd(super::posix::PidfdExit),
+}
+
+impl Exit {
+    /// Cancel-safe; after the first answer, the same status again.
+    async fn wait(&mut self) -> io::Result<ExitStatus> {
+        match self {
+            Exit::Child(c) => c.wait().await,
+            Exit::Pidfd(p) => p.wait().await,
+        }
+    }
+}
+
 /// Reads the process's output, waits for it, sends the end event, and
 /// removes it from the table.
-pub(super) async fn pump(
-    state: Arc<AgentState>,
-    proc: Arc<Proc>,
-    mut child: Child,
-    output: Output,
-) {
+pub(super) async fn pump(state: Arc<AgentState>, proc: Arc<Proc>, mut child: Exit, output: Output) {
     let mut status: Option<io::Result<ExitStatus>> = None;
     let mut b1 = vec![0u8; READ_CHUNK];
     let mut b2 = vec![0u8; READ_CHUNK];

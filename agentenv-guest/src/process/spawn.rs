@@ -5,21 +5,24 @@ use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
+
 use std::sync::Arc;
+use tokio::net::unix::pipe;
 
 use crate::connect::{CallInfo, Code, ConnectError, MessageStream};
 use crate::paths::resolve;
 use crate::proto::process::pty::Size as PtySize;
-use crate::proto::process::{StartRequest, StartResponse, process_event};
+use crate::proto::process::{ProcessConfig, StartRequest, StartResponse, process_event};
 use crate::pty::{PtyMaster, open_pty};
 use crate::signal::signal_group;
 use crate::state::processes::{Input, Proc};
 use crate::state::{AgentState, base_env};
 use crate::users::User;
 
-use super::output::{Output, event, event_stream, keepalive_interval, pump};
+use super::output::{Exit, Output, event, event_stream, keepalive_interval, pump};
+use super::posix;
 
 /// Errors of the process module.
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +195,133 @@ fn run_as(cmd: &mut std::process::Command, user: &User, stdio: &Stdio3) {
     }
 }
 
+/// A started process, however it was started.
+struct Started {
+    pid: u32,
+    exit: Exit,
+    input: Option<Input>,
+    output: Output,
+    master: Option<Arc<PtyMaster>>,
+}
+
+/// Starts a plain process (pipes, no terminal, no change of user) with
+/// `posix_spawn` ([`super::posix`]). `None` when it cannot be started that
+/// way (std starts it then).
+fn spawn_plain(
+    user: &User,
+    pty: bool,
+    config: &ProcessConfig,
+    env: &[(String, String)],
+    cwd: &Path,
+    stdin: Option<bool>,
+) -> Option<Result<Started, ProcessError>> {
+    // SAFETY: geteuid has no preconditions.
+    let switch_user = unsafe { libc::geteuid() } == 0 && user.uid != 0;
+    if pty || switch_user || !posix::available() {
+        return None;
+    }
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str());
+    let file = posix::program(&config.cmd, path)?;
+    let use_stdin = stdin.unwrap_or(true);
+    let spawned = match posix::spawn(&file, &config.cmd, &config.args, env, cwd, use_stdin) {
+        Err(source) => {
+            return Some(Err(ProcessError::Spawn {
+                cmd: config.cmd.clone(),
+                source,
+            }));
+        }
+        Ok(s) => s,
+    };
+    let pipe_err = |source| ProcessError::Spawn {
+        cmd: config.cmd.clone(),
+        source,
+    };
+    let wrap = || -> io::Result<Started> {
+        Ok(Started {
+            pid: spawned.pid,
+            input: match spawned.stdin {
+                Some(fd) => Some(Input::Pipe(pipe::Sender::from_owned_fd(fd)?)),
+                None => None,
+            },
+            output: Output::Pipes {
+                stdout: Some(pipe::Receiver::from_owned_fd(spawned.stdout)?),
+                stderr: Some(pipe::Receiver::from_owned_fd(spawned.stderr)?),
+            },
+            exit: Exit::Pidfd(spawned.exit),
+            master: None,
+        })
+    };
+    Some(wrap().map_err(pipe_err))
+}
+
+/// Starts a process with std (a terminal, another user, or what
+/// [`spawn_plain`] leaves).
+fn spawn_std(
+    user: &User,
+    pty_size: Option<PtySize>,
+    stdin: Option<bool>,
+    config: &ProcessConfig,
+    env: Vec<(String, String)>,
+    cwd: &Path,
+) -> Result<Started, ConnectError> {
+    let mut cmd = std::process::Command::new(&config.cmd);
+    cmd.args(&config.args)
+        .env_clear()
+        .envs(env)
+        .current_dir(cwd);
+    let stdio = attach_stdio(&mut cmd, pty_size, stdin, &config.envs)?;
+    run_as(&mut cmd, user, &stdio);
+
+    let spawn_err = |source| ProcessError::Spawn {
+        cmd: config.cmd.clone(),
+        source,
+    };
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(false)
+        .spawn()
+        .map_err(spawn_err)?;
+    let Stdio3 {
+        master,
+        slave,
+        use_stdin,
+    } = stdio;
+    drop(slave);
+    let pid = child.id().unwrap_or(0);
+    let receiver = |fd: io::Result<OwnedFd>| fd.and_then(pipe::Receiver::from_owned_fd);
+    let (input, output) = match &master {
+        Some(m) => (Some(Input::Pty(m.clone())), Output::Pty(m.clone())),
+        None => {
+            let input = match child.stdin.take().filter(|_| use_stdin) {
+                Some(s) => Some(Input::Pipe(
+                    s.into_owned_fd()
+                        .and_then(pipe::Sender::from_owned_fd)
+                        .map_err(spawn_err)?,
+                )),
+                None => None,
+            };
+            let stdout = child.stdout.take().map(|p| receiver(p.into_owned_fd()));
+            let stderr = child.stderr.take().map(|p| receiver(p.into_owned_fd()));
+            (
+                input,
+                Output::Pipes {
+                    stdout: stdout.transpose().map_err(spawn_err)?,
+                    stderr: stderr.transpose().map_err(spawn_err)?,
+                },
+            )
+        }
+    };
+    Ok(Started {
+        pid,
+        exit: Exit::Child(child),
+        input,
+        output,
+        master,
+    })
+}
+
 /// `Start`.
 pub async fn start(
     state: Arc<AgentState>,
@@ -209,50 +339,24 @@ pub async fn start(
     }
     let cwd = working_dir(&state, &user, config.cwd.as_deref())?;
     let env = build_env(&state, &user, &config.envs);
-
-    let mut cmd = std::process::Command::new(&config.cmd);
-    cmd.args(&config.args)
-        .env_clear()
-        .envs(env)
-        .current_dir(&cwd);
     let pty_size = req.pty.map(|p| p.size.unwrap_or_default());
-    let stdio = attach_stdio(&mut cmd, pty_size, req.stdin, &config.envs)?;
-    run_as(&mut cmd, &user, &stdio);
 
-    let mut child = tokio::process::Command::from(cmd)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|source| ProcessError::Spawn {
-            cmd: config.cmd.clone(),
-            source,
-        })?;
-    let Stdio3 {
-        master,
-        slave,
-        use_stdin,
-    } = stdio;
-    drop(slave);
-    let pid = child.id().unwrap_or(0);
-
-    let (input, output) = match &master {
-        Some(m) => (Some(Input::Pty(m.clone())), Output::Pty(m.clone())),
-        None => (
-            if use_stdin {
-                child.stdin.take().map(Input::Pipe)
-            } else {
-                None
-            },
-            Output::Pipes {
-                stdout: child.stdout.take(),
-                stderr: child.stderr.take(),
-            },
-        ),
+    let started = match spawn_plain(&user, pty_size.is_some(), &config, &env, &cwd, req.stdin) {
+        Some(s) => s?,
+        None => spawn_std(&user, pty_size, req.stdin, &config, env, &cwd)?,
     };
+    let Started {
+        pid,
+        exit,
+        input,
+        output,
+        master,
+    } = started;
     let proc = Arc::new(Proc::new(pid, req.tag.clone(), config, input, master));
     let rx = proc.subscribe();
     state.processes.insert(proc.clone());
     tracing::debug!(pid, cmd = %proc.config.cmd, "process started");
-    tokio::spawn(pump(state.clone(), proc, child, output));
+    tokio::spawn(pump(state.clone(), proc, exit, output));
 
     // A Start call with a deadline bounds the process's life too.
     if let Some(t) = info.timeout {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tokio::process::ChildStdin;
+use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 use crate::connect::ConnectError;
@@ -18,7 +18,7 @@ use crate::signal::signal_group;
 /// Where input for a process goes.
 #[derive(Debug)]
 pub(crate) enum Input {
-    Pipe(ChildStdin),
+    Pipe(pipe::Sender),
     Pty(Arc<PtyMaster>),
 }
 
