@@ -2,7 +2,8 @@
 //! answers, so these tests pin the VM lifecycle, not the agent): the VMM runs inside the
 //! sandbox's network namespace and cgroup with the tap attached; pause leaves a snapshot
 //! and no VMM; resume restores a VMM from it; keep/create and capture/import restore it;
-//! destroy and reconcile leave no process, namespace, link, cgroup, file or address.
+//! destroy, a kill with its background cleanup, and reconcile leave no process,
+//! namespace, link, cgroup, file or address.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -333,6 +334,73 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
         b.destroy(&sid).await,
         Err(BackendError::NotFound(_))
     ));
+}
+
+/// Whether `pid` runs on: not gone, not a zombie, no SIGKILL pending.
+fn runs_on(pid: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let sigkill = 1u64 << (libc::SIGKILL - 1);
+    let dying = field("State:").starts_with(['Z', 'X'])
+        || ["SigPnd:", "ShdPnd:"]
+            .iter()
+            .any(|f| u64::from_str_radix(&field(f), 16).is_ok_and(|m| m & sigkill != 0));
+    !dying
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_answers_with_the_vmm_killed_and_the_cleanup_queue_gives_back_the_rest() {
+    require_microvm!();
+    let data = tempfile::tempdir().unwrap();
+    let b = backend(data.path(), 6).await;
+    let sid = id("kill");
+    let info = b.create(spec(&sid)).await.unwrap();
+    let dir = b.sandbox_dir(&sid);
+    let pid = assert_vmm_in_place(&b, &sid).await;
+    let host_if = b.host_interface(&sid).unwrap();
+    let cgroups = b.cgroup_dirs(&sid);
+
+    b.kill(&sid).await.unwrap();
+    // At once: the VMM runs no more and the backend no longer knows the sandbox.
+    assert!(
+        !runs_on(pid),
+        "the VMM (pid {pid}) still runs after the kill"
+    );
+    assert!(matches!(b.get(&sid).await, Err(BackendError::NotFound(_))));
+    assert!(matches!(b.kill(&sid).await, Err(BackendError::NotFound(_))));
+
+    // The queue gives back the rest, and nothing failed on the way.
+    assert!(
+        b.drain_cleanups(TIMEOUT).await,
+        "the cleanup did not finish"
+    );
+    wait_gone(pid).await;
+    assert!(!dir.exists(), "the sandbox directory is left");
+    for d in &cgroups {
+        assert!(!d.exists(), "{} is left", d.display());
+    }
+    assert!(!b.address_reserved(info.address.ip));
+    assert!(!b.host_interfaces().await.contains(&host_if));
+    // It was the queue's job (a backend without one destroys in the kill itself).
+    let stats = b.cleanups();
+    assert_eq!(
+        (
+            stats.finished,
+            stats.failures,
+            stats.abandoned,
+            stats.pending
+        ),
+        (1, 0, 0, 0),
+        "{stats:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

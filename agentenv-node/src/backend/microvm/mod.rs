@@ -353,61 +353,73 @@ impl MicrovmBackend {
 
     /// Stops the VMM of `sbx` (asks, then kills) and waits for it to exit.
     async fn stop_vmm(&self, sbx: &Sandbox, ask: bool) -> Result<(), BackendError> {
-        let proc = sbx
-            .run
-            .process
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        let Some(proc) = proc else {
-            return Ok(());
-        };
-        let mut exited = proc.exited.clone();
-        if ask {
-            if let Err(e) = sbx.run.client.stop().await {
-                tracing::warn!(error = %e, "stopping the VMM over its socket; killing it");
-            }
-            if tokio::time::timeout(self.cfg().op_timeout, exited.wait_for(|s| s.is_some()))
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-        }
-        let _ = kill(Pid::from_raw(proc.pid), Signal::SIGKILL);
-        match tokio::time::timeout(self.cfg().op_timeout, exited.wait_for(|s| s.is_some())).await {
-            Ok(_) => Ok(()),
-            Err(_) => Err(setup(format!(
-                "the VMM (pid {}) did not exit within {:?}",
-                proc.pid,
-                self.cfg().op_timeout
-            ))),
-        }
+        stop_vmm(sbx, ask, self.cfg().op_timeout).await
     }
+}
 
-    /// Stops a sandbox and gives back what it holds; `keep` names where its directory goes
-    /// instead of being deleted. Every step runs; errors are collected.
-    async fn teardown(&self, sbx: &Sandbox, keep: Option<&Path>) -> Result<(), BackendError> {
-        let stopped = self.stop_vmm(sbx, false).await;
-        let keep_fn = keep.map(|kept| {
-            move |dir: &Path| {
-                let run = Jail::of(dir).host_path(jail::RUN);
-                for f in ["api.sock", "vsock.sock"] {
-                    let _ = std::fs::remove_file(run.join(f));
-                }
-                std::fs::rename(dir, kept)
-                    .map_err(|e| format!("moving {} to {}: {e}", dir.display(), kept.display()))
-            }
-        });
-        let released = self
-            .host
-            .release(
-                &sbx.host,
-                keep_fn.as_ref().map(|f| f as &crate::host::DirHook<'_>),
-            )
-            .await;
-        stopped.and(released)
+/// Stops the VMM of `sbx` (asks first when `ask`, then kills) and waits up to `timeout`
+/// for it to exit.
+async fn stop_vmm(
+    sbx: &Sandbox,
+    ask: bool,
+    timeout: std::time::Duration,
+) -> Result<(), BackendError> {
+    let proc = sbx
+        .run
+        .process
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    let Some(proc) = proc else {
+        return Ok(());
+    };
+    let mut exited = proc.exited.clone();
+    if ask {
+        if let Err(e) = sbx.run.client.stop().await {
+            tracing::warn!(error = %e, "stopping the VMM over its socket; killing it");
+        }
+        if tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some()))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
     }
+    let _ = kill(Pid::from_raw(proc.pid), Signal::SIGKILL);
+    match tokio::time::timeout(timeout, exited.wait_for(|s| s.is_some())).await {
+        Ok(_) => Ok(()),
+        Err(_) => Err(setup(format!(
+            "the VMM (pid {}) did not exit within {timeout:?}",
+            proc.pid
+        ))),
+    }
+}
+
+/// Stops a sandbox and gives back what it holds on `host`; `keep` names where its
+/// directory goes instead of being deleted. Every step runs; errors are collected.
+async fn teardown(
+    host: &SandboxHost,
+    sbx: &Sandbox,
+    keep: Option<&Path>,
+) -> Result<(), BackendError> {
+    let stopped = stop_vmm(sbx, false, host.config().hosted.op_timeout).await;
+    let keep_fn = keep.map(|kept| {
+        move |dir: &Path| {
+            let run = Jail::of(dir).host_path(jail::RUN);
+            for f in ["api.sock", "vsock.sock"] {
+                let _ = std::fs::remove_file(run.join(f));
+            }
+            std::fs::rename(dir, kept)
+                .map_err(|e| format!("moving {} to {}: {e}", dir.display(), kept.display()))
+        }
+    });
+    let released = host
+        .release(
+            &sbx.host,
+            keep_fn.as_ref().map(|f| f as &crate::host::DirHook<'_>),
+        )
+        .await;
+    stopped.and(released)
 }
 
 /// Moves a file, copying (sparsely) when it is on another filesystem.
@@ -588,7 +600,34 @@ impl Runtime for MicrovmRuntime {
         sbx: &Sandbox,
         keep: Option<&Path>,
     ) -> Result<(), BackendError> {
-        b.teardown(sbx, keep).await
+        teardown(&b.host, sbx, keep).await
+    }
+
+    const DEFERRED_CLEANUP: bool = true;
+
+    /// SIGKILL to the VMM (its vCPUs stop with it), then to whatever else is in the
+    /// sandbox's cgroup: nothing of the sandbox runs again. Waiting for the VMM to exit
+    /// and giving back the rest is the cleanup's.
+    async fn kill(b: &MicrovmBackend, sbx: &Sandbox) -> Result<(), BackendError> {
+        let pid = sbx
+            .run
+            .process
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|p| p.pid);
+        if let Some(pid) = pid {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        sbx.host
+            .cgroup
+            .signal_kill(b.cfg().op_timeout)
+            .await
+            .map_err(setup)
+    }
+
+    async fn cleanup(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {
+        teardown(host, sbx, None).await
     }
 
     /// The VM snapshot (paused for the moment of the capture), a copy of its disk and
