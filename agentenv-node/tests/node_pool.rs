@@ -195,13 +195,15 @@ async fn a_create_claims_a_pooled_sandbox_once_and_personalises_it() {
 }
 
 /// Builds template `name` from `base` with a file saying `version`; waits for it.
-async fn build_version(addr: std::net::SocketAddr, name: &str, version: &str) {
+/// Returns the template's id.
+async fn build_version(addr: std::net::SocketAddr, name: &str, version: &str) -> String {
     let body = serde_json::json!({
         "fromTemplate": "base",
         "steps": [{"type": "RUN", "args": [format!("echo {version} > /etc/pool-version")], "force": false}],
     });
     let v = node_common::build_template(addr, name, &body).await;
     assert_eq!(v["status"], "ready", "{v}");
+    v["templateID"].as_str().unwrap().to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,16 +215,31 @@ async fn a_template_rebuild_drains_the_old_builds_pool() {
     cfg.template_path = agentenv_testkit::node::templates_with_base(&home.path().join("templates"));
     let node = Node::start(cfg).await;
     let addr = node.addr;
-    build_version(addr, "pooltpl", "v1").await;
+    let template_id = build_version(addr, "pooltpl", "v1").await;
+    assert_ne!(template_id, "pooltpl");
     wait_pool(&node, "pooltpl", 2).await;
     let old = pooled_ids(&node, home.path()).await;
     assert_eq!(old.len(), 2, "{old:?}");
     let id = create(addr, r#"{"templateID":"pooltpl","timeout":120}"#).await;
     assert!(old.contains(&id), "the create was not served by the pool");
     assert_eq!(sh_ok(addr, &id, "cat /etc/pool-version").await, "v1");
+    // Named by its id instead of its name, the template is served by the same pool.
+    let by_id = create(
+        addr,
+        &format!(r#"{{"templateID":"{template_id}","timeout":120}}"#),
+    )
+    .await;
+    assert!(
+        old.contains(&by_id),
+        "a create naming the template by its id was not served by its pool"
+    );
+    assert_eq!(sh_ok(addr, &by_id, "cat /etc/pool-version").await, "v1");
     wait_pool(&node, "pooltpl", 2).await;
     let v1_pooled = pooled_ids(&node, home.path()).await;
-    let v1_pooled: BTreeSet<String> = v1_pooled.into_iter().filter(|p| *p != id).collect();
+    let v1_pooled: BTreeSet<String> = v1_pooled
+        .into_iter()
+        .filter(|p| *p != id && *p != by_id)
+        .collect();
 
     build_version(addr, "pooltpl", "v2").await;
     // Every create from now on gets the new build, pooled or not.

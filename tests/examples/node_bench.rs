@@ -423,9 +423,15 @@ fn sdk_rows(gw: SocketAddr, nodes: &[SocketAddr]) -> Option<(Vec<Duration>, Vec<
     );
     row(
         "SDK exec `true` (warm, through the gateway)",
-        gw_exec,
+        gw_exec.clone(),
         ms_list(&v, "subprocess_bash_l"),
-        "host bash -l -c true",
+        "host chroot + bash -l -c true",
+    );
+    row(
+        "SDK exec `true` (warm, through the gateway)",
+        gw_exec,
+        ms_list(&v, "root_bash_l"),
+        "bash -l -c true from bash in the root",
     );
     let c1 = ms_list(&v, "create_c1");
     row(

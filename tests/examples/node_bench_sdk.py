@@ -6,7 +6,8 @@ nodes (comma-separated); the one that answers for the sandbox is used.
 
 Arguments: `EXECS CREATES TEMPLATE_ROOT`. TEMPLATE_ROOT is the template's root file
 system on this host: the command the SDK sends (`/bin/bash -l -c true`) is also run
-there with `chroot`, so the shell's own start-up has a reference too. Prints one JSON
+there with `chroot`, and started by a shell inside that root, so the shell's own
+start-up has a reference too. Prints one JSON
 object: lists of milliseconds per series.
 """
 
@@ -99,6 +100,30 @@ result["subprocess_bash_l"] = timed(
         ["chroot", TEMPLATE_ROOT, "/bin/bash", "-l", "-c", "true"], check=True
     ),
 )
+# The same shell started by a shell inside the root (fork + exec + wait, as the agent
+# does), without `chroot`'s own exec in every sample: each line is one start's
+# EPOCHREALTIME before and after.
+loop = subprocess.run(
+    [
+        "chroot",
+        TEMPLATE_ROOT,
+        "/usr/bin/env",
+        "-i",
+        "PATH=/usr/bin:/bin",
+        "HOME=/root",
+        "/bin/bash",
+        "-c",
+        "for i in $(seq %d); do s=$EPOCHREALTIME; /bin/bash -l -c true; "
+        "echo $s $EPOCHREALTIME; done" % (EXECS + WARMUP),
+    ],
+    check=True,
+    capture_output=True,
+    text=True,
+)
+result["root_bash_l"] = [
+    (float(b) - float(a)) * 1000.0
+    for a, b in (line.split() for line in loop.stdout.split("\n")[WARMUP:] if line)
+]
 sbx.kill()
 
 create_and_run()  # warm-up

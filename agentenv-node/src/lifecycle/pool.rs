@@ -8,6 +8,8 @@
 //!   heartbeat roster, and its agent has no token yet. A claim takes it out of the pool
 //!   for good; a deleted sandbox never returns to a pool. Its id (and so its hostname) is
 //!   the one it was started with, a fresh id no client has seen.
+//! * A create naming a pooled template by another of its names (its id, an alias) is
+//!   served by that template's pool: a pool belongs to what its name resolves to.
 //! * Only creates a pooled sandbox is the same as serve from the pool: a template without
 //!   a start command, the node's default CPU and memory, no volumes, no disk size, the
 //!   default egress, no id of the caller's choosing (an `Idempotency-Key`'s). Others
@@ -241,16 +243,21 @@ impl Pools {
             .min(self.settings.max_per_template.max(least))
     }
 
-    /// Takes the oldest pooled sandbox of `key` for a create of `reference`.
+    /// Takes the oldest pooled sandbox of `key` for a create of `reference`: the pool of
+    /// `reference` when it is configured, else of the configured template that resolves
+    /// to the same build (a create naming the template by its id or another of its
+    /// names).
     fn take(&self, reference: &str, key: &PoolKey) -> Option<Pooled> {
-        if !self.settings.templates.contains_key(reference) {
-            return None;
-        }
         let mut st = self.state.lock();
-        st.demand
-            .entry(reference.to_string())
-            .or_default()
-            .push_back(Instant::now());
+        let pool = if self.settings.templates.contains_key(reference) {
+            reference.to_string()
+        } else {
+            st.sources
+                .iter()
+                .find(|(_, (s, _))| s.as_ref().is_some_and(|s| &s.key == key))
+                .map(|(name, _)| name.clone())?
+        };
+        st.demand.entry(pool).or_default().push_back(Instant::now());
         let got = st.ready.get_mut(key).and_then(VecDeque::pop_front);
         if got.is_some() {
             st.last_claim = Some(Instant::now());
