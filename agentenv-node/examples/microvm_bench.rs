@@ -9,7 +9,8 @@
 //! `kvm_pvm` no Linux guest reaches userspace), so the numbers are the backend's own:
 //! create (disk copy, namespace, tap, cgroup, VMM start until it answers), pause (vCPUs
 //! parked, full snapshot of a 64 MiB guest, VMM stopped), resume (a new VMM restored from
-//! the snapshot), destroy. The reference is the jail backend doing the same operations on
+//! the snapshot), destroy, and the delete a node does (kill; the rest in the cleanup
+//! queue). The reference is the jail backend doing the same operations on
 //! the `base` template with the tests' agent (create returns once PID 1 runs, pause and
 //! resume freeze and thaw the cgroup). Also printed: the VMM's resident memory. Needs
 //! root and `/dev/kvm`.
@@ -25,7 +26,7 @@ use agentenv_testkit::bins::static_vmm_binary;
 use agentenv_testkit::vmm as guest;
 use anyhow::{Context, bail};
 
-const OPS: [&str; 4] = ["create", "pause", "resume", "destroy"];
+const OPS: [&str; 5] = ["create", "pause", "resume", "destroy", "delete"];
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -36,7 +37,9 @@ fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1e3)
 }
 
-/// Runs create, pause, resume, destroy `count` times; durations per operation.
+/// Runs create, pause, resume, destroy `count` times, and `count` times a create and the
+/// delete a node does (`kill`: it answers once nothing of the sandbox runs, the rest goes
+/// to the cleanup queue, drained before the next round); durations per operation.
 async fn lifecycle(
     b: &dyn SandboxBackend,
     template: &str,
@@ -65,6 +68,21 @@ async fn lifecycle(
         let t = Instant::now();
         b.destroy(&id).await.context("destroy")?;
         out[3].push(t.elapsed());
+
+        let mut spec = SandboxSpec::new(
+            format!("{prefix}-k{i}-{:06x}", rand::random::<u32>() >> 8),
+            template,
+        );
+        spec.cpu_count = 1;
+        spec.memory_mb = memory_mb;
+        let id = spec.id.clone();
+        b.create(spec).await.context("create")?;
+        let t = Instant::now();
+        b.kill(&id).await.context("delete")?;
+        out[4].push(t.elapsed());
+        if !b.drain_cleanups(Duration::from_secs(30)).await {
+            bail!("the cleanup queue did not drain");
+        }
     }
     for v in &mut out {
         v.sort();
@@ -161,12 +179,16 @@ async fn main() -> anyhow::Result<()> {
     spec.memory_mb = 64;
     let id = spec.id.clone();
     vm.create(spec).await?;
-    let metrics = vm
-        .vmm_client(&id)
-        .context("no VMM client")?
-        .metrics()
-        .await?;
-    let rss = metrics["rss_bytes"].as_u64().unwrap_or(0);
+    // Read from the host: the jailed VMM has no /proc of its own to report it from.
+    let pid = vm.vmm_pid(&id).context("no VMM process")?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .context("no VmRSS in the VMM's status")?
+        * 1024;
     println!(
         "VMM resident memory with a 64 MiB guest that touched a few pages: {:.1} MiB",
         rss as f64 / (1 << 20) as f64
