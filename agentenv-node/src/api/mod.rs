@@ -130,6 +130,8 @@ impl ApiState {
     pub fn render_metrics(&self) -> String {
         self.orch.metrics().set_cleanups(&self.orch.cleanups());
         self.orch.metrics().set_pools(&self.orch.pool_usage());
+        #[cfg(target_env = "gnu")]
+        self.orch.metrics().set_heap_in_use();
         agentenv_core::metrics::render(&self.registry.lock())
     }
 }

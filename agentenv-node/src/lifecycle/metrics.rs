@@ -2,7 +2,8 @@
 //! `{operation,stage,status}` and `agentenv_sandbox_stage_inflight{operation,stage}`, and
 //! the backend's cleanup queue of deleted sandboxes: `agentenv_sandbox_cleanups_pending`
 //! and `agentenv_sandbox_cleanup_failures_total`; the pools: `agentenv_pool_sandboxes` and
-//! `agentenv_pool_events_total{event}`.
+//! `agentenv_pool_events_total{event}`; the node's own heap in use:
+//! `agentenv_node_heap_in_use_bytes` (glibc only).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -34,6 +35,7 @@ pub struct LifecycleMetrics {
     cleanup_failures: Counter,
     pooled: Gauge,
     pool_events: Family<PoolLabels, Counter>,
+    heap_in_use: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,6 +54,7 @@ impl Default for LifecycleMetrics {
             cleanup_failures: Counter::default(),
             pooled: Gauge::default(),
             pool_events: Family::default(),
+            heap_in_use: Gauge::default(),
         }
     }
 }
@@ -79,6 +82,12 @@ impl LifecycleMetrics {
             "Failed attempts to clean up a deleted sandbox (each one is retried)",
             self.cleanup_failures.clone(),
         );
+        #[cfg(target_env = "gnu")]
+        registry.register(
+            "agentenv_node_heap_in_use_bytes",
+            "Bytes the node's memory allocator has handed out and not got back (glibc mallinfo2, read at each scrape)",
+            self.heap_in_use.clone(),
+        );
         registry.register(
             "agentenv_pool_sandboxes",
             "Started sandboxes waiting in pools for a create",
@@ -89,6 +98,19 @@ impl LifecycleMetrics {
             "Pool events: creates served by a pool (claim), creates a pool could not serve (miss), pooled sandboxes destroyed for a rebuilt template (drain) or under memory pressure (shrink)",
             self.pool_events.clone(),
         );
+    }
+
+    /// Reads how many bytes the node's allocator has handed out and not got back (a leak
+    /// makes it grow steadily; unlike resident memory it does not keep a burst's
+    /// high-water mark). glibc only: `mallinfo2`, all arenas, small chunks in use plus
+    /// chunks mapped on their own.
+    #[cfg(target_env = "gnu")]
+    pub fn set_heap_in_use(&self) {
+        // SAFETY: mallinfo2 takes no arguments and returns a plain struct.
+        let m = unsafe { libc::mallinfo2() };
+        let bytes = m.uordblks.saturating_add(m.hblkhd);
+        self.heap_in_use
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Shows what the pools hold and did so far.

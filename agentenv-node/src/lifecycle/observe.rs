@@ -53,8 +53,8 @@ impl Orchestrator {
     /// Sandbox `id` (re)started running: its CPU is measured from now, so its first
     /// sample comes at the next sampling round.
     pub(super) async fn observe_started(&self, id: &str) {
-        self.samples.idle(id);
         if let Ok(rec) = self.get(id) {
+            self.samples.start(id);
             self.sample_one(&rec).await;
         }
     }
@@ -64,6 +64,11 @@ impl Orchestrator {
         let records = self.list();
         let present: HashSet<&str> = records.iter().map(|r| r.id.as_str()).collect();
         self.samples.retain(&|id| present.contains(id));
+        // Series exist before any reading is awaited: a sandbox deleted meanwhile loses
+        // its series, and its late reading is dropped instead of making a new one.
+        for rec in records.iter().filter(|r| r.state == State::Running) {
+            self.samples.ensure(&rec.id);
+        }
         for rec in &records {
             if rec.state != State::Running || rec.address.is_none() {
                 self.samples.idle(&rec.id);

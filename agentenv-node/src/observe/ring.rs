@@ -87,10 +87,12 @@ pub struct Ring {
 }
 
 impl Ring {
+    /// An empty ring of at most `cap` samples; it grows as samples come (a sandbox that
+    /// lives a second does not hold room for a day of them).
     pub fn new(cap: usize) -> Self {
         Self {
             cap: cap.max(1),
-            samples: VecDeque::with_capacity(cap.max(1)),
+            samples: VecDeque::new(),
         }
     }
 
@@ -162,14 +164,41 @@ impl MetricStore {
         }
     }
 
-    /// Records reading `r` of sandbox `id`. The first reading of a run (or one whose CPU
-    /// time went back: a new process) only starts the measure; later ones add a sample.
+    /// Starts sandbox `id`'s measure: its series exists from now on (kept if it had one)
+    /// and its next reading only starts the measure.
+    pub fn start(&self, id: &str) {
+        let mut all = self.series.lock();
+        all.entry(id.to_string())
+            .or_insert_with(|| Series {
+                ring: Ring::new(self.history),
+                last: None,
+            })
+            .last = None;
+    }
+
+    /// Makes sandbox `id`'s series if it has none (one that exists is left as it is).
+    pub fn ensure(&self, id: &str) {
+        self.series
+            .lock()
+            .entry(id.to_string())
+            .or_insert_with(|| Series {
+                ring: Ring::new(self.history),
+                last: None,
+            });
+    }
+
+    /// Whether sandbox `id` has a series.
+    pub fn contains(&self, id: &str) -> bool {
+        self.series.lock().contains_key(id)
+    }
+
+    /// Records reading `r` of sandbox `id`, whose series [`MetricStore::start`] made (a
+    /// reading that comes after the series was removed, a sandbox deleted while it was
+    /// read, is dropped). The first reading of a run (or one whose CPU time went back: a
+    /// new process) only starts the measure; later ones add a sample.
     pub fn record(&self, id: &str, r: Reading) -> Option<Sample> {
         let mut all = self.series.lock();
-        let s = all.entry(id.to_string()).or_insert_with(|| Series {
-            ring: Ring::new(self.history),
-            last: None,
-        });
+        let s = all.get_mut(id)?;
         let prev = s.last.replace((r.at, r.cpu_time));
         let (at, cpu) = prev?;
         if r.cpu_time < cpu || r.at <= at {
@@ -299,6 +328,12 @@ mod tests {
         };
         assert!(
             store.record("a", reading(0, 0)).is_none(),
+            "no series before its start"
+        );
+        assert!(!store.contains("a"), "a reading made no series");
+        store.start("a");
+        assert!(
+            store.record("a", reading(0, 0)).is_none(),
             "the first starts"
         );
         let s = store.record("a", reading(1, 500)).unwrap();
@@ -314,5 +349,14 @@ mod tests {
         assert_eq!(store.samples("a", Range::default()).len(), 2);
         store.retain(&|id| id != "a");
         assert!(store.latest("a").is_none());
+        // A reading that comes after the series went (a sandbox deleted while it was
+        // read) does not bring it back.
+        assert!(store.record("a", reading(13, 20)).is_none());
+        assert!(!store.contains("a"));
+        // `ensure` makes a missing series and leaves an existing one's measure alone.
+        store.ensure("b");
+        assert!(store.record("b", reading(20, 0)).is_none());
+        store.ensure("b");
+        assert!(store.record("b", reading(21, 500)).is_some());
     }
 }
