@@ -336,26 +336,6 @@ async fn create_pause_resume_destroy_runs_the_vmm_in_the_sandbox_and_leaves_noth
     ));
 }
 
-/// Whether `pid` runs on: not gone, not a zombie, no SIGKILL pending.
-fn runs_on(pid: i32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| v.trim().to_string())
-            .unwrap_or_default()
-    };
-    let sigkill = 1u64 << (libc::SIGKILL - 1);
-    let dying = field("State:").starts_with(['Z', 'X'])
-        || ["SigPnd:", "ShdPnd:"]
-            .iter()
-            .any(|f| u64::from_str_radix(&field(f), 16).is_ok_and(|m| m & sigkill != 0));
-    !dying
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_answers_with_the_vmm_killed_and_the_cleanup_queue_gives_back_the_rest() {
     require_microvm!();
@@ -371,7 +351,7 @@ async fn a_kill_answers_with_the_vmm_killed_and_the_cleanup_queue_gives_back_the
     b.kill(&sid).await.unwrap();
     // At once: the VMM runs no more and the backend no longer knows the sandbox.
     assert!(
-        !runs_on(pid),
+        !agentenv_testkit::node::runs_on(pid),
         "the VMM (pid {pid}) still runs after the kill"
     );
     assert!(matches!(b.get(&sid).await, Err(BackendError::NotFound(_))));

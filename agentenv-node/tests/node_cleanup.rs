@@ -72,22 +72,7 @@ fn runs_in_sandbox(pid: i32, id: &str) -> bool {
     let member = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
         .map(|s| s.lines().any(|l| l.ends_with(&format!("/{id}"))))
         .unwrap_or(false);
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| v.trim().to_string())
-            .unwrap_or_default()
-    };
-    let sigkill = 1u64 << (nix::sys::signal::Signal::SIGKILL as u32 - 1);
-    let dying = field("State:").starts_with(['Z', 'X'])
-        || ["SigPnd:", "ShdPnd:"]
-            .iter()
-            .any(|f| u64::from_str_radix(&field(f), 16).is_ok_and(|m| m & sigkill != 0));
-    member && !dying
+    member && agentenv_testkit::node::runs_on(pid)
 }
 
 fn address_pool(cfg: &NodeConfig) -> AddressPool {

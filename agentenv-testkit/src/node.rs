@@ -54,3 +54,24 @@ pub fn templates_with_base(dir: &std::path::Path) -> std::path::PathBuf {
     );
     dir.to_path_buf()
 }
+
+/// Whether process `pid` can run again: it exists, is neither exiting nor a zombie, and
+/// no SIGKILL is pending for it (a killed process may take a while to be gone).
+pub fn runs_on(pid: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let sigkill = 1u64 << (libc::SIGKILL - 1);
+    let dying = field("State:").starts_with(['Z', 'X'])
+        || ["SigPnd:", "ShdPnd:"]
+            .iter()
+            .any(|f| u64::from_str_radix(&field(f), 16).is_ok_and(|m| m & sigkill != 0));
+    !dying
+}

@@ -54,14 +54,11 @@ const SETTLE: Duration = Duration::from_secs(120);
 /// create.)
 const IN_USE_GROWTH_LIMIT: f64 = 400.0;
 
-/// How long the node keeps an idle connection to a sandbox (`dataplane::pool`): a deleted
-/// sandbox's connections are let go only then, so the heap in use carries them (about
-/// 12 KiB each, a sawtooth in the samples) until it passed.
-const NODE_IDLE_CONNECTIONS: Duration = Duration::from_secs(20);
-
-/// Each node's heap in use once the node's idle connections to deleted sandboxes expired.
+/// Each node's heap in use once the node's idle connections to deleted sandboxes expired
+/// (`dataplane::IDLE_TIMEOUT`: until then the heap in use carries them, about 12 KiB each,
+/// a sawtooth in the samples).
 fn quiet_heap_in_use(nodes: &[Watched]) -> Vec<f64> {
-    std::thread::sleep(NODE_IDLE_CONNECTIONS + Duration::from_secs(2));
+    std::thread::sleep(agentenv_node::dataplane::IDLE_TIMEOUT + Duration::from_secs(2));
     nodes
         .iter()
         .map(|n| creates_and_heap_in_use(n.node.addr).1)

@@ -152,13 +152,17 @@ fn attach_stdio(
     })
 }
 
+/// Whether a process for `user` changes user: the agent runs as root and `user` is not.
+fn switches_user(user: &User) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 && user.uid != 0 }
+}
+
 /// Makes the process run as `user` (when the agent is root), and a
 /// terminal process the leader of a new session with its terminal as the
 /// controlling one; any other process leads a process group of its own.
 fn run_as(cmd: &mut std::process::Command, user: &User, stdio: &Stdio3) {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    let switch_user = euid == 0 && user.uid != 0;
+    let switch_user = switches_user(user);
     let is_pty = stdio.master.is_some();
     if switch_user || is_pty {
         let groups: Vec<libc::gid_t> = user.groups.clone();
@@ -215,9 +219,7 @@ fn spawn_plain(
     cwd: &Path,
     stdin: Option<bool>,
 ) -> Option<Result<Started, ProcessError>> {
-    // SAFETY: geteuid has no preconditions.
-    let switch_user = unsafe { libc::geteuid() } == 0 && user.uid != 0;
-    if pty || switch_user || !posix::available() {
+    if pty || switches_user(user) || !posix::available() {
         return None;
     }
     let path = env

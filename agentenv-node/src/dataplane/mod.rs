@@ -20,7 +20,7 @@ use crate::ids::{is_uuid, parse_sandbox_id};
 use crate::lifecycle::SandboxRecord;
 
 mod pool;
-pub use pool::SandboxPool;
+pub use pool::{IDLE_TIMEOUT, SandboxPool};
 
 /// The body type of every response the node sends.
 pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;

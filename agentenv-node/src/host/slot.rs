@@ -295,6 +295,16 @@ pub struct HostSlot {
 }
 
 impl HostSlot {
+    /// SIGKILL to the sandbox's main process (`main`: PID 1 of a jail, a microVM's VMM),
+    /// then to everything else in its cgroup while none can fork: nothing of the sandbox
+    /// runs again once this returns (the kernel may still be ending them).
+    pub async fn kill_all(&self, main: Option<Pid>, timeout: Duration) -> Result<(), BackendError> {
+        if let Some(pid) = main {
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+        self.cgroup.signal_kill(timeout).await.map_err(setup)
+    }
+
     /// The sandbox's address.
     pub fn ip(&self) -> Ipv4Addr {
         self.slot.sandbox_ip()

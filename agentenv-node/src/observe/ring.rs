@@ -167,24 +167,21 @@ impl MetricStore {
     /// Starts sandbox `id`'s measure: its series exists from now on (kept if it had one)
     /// and its next reading only starts the measure.
     pub fn start(&self, id: &str) {
-        let mut all = self.series.lock();
-        all.entry(id.to_string())
-            .or_insert_with(|| Series {
-                ring: Ring::new(self.history),
-                last: None,
-            })
-            .last = None;
+        self.with_series(id, |s| s.last = None);
     }
 
     /// Makes sandbox `id`'s series if it has none (one that exists is left as it is).
     pub fn ensure(&self, id: &str) {
-        self.series
-            .lock()
-            .entry(id.to_string())
-            .or_insert_with(|| Series {
-                ring: Ring::new(self.history),
-                last: None,
-            });
+        self.with_series(id, |_| {});
+    }
+
+    /// Runs `f` on sandbox `id`'s series, made first if it has none.
+    fn with_series(&self, id: &str, f: impl FnOnce(&mut Series)) {
+        let mut all = self.series.lock();
+        f(all.entry(id.to_string()).or_insert_with(|| Series {
+            ring: Ring::new(self.history),
+            last: None,
+        }));
     }
 
     /// Whether sandbox `id` has a series.

@@ -610,12 +610,9 @@ impl Runtime for JailRuntime {
     /// or `cgroup.kill`): none runs user code again. Waiting for them to exit (the
     /// kernel tearing down their PID and mount namespaces) is the cleanup's.
     async fn kill(b: &JailBackend, sbx: &Sandbox) -> Result<(), BackendError> {
-        let _ = kill(sbx.run.pid, Signal::SIGKILL);
         sbx.host
-            .cgroup
-            .signal_kill(b.cfg().op_timeout)
+            .kill_all(Some(sbx.run.pid), b.cfg().op_timeout)
             .await
-            .map_err(setup)
     }
 
     async fn cleanup(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {

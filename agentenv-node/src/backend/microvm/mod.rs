@@ -615,15 +615,8 @@ impl Runtime for MicrovmRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
-            .map(|p| p.pid);
-        if let Some(pid) = pid {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-        }
-        sbx.host
-            .cgroup
-            .signal_kill(b.cfg().op_timeout)
-            .await
-            .map_err(setup)
+            .map(|p| Pid::from_raw(p.pid));
+        sbx.host.kill_all(pid, b.cfg().op_timeout).await
     }
 
     async fn cleanup(host: &SandboxHost, sbx: &Sandbox) -> Result<(), BackendError> {
